@@ -1,0 +1,35 @@
+# The two commands of the README:
+#   make run   -- installs dependencies, configures, builds, runs the main job (packmoe demo)
+#   make test  -- installs dependencies, configures, builds, runs every test this machine can run
+# CUDA is built whenever nvcc is found (override: make PACKMOE_CUDA=OFF test). Tests labelled
+# `cuda` need a GPU and run only where one is visible.
+BUILD ?= build
+PACKMOE_CUDA ?= AUTO
+JOBS ?= $(shell nproc)
+NVCC := $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+
+.PHONY: deps configure build run test clean
+
+deps:
+	@scripts/install-deps.sh
+
+configure: deps
+	@cmake -S . -B $(BUILD) -G Ninja -DPACKMOE_CUDA=$(PACKMOE_CUDA) \
+	  $(if $(NVCC),-DCMAKE_CUDA_COMPILER=$(NVCC)) >/dev/null
+
+build: configure
+	@cmake --build $(BUILD) -j $(JOBS)
+
+run: build
+	$(BUILD)/packmoe demo
+
+test: build
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS); \
+	else \
+	  echo "no GPU visible: running every test but those labelled cuda"; \
+	  ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE cuda; \
+	fi
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs every Debian/Ubuntu package packmoe's build and tests need. Idempotent: when all are
+# present it does nothing (no apt-get update). The CUDA toolkit is optional and never installed
+# here: the build uses it when nvcc is found.
+set -euo pipefail
+
+packages=(
+  g++ cmake ninja-build make pkg-config
+  libgtest-dev          # GoogleTest
+  nlohmann-json3-dev    # safetensors headers
+  libcli11-dev          # command line
+  libomp-dev            # OpenMP for the CPU backend (g++ uses libgomp; clang needs this)
+  python3               # test helpers
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=""
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
+$sudo_cmd apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,71 @@
+// CPU backend: 64-byte aligned host memory; ops delegate to the formats/ reference code.
+#include "backend/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "formats/swizzle.h"
+
+namespace packmoe {
+
+void* CpuBackend::allocate(size_t bytes) {
+  size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded);
+  PACKMOE_CHECK(p != nullptr, "out of host memory allocating " << bytes << " bytes");
+  return p;
+}
+
+void CpuBackend::deallocate(void* ptr) { std::free(ptr); }
+
+void CpuBackend::copy(void* dst, const void* src, size_t bytes, CopyKind) {
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+
+void CpuBackend::fill_zero(void* dst, size_t bytes) {
+  if (bytes) std::memset(dst, 0, bytes);
+}
+
+double CpuBackend::time_ms(const std::function<void()>& body, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) body();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    body();
+    auto t1 = std::chrono::steady_clock::now();
+    ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms.empty() ? 0.0 : ms[ms.size() / 2];
+}
+
+Status CpuBackend::quantize_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg,
+                                  const Mxfp8Outputs& out) {
+  return quantize_mxfp8_cpu(in, cfg, out);
+}
+
+Status CpuBackend::dequantize_mxfp8(const Mxfp8Copy& q, DType out_dtype,
+                                    const std::vector<void*>& out) {
+  return dequantize_mxfp8_cpu(q, out_dtype, out);
+}
+
+Status CpuBackend::quantize_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg,
+                                  const Nvfp4Outputs& out) {
+  return quantize_nvfp4_cpu(in, cfg, out);
+}
+
+Status CpuBackend::dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
+                                    const std::vector<void*>& out) {
+  return dequantize_nvfp4_cpu(q, out_dtype, out);
+}
+
+Status CpuBackend::swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
+                                  void* swizzled) {
+  if (rows <= 0 || cols <= 0) return Status::error("swizzle_scales: empty scale matrix");
+  swizzle_scales_cpu(static_cast<const uint8_t*>(compact), rows, cols, transpose,
+                     static_cast<uint8_t*>(swizzled));
+  return Status::ok();
+}
+
+}  // namespace packmoe

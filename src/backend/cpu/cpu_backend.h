@@ -1,0 +1,33 @@
+// CPU backend: host memory and the reference implementation of every op (formats/ *_cpu).
+#pragma once
+
+#include "backend/backend.h"
+
+namespace packmoe {
+
+class CpuBackend final : public Backend {
+ public:
+  Device device() const override { return Device::kCPU; }
+  void* allocate(size_t bytes) override;
+  void deallocate(void* ptr) override;
+  std::string name() const override { return "cpu"; }
+
+  void copy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  void fill_zero(void* dst, size_t bytes) override;
+  void synchronize() override {}
+  double time_ms(const std::function<void()>& body, int warmup, int iters) override;
+
+  bool supports(Op op) const override { return true; }
+  Status quantize_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg,
+                        const Mxfp8Outputs& out) override;
+  Status dequantize_mxfp8(const Mxfp8Copy& q, DType out_dtype,
+                          const std::vector<void*>& out) override;
+  Status quantize_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg,
+                        const Nvfp4Outputs& out) override;
+  Status dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
+                          const std::vector<void*>& out) override;
+  Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
+                        void* swizzled) override;
+};
+
+}  // namespace packmoe

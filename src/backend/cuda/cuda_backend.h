@@ -1,0 +1,114 @@
+// CUDA backend: device memory, one stream for every copy, op and timing, and the op table whose
+// kernels live in *_sm90.cu beside this file. Invariant: quantizers write the same bytes as the CPU
+// reference (formats/*.cpp). Only backend/cuda includes this header (it pulls in the CUDA runtime).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+// Every CUDA API error after the device was found is a programmer or system error.
+#define PACKMOE_CUDA_CHECK(expr)                                               \
+  do {                                                                         \
+    cudaError_t packmoe_cuda_err_ = (expr);                                    \
+    PACKMOE_CHECK(packmoe_cuda_err_ == cudaSuccess,                            \
+                  #expr << ": " << cudaGetErrorName(packmoe_cuda_err_) << ": " \
+                        << cudaGetErrorString(packmoe_cuda_err_));             \
+  } while (0)
+
+// After a kernel launch: configuration errors surface here, execution errors at the next sync.
+#define PACKMOE_CUDA_CHECK_LAUNCH() PACKMOE_CUDA_CHECK(cudaGetLastError())
+
+namespace packmoe {
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  Device device() const override { return Device::kCUDA; }
+  void* allocate(size_t bytes) override;
+  void deallocate(void* ptr) override;
+  std::string name() const override { return name_; }
+
+  void copy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  void fill_zero(void* dst, size_t bytes) override;
+  void synchronize() override;
+  double time_ms(const std::function<void()>& body, int warmup, int iters) override;
+
+  bool supports(Op op) const override { return true; }
+  Status quantize_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg,
+                        const Mxfp8Outputs& out) override;
+  Status dequantize_mxfp8(const Mxfp8Copy& q, DType out_dtype,
+                          const std::vector<void*>& out) override;
+  Status quantize_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg,
+                        const Nvfp4Outputs& out) override;
+  Status dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
+                          const std::vector<void*>& out) override;
+  Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
+                        void* swizzled) override;
+
+  // ---- for the kernel files -----------------------------------------------------------------
+  cudaStream_t stream() const { return stream_; }
+  int device_index() const { return device_; }
+  int sm_count() const { return sm_count_; }
+
+  // Copies `bytes` of host memory (e.g. a group table) to device memory that stays valid for the
+  // ops queued on stream() after this call; one async copy from a pinned staging slot. Slots are
+  // recycled round-robin, each guarded by an event, so back-to-back launches never wait on the GPU.
+  const void* upload(const void* host, size_t bytes);
+
+  // Device scratch of at least `bytes`, valid until the next workspace() call (stream order makes
+  // reuse safe). Growing it synchronizes the stream.
+  void* workspace(size_t bytes);
+
+ private:
+  struct UploadSlot {
+    void* host = nullptr;  // pinned
+    void* device = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t copied = nullptr;  // recorded after the copy out of `host`
+  };
+  static constexpr int kUploadSlots = 32;
+
+  int device_ = 0;
+  int sm_count_ = 0;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<UploadSlot> slots_;
+  int next_slot_ = 0;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+};
+
+// The process-wide backend of the current GPU (also reached through get_backend(Device::kCUDA)),
+// or an error Status when no GPU is visible.
+Result<Backend*> cuda_backend_instance();
+
+// ---- kernel entry points (one per op family, defined in the *_sm90.cu files)
+// --------------------- Each validates with the shared formats/ validate_* function first and
+// returns its Status.
+Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxfp8Config& cfg,
+                           const Mxfp8Outputs& out);
+Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Config& cfg,
+                           const Nvfp4Outputs& out);
+Status dequantize_mxfp8_sm90(CudaBackend& be, const Mxfp8Copy& q, DType out_dtype,
+                             const std::vector<void*>& out);
+Status dequantize_nvfp4_sm90(CudaBackend& be, const Nvfp4Copy& q, DType out_dtype,
+                             const std::vector<void*>& out);
+Status swizzle_scales_sm90(CudaBackend& be, const void* compact, int64_t rows, int64_t cols,
+                           bool transpose, void* swizzled);
+
+// The E4M3/E5M2 conversion the MXFP8 kernels use (hardware cvt.rn.satfinite) is bitwise equal to
+// the shared software codec over all FP32 inputs on this device (selftest.cu). Checked once per
+// process and element type; kernels fall back to the software codec if it ever is not.
+bool cuda_fp8_hw_conversion_ok(CudaBackend& be, DType element);
+
+}  // namespace packmoe

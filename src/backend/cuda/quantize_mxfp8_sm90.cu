@@ -1,0 +1,414 @@
+// MXFP8 grouped quantize (rowwise 1x32, columnwise 32x1, or 2D 32x32) of every group in ONE
+// launch. A persistent grid walks 32-row x 256-column tiles of all groups (blockIdx -> group by a
+// prefix sum of tile counts); each tile holds whole blocks of both shapes, so the input is read
+// once for both copies. Invariant: every scale and element byte comes from formats/mxfp8_math.h
+// (or the hardware cvt proven equal to it by selftest.cu): the bytes equal quantize_mxfp8_cpu's.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backend/cuda/kernels_common.cuh"
+#include "formats/mxfp8_math.h"
+
+namespace packmoe {
+namespace {
+
+using cuda::GroupTable;
+
+struct Config {
+  static constexpr int kTileRows = 32;  // one columnwise block (and one 2D tile) of rows
+  static constexpr int kThreads = 256;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kRowsPerThread = kTileRows / kWarps;  // rows of the tile one warp owns
+  static constexpr int kCols = 8;               // columns one thread owns in each of its rows
+  static constexpr int kTileCols = 32 * kCols;  // a warp spans the tile's width
+  static constexpr int kLanesPerBlock = kMxfp8Block / kCols;  // lanes sharing a 1x32 row block
+  // cp.async ring depth: loads of the next kStages-1 tiles are in flight while one is processed,
+  // so the bytes in flight per SM do not depend on how many registers the arithmetic needs.
+  static constexpr int kStages = 3;
+  static constexpr int kInlineGroups = 4;  // groups passed in the kernel parameters
+  static_assert(kTileRows == kMxfp8Block, "a tile holds exactly one columnwise block of rows");
+  static_assert(kTileRows % kWarps == 0, "each warp owns whole rows of the tile");
+  static_assert(kMxfp8Block % kCols == 0 && (kLanesPerBlock & (kLanesPerBlock - 1)) == 0,
+                "row blocks are reduced by xor-shuffles over a power-of-two lane group");
+  static_assert(kCols % kWarps == 0, "the column reduction gives each thread whole columns");
+  static_assert(kCols % 4 == 0, "output bytes are packed in words");
+};
+
+// 16-byte vectors per thread row chunk: 1 (BF16) or 2 (F32).
+template <typename In>
+constexpr int kVecs = Config::kCols* static_cast<int>(sizeof(In)) / 16;
+
+// Dynamic shared memory of the load ring: [kStages][kVecs][kRowsPerThread][kThreads] vectors.
+// Each thread reads back only the vectors it copied, at consecutive 16-byte slots across the
+// warp, so neither side conflicts on banks and no barrier guards the ring.
+template <typename In>
+constexpr size_t kRingBytes =
+    static_cast<size_t>(Config::kStages) * kVecs<In>* Config::kRowsPerThread* Config::kThreads * 16;
+
+struct Mxfp8Group {
+  const void* in;      // (rows, K) In
+  uint8_t* row_data;   // (rows, K)
+  uint8_t* row_scale;  // (rows, K/32)
+  uint8_t* col_data;   // (rows, K)
+  uint8_t* col_scale;  // (rows/32, K)
+  int64_t rows;
+  uint32_t tile_begin;  // exclusive prefix sum of tile counts
+};
+
+struct Mxfp8Args {
+  GroupTable<Mxfp8Group, Config::kInlineGroups> groups;
+  int64_t cols;        // K
+  uint32_t col_tiles;  // tiles across K
+  bool rowwise;
+  bool columnwise;
+  bool two_d;
+};
+
+// Where a tile is, seen from one thread.
+struct TilePos {
+  const Mxfp8Group* grp;
+  int64_t row_tile;
+  int64_t col_tile;
+  int64_t r0;     // first of the thread's kRowsPerThread rows
+  int64_t c0;     // first of the thread's kCols columns
+  int col_valid;  // how many of those columns are inside K
+};
+
+__device__ __forceinline__ TilePos locate(const Mxfp8Args& args, uint32_t tile) {
+  TilePos p;
+  const int g = args.groups.find(tile);
+  p.grp = &args.groups[g];
+  const uint32_t local = tile - p.grp->tile_begin;
+  p.row_tile = local / args.col_tiles;
+  p.col_tile = local % args.col_tiles;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  p.r0 = p.row_tile * Config::kTileRows + warp * Config::kRowsPerThread;
+  p.c0 = p.col_tile * Config::kTileCols + lane * Config::kCols;
+  const int64_t left = args.cols - p.c0;
+  p.col_valid = left <= 0 ? 0 : (left >= Config::kCols ? Config::kCols : static_cast<int>(left));
+  return p;
+}
+
+template <typename In>
+__device__ __forceinline__ uint4* ring_slot(uint4* ring, int stage, int v, int i) {
+  return ring + ((stage * kVecs<In> + v) * Config::kRowsPerThread + i) * Config::kThreads +
+         threadIdx.x;
+}
+
+// Start the loads of `tile` into ring stage `stage` (zeros outside the matrix). kVec: cp.async;
+// otherwise plain scalar loads packed into the same vector layout (ragged K or unaligned input).
+template <typename In, bool kVec>
+__device__ __forceinline__ void issue_tile(const Mxfp8Args& args, uint4* ring, uint32_t tile,
+                                           int stage) {
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(In));
+  if (tile >= args.groups.total_tiles) return;
+  const TilePos p = locate(args, tile);
+  const In* in = static_cast<const In*>(p.grp->in);
+  const int64_t K = args.cols;
+#pragma unroll
+  for (int i = 0; i < Config::kRowsPerThread; ++i) {
+    const bool ok = p.r0 + i < p.grp->rows && p.col_valid > 0;
+    if constexpr (kVec) {
+#pragma unroll
+      for (int v = 0; v < kVecs<In>; ++v)
+        cuda::cp_async16(ring_slot<In>(ring, stage, v, i),
+                         ok ? in + (p.r0 + i) * K + p.c0 + v * kPerVec : in, ok);
+    } else {
+      uint32_t w[kVecs<In> * 4];
+#pragma unroll
+      for (int q = 0; q < kVecs<In> * 4; ++q) w[q] = 0;
+#pragma unroll
+      for (int j = 0; j < Config::kCols; ++j) {
+        if (p.r0 + i < p.grp->rows && j < p.col_valid) {
+          const uint32_t bits =
+              __float_as_uint(cuda::load_elem<In>(in + (p.r0 + i) * K + p.c0 + j));
+          if constexpr (sizeof(In) == 4)
+            w[j] = bits;
+          else
+            w[j / 2] |= (bits >> 16) << (16 * (j % 2));
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < kVecs<In>; ++v)
+        *ring_slot<In>(ring, stage, v, i) =
+            make_uint4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
+    }
+  }
+}
+
+// kCols codes of x[j] * q(j) packed little-endian into kCols/4 words. kHw: two elements per cvt
+// instruction (selftest.cu proves it equal to mxfp8_encode); else mxfp8_encode itself.
+template <typename In, DType kEl, bool kHw, typename QOf>
+__device__ __forceinline__ void encode_chunk(const uint4* raw, QOf q_of, uint32_t* words) {
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(In));
+#pragma unroll
+  for (int w = 0; w < Config::kCols / 4; ++w) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int j = 4 * w + 2 * p;
+      const float x0 = cuda::chunk_elem<In>(raw[j / kPerVec], j % kPerVec);
+      const float x1 = cuda::chunk_elem<In>(raw[(j + 1) / kPerVec], (j + 1) % kPerVec);
+      uint32_t pair;
+      if constexpr (kHw) {
+        pair = cuda::cvt_fp8x2<kEl == DType::kE5M2>(x0 * q_of(j), x1 * q_of(j + 1));
+      } else {
+        pair = static_cast<uint32_t>(mxfp8_encode(x0, q_of(j), kEl)) |
+               (static_cast<uint32_t>(mxfp8_encode(x1, q_of(j + 1), kEl)) << 8);
+      }
+      word |= pair << (16 * p);
+    }
+    words[w] = word;
+  }
+}
+
+// kCols bytes to dst: one 8-byte streaming store when aligned, else byte by byte (ragged K).
+template <bool kVec>
+__device__ __forceinline__ void store_bytes(uint8_t* dst, const uint32_t* words, int valid) {
+  static_assert(Config::kCols == 8, "one 8-byte store per row chunk");
+  if constexpr (kVec) {
+    __stcs(reinterpret_cast<uint2*>(dst), make_uint2(words[0], words[1]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < Config::kCols; ++j)
+      if (j < valid) dst[j] = static_cast<uint8_t>(words[j / 4] >> (8 * (j % 4)));
+  }
+}
+
+// Column partial amaxes, [warp][j][lane] for column lane*kCols + j: lanes touch consecutive
+// words, so neither the writes nor the reduction's reads conflict on banks.
+struct ColumnSmem {
+  float partial[Config::kWarps][Config::kCols][32];
+  float colq[Config::kCols][32];  // per column: q (1D) or the column amax (2D), same layout
+};
+
+template <typename In, DType kEl, bool kHw, bool kVec>
+__device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4* ring_stage_v0,
+                                             uint32_t tile, ColumnSmem& cs) {
+  constexpr int C = Config::kCols;
+  constexpr int R = Config::kRowsPerThread;
+  constexpr int kV = kVecs<In>;
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(In));
+  constexpr int kLpb = Config::kLanesPerBlock;
+  const TilePos p = locate(args, tile);
+  const Mxfp8Group& grp = *p.grp;
+  const int64_t K = args.cols;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  uint4 raw[R][kV];
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int v = 0; v < kV; ++v) raw[i][v] = ring_stage_v0[(v * R + i) * Config::kThreads];
+  auto elem = [&](int i, int j) { return cuda::chunk_elem<In>(raw[i][j / kPerVec], j % kPerVec); };
+
+  // ---- rowwise 1x32 blocks ----
+  if (args.rowwise && !args.two_d) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < C; ++j) amax = amax_update(amax, elem(i, j));
+#pragma unroll
+      for (int m = 1; m < kLpb; m <<= 1)
+        amax = amax_update(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
+      const uint8_t code = mxfp8_scale_code(amax, kEl);
+      const float q = e8m0_reciprocal(code);
+      uint32_t words[C / 4];
+      encode_chunk<In, kEl, kHw>(
+          raw[i], [&](int) { return q; }, words);
+      const int64_t r = p.r0 + i;
+      if (r < grp.rows && p.col_valid) {
+        store_bytes<kVec>(grp.row_data + r * K + p.c0, words, p.col_valid);
+        if (lane % kLpb == 0) grp.row_scale[r * (K / kMxfp8Block) + p.c0 / kMxfp8Block] = code;
+      }
+    }
+  }
+  if (!(args.columnwise || args.two_d)) return;
+
+    // ---- columnwise 32x1 blocks / 2D 32x32 tiles: amax over the tile's 32 rows per column ----
+    // (rows % 32 == 0 here, so every row of the tile is inside the group.)
+#pragma unroll
+  for (int j = 0; j < C; ++j) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) amax = amax_update(amax, elem(i, j));
+    cs.partial[warp][j][lane] = amax;
+  }
+  __syncthreads();
+  // Thread (warp w, lane l) reduces columns l*C + j for j = w, w + kWarps, ...
+#pragma unroll
+  for (int m = 0; m < C / Config::kWarps; ++m) {
+    const int j = warp + Config::kWarps * m;
+    float amax = 0.0f;
+#pragma unroll
+    for (int w = 0; w < Config::kWarps; ++w) amax = amax_update(amax, cs.partial[w][j][lane]);
+    if (args.two_d) {
+      cs.colq[j][lane] = amax;
+    } else {
+      const uint8_t code = mxfp8_scale_code(amax, kEl);
+      cs.colq[j][lane] = e8m0_reciprocal(code);
+      const int64_t c = p.col_tile * Config::kTileCols + lane * C + j;
+      if (c < K) grp.col_scale[p.row_tile * K + c] = code;
+    }
+  }
+  __syncthreads();
+  // The next tile writes `partial` only after its first barrier, which every thread reaches
+  // after it has finished reading `colq` below, so one set of buffers suffices.
+
+  if (args.two_d) {
+    // Tile amax = max of the 32 column amaxes of this thread's 32-column block.
+    const int l0 = lane & ~(kLpb - 1);
+    float amax = 0.0f;
+#pragma unroll
+    for (int l = 0; l < kLpb; ++l)
+#pragma unroll
+      for (int j = 0; j < C; ++j) amax = amax_update(amax, cs.colq[j][l0 + l]);
+    const uint8_t code = mxfp8_scale_code(amax, kEl);
+    const float q = e8m0_reciprocal(code);
+    if (!p.col_valid) return;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      uint32_t words[C / 4];
+      encode_chunk<In, kEl, kHw>(
+          raw[i], [&](int) { return q; }, words);
+      const int64_t r = p.r0 + i;
+      if (args.rowwise) {
+        store_bytes<kVec>(grp.row_data + r * K + p.c0, words, p.col_valid);
+        if (lane % kLpb == 0) grp.row_scale[r * (K / kMxfp8Block) + p.c0 / kMxfp8Block] = code;
+      }
+      if (args.columnwise) store_bytes<kVec>(grp.col_data + r * K + p.c0, words, p.col_valid);
+    }
+    if (args.columnwise && warp == 0) {
+      const uint32_t codes[C / 4] = {0x01010101u * code, 0x01010101u * code};
+      store_bytes<kVec>(grp.col_scale + p.row_tile * K + p.c0, codes, p.col_valid);
+    }
+    return;
+  }
+
+  if (!p.col_valid) return;
+  float q[C];
+#pragma unroll
+  for (int j = 0; j < C; ++j) q[j] = cs.colq[j][lane];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    uint32_t words[C / 4];
+    encode_chunk<In, kEl, kHw>(
+        raw[i], [&](int j) { return q[j]; }, words);
+    store_bytes<kVec>(grp.col_data + (p.r0 + i) * K + p.c0, words, p.col_valid);
+  }
+}
+
+// kVec: K % kCols == 0 and every data pointer 16-byte aligned, so a thread's chunk is all in or
+// all out of the matrix and moves with vector instructions; otherwise (columnwise-only with
+// ragged K, or unaligned views) elements move one at a time.
+template <typename In, DType kEl, bool kHw, bool kVec>
+__global__ void __launch_bounds__(Config::kThreads)
+    mxfp8_quantize_kernel(const __grid_constant__ Mxfp8Args args) {
+  extern __shared__ uint4 ring[];  // kRingBytes<In>
+  __shared__ ColumnSmem cs;
+  constexpr int S = Config::kStages;
+  const uint32_t step = gridDim.x;
+  // Prologue: the CTA's first S-1 tiles. Every thread commits one group per tile, loads or not,
+  // so the group count (and wait_group's meaning) is uniform.
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    issue_tile<In, kVec>(args, ring, blockIdx.x + s * step, s);
+    cuda::cp_async_commit();
+  }
+  int stage = 0;
+  for (uint32_t tile = blockIdx.x; tile < args.groups.total_tiles; tile += step) {
+    // Refill the stage this thread finished reading in the previous iteration (its own slots:
+    // the register values it read are consumed, so no barrier is needed).
+    issue_tile<In, kVec>(args, ring, tile + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<S - 1>();
+    process_tile<In, kEl, kHw, kVec>(args, ring_slot<In>(ring, stage, 0, 0), tile, cs);
+    stage = stage == S - 1 ? 0 : stage + 1;
+  }
+}
+
+template <typename In, DType kEl, bool kHw, bool kVec>
+void launch(CudaBackend& be, const Mxfp8Args& args) {
+  auto* kernel = &mxfp8_quantize_kernel<In, kEl, kHw, kVec>;
+  // Per instantiation, once: the ring exceeds the 48 KB default of dynamic shared memory, and the
+  // persistent grid is as many CTAs as fit on the device at once.
+  static const int ctas_per_sm = [&] {
+    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kRingBytes<In>)));
+    int n = 0;
+    PACKMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Config::kThreads,
+                                                                     kRingBytes<In>));
+    PACKMOE_CHECK(n > 0, "MXFP8 quantize kernel does not fit on an SM");
+    return n;
+  }();
+  const uint64_t grid = std::min<uint64_t>(args.groups.total_tiles,
+                                           static_cast<uint64_t>(ctas_per_sm) * be.sm_count());
+  kernel<<<static_cast<unsigned>(grid), Config::kThreads, kRingBytes<In>, be.stream()>>>(args);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <typename In, DType kEl>
+void dispatch_hw_vec(CudaBackend& be, const Mxfp8Args& args, bool hw, bool vec) {
+  if (hw) {
+    vec ? launch<In, kEl, true, true>(be, args) : launch<In, kEl, true, false>(be, args);
+  } else {
+    vec ? launch<In, kEl, false, true>(be, args) : launch<In, kEl, false, false>(be, args);
+  }
+}
+
+template <typename In>
+void dispatch_element(CudaBackend& be, const Mxfp8Args& args, DType el, bool hw, bool vec) {
+  if (el == DType::kE5M2)
+    dispatch_hw_vec<In, DType::kE5M2>(be, args, hw, vec);
+  else
+    dispatch_hw_vec<In, DType::kE4M3>(be, args, hw, vec);
+}
+
+}  // namespace
+
+Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxfp8Config& cfg,
+                           const Mxfp8Outputs& out) {
+  PACKMOE_RETURN_IF_ERROR(validate_mxfp8(in, cfg, out));
+  const int64_t K = in.cols;
+  Mxfp8Args args{};
+  args.cols = K;
+  args.col_tiles = static_cast<uint32_t>((K + Config::kTileCols - 1) / Config::kTileCols);
+  args.rowwise = cfg.rowwise;
+  args.columnwise = cfg.columnwise;
+  args.two_d = cfg.two_d;
+
+  // Vector path: chunks never straddle K and every row of every buffer starts 16-byte aligned
+  // (outputs are written in 8-byte pieces at multiples of 8 bytes).
+  bool vec = K % Config::kCols == 0;
+  std::vector<Mxfp8Group> groups(in.groups());
+  uint64_t tiles = 0;
+  for (int64_t g = 0; g < in.groups(); ++g) {
+    Mxfp8Group& d = groups[g];
+    d.in = in.data[g];
+    d.row_data = cfg.rowwise ? static_cast<uint8_t*>(out.row_data[g]) : nullptr;
+    d.row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
+    d.col_data = cfg.columnwise ? static_cast<uint8_t*>(out.col_data[g]) : nullptr;
+    d.col_scale = cfg.columnwise ? static_cast<uint8_t*>(out.col_scale[g]) : nullptr;
+    d.rows = in.rows[g];
+    d.tile_begin = static_cast<uint32_t>(tiles);
+    if (d.rows == 0) continue;
+    vec = vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) &&
+          cuda::aligned16(d.col_data) && (!cfg.two_d || cuda::aligned16(d.col_scale));
+    tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) *
+             args.col_tiles;
+  }
+  args.groups = cuda::make_group_table<Mxfp8Group, Config::kInlineGroups>(be, groups, tiles);
+  const bool hw = cuda_fp8_hw_conversion_ok(be, cfg.element);
+  if (in.dtype == DType::kBF16)
+    dispatch_element<uint16_t>(be, args, cfg.element, hw, vec);
+  else
+    dispatch_element<float>(be, args, cfg.element, hw, vec);
+  return Status::ok();
+}
+
+}  // namespace packmoe

@@ -1,0 +1,65 @@
+// Philox4x32-10 counter-based RNG (Salmon, Moraes, Dror, Shaw, SC'11; Random123), header-only for
+// CPU and CUDA. Invariant: a draw is a pure function of (seed, offset, stream), so host and device,
+// any thread count and any launch shape produce the same bits — there is no generator state.
+#pragma once
+
+#include <cstdint>
+
+#include "core/hd.h"
+
+namespace packmoe {
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+namespace philox_detail {
+
+inline constexpr uint32_t kMul0 = 0xD2511F53u;
+inline constexpr uint32_t kMul1 = 0xCD9E8D57u;
+inline constexpr uint32_t kWeyl0 = 0x9E3779B9u;  // golden ratio
+inline constexpr uint32_t kWeyl1 = 0xBB67AE85u;  // sqrt(3) - 1
+inline constexpr int kRounds = 10;
+
+PACKMOE_HD uint32_t mulhi32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+PACKMOE_HD Philox4 single_round(Philox4 c, uint32_t k0, uint32_t k1) {
+  const uint32_t hi0 = mulhi32(kMul0, c.v[0]);
+  const uint32_t lo0 = kMul0 * c.v[0];
+  const uint32_t hi1 = mulhi32(kMul1, c.v[2]);
+  const uint32_t lo1 = kMul1 * c.v[2];
+  return Philox4{{hi1 ^ c.v[1] ^ k0, lo1, hi0 ^ c.v[3] ^ k1, lo0}};
+}
+
+}  // namespace philox_detail
+
+// The Random123 philox4x32_10 bijection: 10 rounds, the key bumped by the Weyl constants between
+// rounds (9 bumps). Matches Random123's kat_vectors (tests/unit/test_philox.cpp).
+PACKMOE_HD Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_t key1) {
+  counter = philox_detail::single_round(counter, key0, key1);
+  for (int r = 1; r < philox_detail::kRounds; ++r) {
+    key0 += philox_detail::kWeyl0;
+    key1 += philox_detail::kWeyl1;
+    counter = philox_detail::single_round(counter, key0, key1);
+  }
+  return counter;
+}
+
+// THE definition of the random stream "(seed, offset)" used everywhere in packmoe (stochastic
+// rounding, dropout, init): the n-th 128-bit draw of stream s is philox_draw(seed, offset + n, s),
+// with counter = {lo32(offset), hi32(offset), stream, 0} and key = {lo32(seed), hi32(seed)}.
+// A consumer that needs more bits advances offset; independent consumers sharing a seed use
+// distinct streams (e.g. the rowwise and columnwise SR copies of one gradient).
+PACKMOE_HD Philox4 philox_draw(uint64_t seed, uint64_t offset, uint32_t stream) {
+  const Philox4 counter{{static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
+                         stream, 0u}};
+  return philox4x32_10(counter, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+}  // namespace packmoe

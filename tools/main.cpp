@@ -1,0 +1,34 @@
+// The `packmoe` executable: subcommands `demo` (the main job until the trainer exists),
+// `quantize` and `dequantize` (safetensors conversion). Bad input prints one line starting with
+// "packmoe: error:" and exits 1; --help on every subcommand explains the flags.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "tools/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "packmoe: mixture-of-experts training with single grouped low-precision expert weights.\n"
+      "Expert weights live in one packed (E, N, K) parameter stored in BF16, MXFP8 or NVFP4."};
+  app.require_subcommand(1);
+  packmoe::tools::DemoArgs demo;
+  packmoe::tools::QuantizeArgs quantize;
+  packmoe::tools::DequantizeArgs dequantize;
+  packmoe::tools::add_demo_command(app, demo);
+  packmoe::tools::add_quantize_command(app, quantize);
+  packmoe::tools::add_dequantize_command(app, dequantize);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  packmoe::Status status;
+  if (app.got_subcommand("demo")) status = packmoe::tools::run_demo(demo);
+  if (app.got_subcommand("quantize")) status = packmoe::tools::run_quantize(quantize);
+  if (app.got_subcommand("dequantize")) status = packmoe::tools::run_dequantize(dequantize);
+  if (!status.is_ok()) {
+    std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
+    return 1;
+  }
+  return 0;
+}
