@@ -35,9 +35,14 @@ else
 fi
 
 if [ $run_tests = 1 ]; then
-  ctest --test-dir build-gpu --output-on-failure -j 8 >"$OUT/tests.log" 2>&1
+  ctest --test-dir build-gpu -V -j 8 >"$OUT/tests.log" 2>&1
   note "tests: $(grep -E 'tests passed|tests failed' "$OUT/tests.log" | tail -1)"
-  grep -E '^\[case\]' "$OUT/tests.log" > "$OUT/cuda_cases.txt" || true
+  grep -oE '\[cuda==cpu\].*' "$OUT/tests.log" > "$OUT/cuda_cases.txt" || true
+  if build-gpu/packmoe demo --device cuda --experts 16 --rows 512 --cols 1024 >"$OUT/demo.log" 2>&1; then
+    note "demo: ok (packed == discrete, gpu == cpu, every recipe)"
+  else
+    note "demo: FAILED (see demo.log)"
+  fi
 fi
 
 peer_json=""

@@ -43,10 +43,16 @@ PACKMOE_HD uint8_t mxfp8_encode(float x, float q, DType element) {
   return element == DType::kE5M2 ? f32_to_e5m2(y) : f32_to_e4m3(y);
 }
 
+// The one NaN every dequantized MXFP8 NaN becomes (element NaN or scale code 255).
+inline constexpr uint32_t kMxfp8DecodedNan = 0x7FFFFFFFu;
+
 // x = fp8 * 2^(code-127); code 0 is 2^-127, code 255 gives NaN (A.4 dequantization).
 PACKMOE_HD float mxfp8_decode(uint8_t v, uint8_t code, DType element) {
   const float e = element == DType::kE5M2 ? e5m2_to_f32(v) : e4m3_to_f32(v);
-  return e * e8m0_to_f32(code);
+  const float x = e * e8m0_to_f32(code);
+  // A multiply's NaN payload differs between x86 (propagates the operand) and the GPU (canonical
+  // 0x7FFFFFFF): emit one NaN so CPU and CUDA write the same bytes.
+  return x != x ? f32_from_bits(kMxfp8DecodedNan) : x;
 }
 
 }  // namespace packmoe

@@ -249,6 +249,12 @@ TEST(Mxfp8Math, EncodeDecodeHandDerived) {
   // code 255 -> NaN; 448 at code 254 -> 448 * 2^127 overflows to Inf.
   EXPECT_EQ(mxfp8_decode(0x7E, 0, DType::kE4M3), std::ldexp(1.75f, -119));
   EXPECT_TRUE(std::isnan(mxfp8_decode(0x38, 255, DType::kE4M3)));
+  // Every decoded NaN has the one bit pattern 0x7FFFFFFF, whatever the sign of the element NaN,
+  // so CPU (x86 keeps payloads) and CUDA (canonical NaN) write the same bytes.
+  EXPECT_EQ(f32_bits(mxfp8_decode(0x38, 255, DType::kE4M3)), 0x7FFFFFFFu);
+  EXPECT_EQ(f32_bits(mxfp8_decode(0xFF, 127, DType::kE4M3)), 0x7FFFFFFFu);
+  EXPECT_EQ(f32_bits(mxfp8_decode(0x7F, 127, DType::kE4M3)), 0x7FFFFFFFu);
+  EXPECT_EQ(f32_bits(mxfp8_decode(0xFE, 127, DType::kE5M2)), 0x7FFFFFFFu);
   EXPECT_EQ(mxfp8_decode(0x7E, 254, DType::kE4M3), kInf);
   EXPECT_EQ(mxfp8_decode(0x7B, 127, DType::kE5M2), 57344.0f);
 }
