@@ -5,6 +5,7 @@
 // read + written once each: input + data + scales + amax (NVFP4's second read of the input for
 // its amax pass is not counted, so its GB/s is the effective rate). Uses the Backend interface.
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/device_buffer.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -26,6 +28,7 @@ struct Options {
   int iters = 20;
   int warmup = 3;
   bool small = false;
+  bool no_loop = false;  // skip the per-expert loops and host timings (e.g. under a profiler)
 };
 
 // The Qwen3-30B-A3B expert FC1 shape of the peer script: E experts of (2F, H) = (1536, 2048), and
@@ -40,18 +43,20 @@ Shapes shapes_for(bool small) {
   return {128, 1536, 2048, 131072, size_t{2} << 30};
 }
 
-// Device memory released when the bench case ends.
-struct Buffer {
-  Backend* be = nullptr;
-  void* ptr = nullptr;
-  Buffer(Backend& b, size_t bytes) : be(&b), ptr(bytes ? b.allocate(bytes) : nullptr) {}
-  ~Buffer() {
-    if (ptr) be->deallocate(ptr);
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  uint8_t* at(size_t off) const { return static_cast<uint8_t*>(ptr) + off; }
-};
+// Byte `off` of a device buffer.
+uint8_t* at(const DeviceBuffer& b, size_t off) { return static_cast<uint8_t*>(b.get()) + off; }
+
+// Host wall time of one call of `body` in microseconds: the mean over `reps` back-to-back calls,
+// timed up to the last enqueue (the device work is drained afterwards and not counted).
+double host_us_per_call(Backend& be, const std::function<void()>& body, int reps) {
+  body();  // warm: first-use setup (self-tests, occupancy queries) stays out
+  be.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) body();
+  const auto t1 = std::chrono::steady_clock::now();
+  be.synchronize();
+  return std::chrono::duration<double, std::micro>(t1 - t0).count() / reps;
+}
 
 // Random BF16 values, generated on the host once per buffer and copied: a counter-based hash per
 // element (parallel, reproducible), magnitudes spread over 2^-8 .. 2^8 with random signs.
@@ -176,36 +181,36 @@ int run(const Options& o) {
 
   // ---- device copy: bytes read + written ----
   {
-    Buffer a(be, sh.copy_bytes), b(be, sh.copy_bytes);
-    be.fill_zero(a.ptr, sh.copy_bytes);
+    DeviceBuffer a(be, sh.copy_bytes), b(be, sh.copy_bytes);
+    be.fill_zero(a.get(), sh.copy_bytes);
     bench.run(
         "copy d2d", 2.0 * sh.copy_bytes,
-        [&] { be.copy(b.ptr, a.ptr, sh.copy_bytes, Backend::CopyKind::kDeviceToDevice); },
+        [&] { be.copy(b.get(), a.get(), sh.copy_bytes, Backend::CopyKind::kDeviceToDevice); },
         "bytes read + written");
   }
 
   const int64_t E = sh.experts, N = sh.n, K = sh.k;
   const int64_t w_elems = E * N * K;
-  Buffer w(be, w_elems * 2);  // (E, N, K) BF16, packed
-  fill_random_bf16(be, w.ptr, w_elems, 0x5EED0001);
+  DeviceBuffer w(be, w_elems * 2);  // (E, N, K) BF16, packed
+  fill_random_bf16(be, w.get(), w_elems, 0x5EED0001);
 
   // ---- MXFP8 E4M3 weights ----
   {
     const double elems = static_cast<double>(w_elems);
-    Buffer rd(be, w_elems), rs(be, w_elems / 32), cd(be, w_elems), cs(be, w_elems / 32);
+    DeviceBuffer rd(be, w_elems), rs(be, w_elems / 32), cd(be, w_elems), cs(be, w_elems / 32);
     auto outputs = [&](int64_t first, int64_t count, bool col) {
       Mxfp8Outputs out;
       for (int64_t e = first; e < first + count; ++e) {
-        out.row_data.push_back(rd.at(e * N * K));
-        out.row_scale.push_back(rs.at(e * N * K / 32));
+        out.row_data.push_back(at(rd, e * N * K));
+        out.row_scale.push_back(at(rs, e * N * K / 32));
         if (col) {
-          out.col_data.push_back(cd.at(e * N * K));
-          out.col_scale.push_back(cs.at(e * N * K / 32));
+          out.col_data.push_back(at(cd, e * N * K));
+          out.col_scale.push_back(at(cs, e * N * K / 32));
         }
       }
       return out;
     };
-    const GroupedMatrices packed = packed_groups(w.ptr, DType::kBF16, E, N, K);
+    const GroupedMatrices packed = packed_groups(w.get(), DType::kBF16, E, N, K);
     Mxfp8Config row_only{DType::kE4M3, true, false, false};
     Mxfp8Config both{DType::kE4M3, true, true, false};
 
@@ -227,55 +232,75 @@ int run(const Options& o) {
     std::vector<GroupedMatrices> g_each;
     for (int64_t e = 0; e < E; ++e) {
       o_each.push_back(outputs(e, 1, true));
-      g_each.push_back(packed_groups(w.at(e * N * K * 2), DType::kBF16, 1, N, K));
+      g_each.push_back(packed_groups(at(w, e * N * K * 2), DType::kBF16, 1, N, K));
     }
     const double ms_packed = bench.time([&] { check(be.quantize_mxfp8(packed, both, o_both)); });
-    const double ms_loop = bench.time([&] {
+    const double ms_loop = o.no_loop ? 0.0 : bench.time([&] {
       for (int64_t e = 0; e < E; ++e) check(be.quantize_mxfp8(g_each[e], both, o_each[e]));
     });
     bench.line("mxfp8 e4m3 row+col weights packed", both_bytes, ms_packed,
                peer.have ? ratio(peer.mxfp8_weights_ms / ms_packed) : "-",
                ratio(ms_loop / ms_packed),
                peer.have ? "vs_torch = torch row-only ms / our row+col ms" : "");
-    bench.line("mxfp8 e4m3 row+col weights loop(E)", both_bytes, ms_loop,
-               peer.have ? ratio(peer.mxfp8_loop_ms / ms_loop) : "-", "-",
-               peer.have ? "vs_torch = torch row-only loop ms / our row+col loop ms" : "");
+    if (!o.no_loop) {
+      bench.line("mxfp8 e4m3 row+col weights loop(E)", both_bytes, ms_loop,
+                 peer.have ? ratio(peer.mxfp8_loop_ms / ms_loop) : "-", "-",
+                 peer.have ? "vs_torch = torch row-only loop ms / our row+col loop ms" : "");
+      int64_t next = 0;
+      const double us_one = host_us_per_call(
+          be, [&] { check(be.quantize_mxfp8(g_each[next % E], both, o_each[next % E])), ++next; },
+          static_cast<int>(E));
+      const double us_pack =
+          host_us_per_call(be, [&] { check(be.quantize_mxfp8(packed, both, o_both)); }, 20);
+      std::printf("# host time per mxfp8 call (validate, group table, launch; enqueue only):"
+                  " one expert %.1f us, packed E=%lld %.1f us\n",
+                  us_one, static_cast<long long>(E), us_pack);
+    }
   }
 
   // ---- NVFP4 2D weights (16x16 tiles), rowwise + columnwise (transposed) ----
   {
     const double elems = static_cast<double>(w_elems);
-    Buffer rd(be, w_elems / 2), rs(be, w_elems / 16), cd(be, w_elems / 2), cs(be, w_elems / 16);
-    Buffer ra(be, E * 4), ca(be, E * 4);
-    const GroupedMatrices packed = packed_groups(w.ptr, DType::kBF16, E, N, K);
+    DeviceBuffer rd(be, w_elems / 2), rs(be, w_elems / 16), cd(be, w_elems / 2), cs(be, w_elems / 16);
+    DeviceBuffer ra(be, E * 4), ca(be, E * 4);
+    const GroupedMatrices packed = packed_groups(w.get(), DType::kBF16, E, N, K);
     Nvfp4Config cfg;
     cfg.rowwise = cfg.columnwise = cfg.two_d = true;
     Nvfp4Outputs all;
     std::vector<Nvfp4Outputs> each(E);
     std::vector<GroupedMatrices> g_each;
     for (int64_t e = 0; e < E; ++e) {
-      all.row_data.push_back(rd.at(e * N * K / 2));
-      all.row_scale.push_back(rs.at(e * N * K / 16));
-      all.col_data.push_back(cd.at(e * N * K / 2));
-      all.col_scale.push_back(cs.at(e * N * K / 16));
-      each[e].row_data = {rd.at(e * N * K / 2)};
-      each[e].row_scale = {rs.at(e * N * K / 16)};
-      each[e].col_data = {cd.at(e * N * K / 2)};
-      each[e].col_scale = {cs.at(e * N * K / 16)};
-      each[e].row_amax = ra.at(e * 4);
-      each[e].col_amax = ca.at(e * 4);
-      g_each.push_back(packed_groups(w.at(e * N * K * 2), DType::kBF16, 1, N, K));
+      all.row_data.push_back(at(rd, e * N * K / 2));
+      all.row_scale.push_back(at(rs, e * N * K / 16));
+      all.col_data.push_back(at(cd, e * N * K / 2));
+      all.col_scale.push_back(at(cs, e * N * K / 16));
+      each[e].row_data = {at(rd, e * N * K / 2)};
+      each[e].row_scale = {at(rs, e * N * K / 16)};
+      each[e].col_data = {at(cd, e * N * K / 2)};
+      each[e].col_scale = {at(cs, e * N * K / 16)};
+      each[e].row_amax = at(ra, e * 4);
+      each[e].col_amax = at(ca, e * 4);
+      g_each.push_back(packed_groups(at(w, e * N * K * 2), DType::kBF16, 1, N, K));
     }
-    all.row_amax = ra.ptr;
-    all.col_amax = ca.ptr;
+    all.row_amax = ra.get();
+    all.col_amax = ca.get();
     const double bytes = elems * (2 + 0.5 + 0.5 + 2.0 / 16) + 2.0 * E * 4;
     const double ms_packed = bench.time([&] { check(be.quantize_nvfp4(packed, cfg, all)); });
-    const double ms_loop = bench.time([&] {
+    const double ms_loop = o.no_loop ? 0.0 : bench.time([&] {
       for (int64_t e = 0; e < E; ++e) check(be.quantize_nvfp4(g_each[e], cfg, each[e]));
     });
     bench.line("nvfp4 2d row+col weights packed", bytes, ms_packed, "-", ratio(ms_loop / ms_packed),
                "two launches (amax, quantize) over the pack");
-    bench.line("nvfp4 2d row+col weights loop(E)", bytes, ms_loop);
+    if (!o.no_loop) {
+      bench.line("nvfp4 2d row+col weights loop(E)", bytes, ms_loop);
+      int64_t next = 0;
+      const double us_one = host_us_per_call(
+          be, [&] { check(be.quantize_nvfp4(g_each[next % E], cfg, each[next % E])), ++next; },
+          static_cast<int>(E));
+      std::printf("# host time per nvfp4 call (validate, group table, memset + 2 launches; enqueue"
+                  " only): one expert %.1f us\n",
+                  us_one);
+    }
   }
 
   // ---- activations / gradients (T x H) ----
@@ -283,28 +308,28 @@ int run(const Options& o) {
     const int64_t T = sh.tokens;
     const int64_t n = T * K;
     const double elems = static_cast<double>(n);
-    Buffer x(be, n * 2);
-    fill_random_bf16(be, x.ptr, n, 0x5EED0002);
-    const GroupedMatrices in = packed_groups(x.ptr, DType::kBF16, 1, T, K);
+    DeviceBuffer x(be, n * 2);
+    fill_random_bf16(be, x.get(), n, 0x5EED0002);
+    const GroupedMatrices in = packed_groups(x.get(), DType::kBF16, 1, T, K);
     {
-      Buffer rd(be, n), rs(be, n / 32), cd(be, n), cs(be, n / 32);
+      DeviceBuffer rd(be, n), rs(be, n / 32), cd(be, n), cs(be, n / 32);
       Mxfp8Config cfg{DType::kE4M3, true, true, false};
-      Mxfp8Outputs out{{rd.ptr}, {rs.ptr}, {cd.ptr}, {cs.ptr}};
+      Mxfp8Outputs out{{rd.get()}, {rs.get()}, {cd.get()}, {cs.get()}};
       bench.run("mxfp8 e4m3 row+col activations", elems * (2 + 1 + 1 + 2.0 / 32),
                 [&] { check(be.quantize_mxfp8(in, cfg, out)); });
     }
     {
-      Buffer rd(be, n / 2), rs(be, n / 16), cd(be, n / 2), cs(be, n / 16), ra(be, 4), ca(be, 4);
+      DeviceBuffer rd(be, n / 2), rs(be, n / 16), cd(be, n / 2), cs(be, n / 16), ra(be, 4), ca(be, 4);
       Nvfp4Config cfg;
       cfg.rowwise = cfg.columnwise = cfg.rht = cfg.stochastic_rounding = true;
       cfg.seed = 1234;
       Nvfp4Outputs out;
-      out.row_data = {rd.ptr};
-      out.row_scale = {rs.ptr};
-      out.row_amax = ra.ptr;
-      out.col_data = {cd.ptr};
-      out.col_scale = {cs.ptr};
-      out.col_amax = ca.ptr;
+      out.row_data = {rd.get()};
+      out.row_scale = {rs.get()};
+      out.row_amax = ra.get();
+      out.col_data = {cd.get()};
+      out.col_scale = {cs.get()};
+      out.col_amax = ca.get();
       bench.run(
           "nvfp4 1x16 row+col rht+sr activations", elems * (2 + 0.5 + 0.5 + 2.0 / 16) + 8,
           [&] { check(be.quantize_nvfp4(in, cfg, out)); },
@@ -326,6 +351,7 @@ int main(int argc, char** argv) {
   app.add_option("--iters", o.iters, "timed iterations (median)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed warm-up iterations")->check(CLI::NonNegativeNumber);
   app.add_flag("--small", o.small, "small shapes (seconds on a CPU)");
+  app.add_flag("--no-loop", o.no_loop, "skip the per-expert loops and host timings");
   CLI11_PARSE(app, argc, argv);
   return packmoe::run(o);
 }

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU workflow, one call on the GPU machine: configure with CUDA, build, run every test (the
-# `cuda` label included), run the PyTorch peer of ../shared/peers and packmoe's benchmarks in the
-# same call, and print a short table last. Full logs go to $OUT (default ./gpu-out).
+# `cuda` label included) and the demo, run the PyTorch peers (shared/peers and bench/*.py) and
+# packmoe's benchmarks in the same call, and print a short table last. Logs go to $OUT (default
+# ./gpu-out): build.log tests.log peers.log bench.log summary.txt and the peers' JSON.
 # Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 run_peer=1 run_bench=1 run_tests=1
 for a in "$@"; do
   case "$a" in
@@ -22,9 +23,7 @@ for d in shared/peers ../shared/peers; do [ -f "$d/torch_grouped_gemm_and_quant.
 
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
-
-nvidia-smi -L | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+note "$(nvidia-smi -L | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $(date -u +%F)"
 
 t0=$(date +%s)
 if cmake -S . -B build-gpu -G Ninja -DPACKMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -37,37 +36,46 @@ fi
 if [ $run_tests = 1 ]; then
   ctest --test-dir build-gpu -V -j 8 >"$OUT/tests.log" 2>&1
   note "tests: $(grep -E 'tests passed|tests failed' "$OUT/tests.log" | tail -1)"
-  grep -oE '\[cuda==cpu\].*' "$OUT/tests.log" > "$OUT/cuda_cases.txt" || true
-  if build-gpu/packmoe demo --device cuda --experts 16 --rows 512 --cols 1024 >"$OUT/demo.log" 2>&1; then
-    note "demo: ok (packed == discrete, gpu == cpu, every recipe)"
+  if build-gpu/packmoe demo --device cuda --experts 16 --rows 512 --cols 1024 >>"$OUT/bench.log" 2>&1; then
+    note "demo: ok (packed == discrete and gpu == cpu in every recipe)"
   else
-    note "demo: FAILED (see demo.log)"
+    note "demo: FAILED (see bench.log)"
   fi
 fi
 
-peer_json=""
-if [ $run_peer = 1 ] && [ -n "$PEERS" ]; then
-  if OUT="$OUT" PYTHONUNBUFFERED=1 python3 "$PEERS/torch_grouped_gemm_and_quant.py" >"$OUT/peer.log" 2>&1; then
-    peer_json="$OUT/torch_peers.json"; note "peer: ok (torch_peers.json)"
+# Peers: the shared quantization/GEMM peer and our torch grouped-GEMM peer (fprop/dgrad/wgrad).
+declare -A peer_json
+if [ $run_peer = 1 ]; then
+  if [ -n "$PEERS" ] && OUT="$OUT" python3 "$PEERS/torch_grouped_gemm_and_quant.py" >>"$OUT/peers.log" 2>&1; then
+    peer_json[bench_quantize]="$OUT/torch_peers.json"; note "peer torch_grouped_gemm_and_quant: ok"
   else
-    note "peer: FAILED (see peer.log)"
+    note "peer torch_grouped_gemm_and_quant: FAILED or missing (copy ../shared/peers to ./shared/peers)"
   fi
-elif [ $run_peer = 1 ]; then
-  note "peer: not found (copy ../shared/peers into ./shared/peers)"
+  if [ -f bench/torch_grouped_gemm.py ]; then
+    if python3 bench/torch_grouped_gemm.py --out "$OUT/torch_gemm_peers.json" >>"$OUT/peers.log" 2>&1; then
+      peer_json[bench_grouped_gemm]="$OUT/torch_gemm_peers.json"; note "peer torch_grouped_gemm: ok"
+    else
+      note "peer torch_grouped_gemm: FAILED (see peers.log)"
+    fi
+  fi
 fi
 
 if [ $run_bench = 1 ]; then
   for b in build-gpu/bench_*; do
     name=$(basename "$b")
     args=()
-    [ -n "$peer_json" ] && args+=(--peer-json "$peer_json")
-    "$b" "${args[@]}" >"$OUT/$name.log" 2>&1 || note "$name: FAILED"
+    [ -n "${peer_json[$name]:-}" ] && args+=(--peer-json "${peer_json[$name]}")
+    { echo "## $name ${args[*]}"; "$b" "${args[@]}"; } >>"$OUT/bench.log" 2>&1 || note "$name: FAILED"
   done
 fi
 
-echo
-echo "==================== summary ===================="
-printf '%s\n' "${summary[@]}"
-[ -s "$OUT/cuda_cases.txt" ] && { echo "-- cuda vs cpu (bitwise)"; cat "$OUT/cuda_cases.txt"; }
-for f in "$OUT"/bench_*.log; do [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; cat "$f"; }; done
-grep -E 'tests failed|Failed|\*\*\*' "$OUT/tests.log" 2>/dev/null | head -20
+{
+  echo "==================== summary ===================="
+  printf '%s\n' "${summary[@]}"
+  echo "-- cuda vs cpu"
+  grep -ohE '\[(cuda==cpu|gemm cuda)\].*' "$OUT/tests.log" 2>/dev/null | grep -vE 'mismatches=0$' | head -20
+  echo "($(grep -cE 'mismatches=0$' "$OUT/tests.log" 2>/dev/null) cuda==cpu lines with mismatches=0; $(grep -cE 'mismatches=[1-9]' "$OUT/tests.log" 2>/dev/null) with mismatches)"
+  grep -E '\*\*\*Failed|FAILED' "$OUT/tests.log" 2>/dev/null | head -20
+  echo "-- benchmarks"
+  cat "$OUT/bench.log" 2>/dev/null
+} | tee "$OUT/summary.txt"

@@ -9,6 +9,7 @@ packages=(
   libgtest-dev          # GoogleTest
   nlohmann-json3-dev    # safetensors headers
   libcli11-dev          # command line
+  libopenblas-dev       # CPU reference GEMM (cblas)
   libomp-dev            # OpenMP for the CPU backend (g++ uses libgomp; clang needs this)
   python3               # test helpers
 )

@@ -10,6 +10,7 @@ std::string_view op_name(Op op) {
     case Op::kQuantizeNvfp4: return "quantize_nvfp4";
     case Op::kDequantizeNvfp4: return "dequantize_nvfp4";
     case Op::kSwizzleScales: return "swizzle_scales";
+    case Op::kGroupedGemm: return "grouped_gemm";
   }
   return "unknown";
 }

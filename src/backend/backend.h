@@ -10,6 +10,7 @@
 
 #include "core/status.h"
 #include "core/tensor.h"
+#include "backend/grouped_gemm.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
 
@@ -21,6 +22,7 @@ enum class Op {
   kQuantizeNvfp4,
   kDequantizeNvfp4,
   kSwizzleScales,
+  kGroupedGemm,
 };
 std::string_view op_name(Op op);
 
@@ -53,6 +55,9 @@ class Backend : public Allocator {
   // Compact (rows, cols) scales -> swizzled (formats/swizzle.h); `transpose` swizzles S^T.
   virtual Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                                 void* swizzled) = 0;
+
+  // Grouped GEMM (backend/grouped_gemm.h): fprop / dgrad / wgrad over G groups.
+  virtual Status grouped_gemm(const GroupedGemmArgs& args) = 0;
 
   // ---- helpers over the primitives above ---------------------------------------------------
   Tensor to_device(const Tensor& host);  // copy of a CPU tensor into this backend's memory

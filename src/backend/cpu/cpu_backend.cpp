@@ -68,4 +68,6 @@ Status CpuBackend::swizzle_scales(const void* compact, int64_t rows, int64_t col
   return Status::ok();
 }
 
+Status CpuBackend::grouped_gemm(const GroupedGemmArgs& args) { return grouped_gemm_cpu(args); }
+
 }  // namespace packmoe

@@ -28,6 +28,11 @@ class CpuBackend final : public Backend {
                           const std::vector<void*>& out) override;
   Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                         void* swizzled) override;
+  Status grouped_gemm(const GroupedGemmArgs& args) override;
 };
+
+// CPU reference of the grouped GEMM (backend/cpu/grouped_gemm_cpu.cpp): dequantize tile by tile
+// to FP32, multiply with OpenBLAS.
+Status grouped_gemm_cpu(const GroupedGemmArgs& args);
 
 }  // namespace packmoe

@@ -158,6 +158,10 @@ Status CudaBackend::swizzle_scales(const void* compact, int64_t rows, int64_t co
   return swizzle_scales_sm90(*this, compact, rows, cols, transpose, swizzled);
 }
 
+Status CudaBackend::grouped_gemm(const GroupedGemmArgs& args) {
+  return grouped_gemm_cublas(*this, args);
+}
+
 Result<Backend*> cuda_backend_instance() {
   // Decided once: the device set of a process does not change.
   static Result<Backend*> instance = []() -> Result<Backend*> {

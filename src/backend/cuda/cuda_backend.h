@@ -54,6 +54,7 @@ class CudaBackend final : public Backend {
                           const std::vector<void*>& out) override;
   Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                         void* swizzled) override;
+  Status grouped_gemm(const GroupedGemmArgs& args) override;
 
   // ---- for the kernel files -----------------------------------------------------------------
   cudaStream_t stream() const { return stream_; }
@@ -105,10 +106,32 @@ Status dequantize_nvfp4_sm90(CudaBackend& be, const Nvfp4Copy& q, DType out_dtyp
                              const std::vector<void*>& out);
 Status swizzle_scales_sm90(CudaBackend& be, const void* compact, int64_t rows, int64_t cols,
                            bool transpose, void* swizzled);
+// Grouped GEMM, first version (grouped_gemm_cublas.cu): operands dequantized exactly to BF16,
+// cuBLAS per group.
+Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args);
 
 // The E4M3/E5M2 conversion the MXFP8 kernels use (hardware cvt.rn.satfinite) is bitwise equal to
 // the shared software codec over all FP32 inputs on this device (selftest.cu). Checked once per
-// process and element type; kernels fall back to the software codec if it ever is not.
+// process and element type; kernels fall back to the software codec if it ever is not, after one
+// warning line on stderr.
 bool cuda_fp8_hw_conversion_ok(CudaBackend& be, DType element);
+
+// The E2M1 encoders of kernels_common.cuh (e2m1_rn_fast, e2m1_sr_fast) agree with f32_to_e2m1 /
+// f32_to_e2m1_sr on this device (selftest.cu), and the hardware E4M3 cvt with f32_to_e4m3. Checked
+// once per process; the NVFP4 kernels fall back to the shared codecs, after one warning line on
+// stderr, if not.
+bool cuda_nvfp4_fast_codecs_ok(CudaBackend& be);
+
+// Mismatches of the E2M1 encoders and of the hardware BF16 rounding (as values) over all 2^32
+// FP32 products (RNE, and SR with two random bytes per input); first_mismatch receives the
+// smallest mismatching input bit pattern.
+uint64_t cuda_count_e2m1_codec_mismatches(uint32_t* first_mismatch = nullptr);
+
+// The branch-free E8M0 scale code and reciprocal of kernels_common.cuh agree with
+// mxfp8_scale_code / e8m0_reciprocal for every amax >= 0 (never NaN) and both FP8 elements.
+// Checked once per process; the MXFP8 kernels fall back to the shared functions (with a warning
+// line on stderr) if not.
+bool cuda_mxfp8_fast_scale_ok(CudaBackend& be);
+uint64_t cuda_count_e8m0_scale_mismatches(uint32_t* first_mismatch = nullptr);
 
 }  // namespace packmoe

@@ -1,7 +1,9 @@
 // Shared pieces of the grouped kernels: the per-launch group table (one launch covers every
-// group), blockIdx -> group mapping by a prefix sum of tile counts, 16-byte memory helpers and
-// the hardware FP8 conversion. Invariant: a kernel never branches on anything but the table, so a
-// packed (E, N, K) tensor and E discrete pointers run exactly the same instructions.
+// group), tile -> group mapping (O(1) when every group has the same tile count, else a binary search
+// over the tiles' prefix sum, in shared memory when the table fits), 16-byte memory helpers, packed
+// BF16 max, the hardware FP8 conversion and the E2M1 encoders proven equal to the shared codecs.
+// Invariant: a kernel never branches on anything but the table, so a packed (E, N, K) tensor and E
+// discrete pointers run exactly the same instructions.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +24,9 @@ struct GroupTable {
   const G* uploaded;  // (count,) in device memory, or null when the groups are inline
   int count;
   uint32_t total_tiles;
+  // Every group owns exactly this many tiles (no empty group): group = tile / uniform_tiles. 0 when
+  // the counts differ. Packed weights (E groups of N rows) always take this path.
+  uint32_t uniform_tiles;
   G local[kInline];
 
   // The table is a __grid_constant__ parameter, so indexing `local` at run time reads parameter
@@ -33,10 +38,40 @@ struct GroupTable {
   // The group of tile `t`: the last g with tile_begin <= t. Empty groups share tile_begin with
   // the next group, so they are never chosen.
   __device__ __forceinline__ int find(uint32_t t) const {
+    if (uniform_tiles) return static_cast<int>(t / uniform_tiles);
     int lo = 0, hi = count - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
       if ((*this)[mid].tile_begin <= t)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  }
+
+  // Whether a persistent kernel should copy the tile_begin column to shared memory (see
+  // load_tile_begins): only a non-uniform uploaded table of at most kMax groups.
+  template <int kMax>
+  __device__ __forceinline__ bool begins_in_smem() const {
+    return !uniform_tiles && uploaded && count <= kMax;
+  }
+
+  // Persistent kernels: once per CTA, the tile_begin column into `smem` (caller syncs before
+  // find_smem). A binary search of global memory is a chain of ~log2(G) dependent loads per tile.
+  template <int kMax>
+  __device__ __forceinline__ void load_tile_begins(uint32_t* smem) const {
+    if (!begins_in_smem<kMax>()) return;
+    for (int g = threadIdx.x; g < count; g += blockDim.x) smem[g] = uploaded[g].tile_begin;
+  }
+
+  template <int kMax>
+  __device__ __forceinline__ int find_smem(uint32_t t, const uint32_t* smem) const {
+    if (!begins_in_smem<kMax>()) return find(t);
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (smem[mid] <= t)
         lo = mid;
       else
         hi = mid - 1;
@@ -52,6 +87,16 @@ GroupTable<G, kInline> make_group_table(CudaBackend& be, const std::vector<G>& g
   GroupTable<G, kInline> t{};
   t.count = static_cast<int>(groups.size());
   t.total_tiles = static_cast<uint32_t>(total_tiles);
+  // Uniform when every group has the same (non-zero) tile count; tile_begin is the prefix sum, so
+  // group g then starts at g * n.
+  t.uniform_tiles = 0;
+  if (!groups.empty() && total_tiles > 0 && total_tiles % groups.size() == 0) {
+    const uint32_t n = static_cast<uint32_t>(total_tiles / groups.size());
+    bool uniform = true;
+    for (size_t g = 0; g < groups.size() && uniform; ++g)
+      uniform = groups[g].tile_begin == static_cast<uint32_t>(g) * n;
+    if (uniform) t.uniform_tiles = n;
+  }
   if (groups.size() <= static_cast<size_t>(kInline)) {
     t.uploaded = nullptr;
     for (size_t g = 0; g < groups.size(); ++g) t.local[g] = groups[g];
@@ -134,6 +179,95 @@ __device__ __forceinline__ uint32_t cvt_fp8x2(float lo, float hi) {
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   }
   return r;
+}
+
+// ---- packed BF16 max
+// ----------------------------------------------------------------------------
+
+// |a| and |b| per BF16 half, maximum per half: max.bf16x2 returns the non-NaN operand when one is
+// NaN and keeps subnormals (no .ftz form exists for bf16), so the max of BF16 values is exact and
+// ignores NaN like amax_update. Comparing the halves as floats afterwards (amax_of_bf16x2) keeps
+// a block of NaNs at amax 0.
+__device__ __forceinline__ uint32_t abs_bf16x2(uint32_t w) { return w & 0x7FFF7FFFu; }
+__device__ __forceinline__ uint32_t max_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+// amax_update(a, .) over both halves of a word of non-negative BF16 values (or NaNs).
+__device__ __forceinline__ float amax_bf16x2(float a, uint32_t w) {
+  const float lo = __uint_as_float(w << 16);
+  const float hi = __uint_as_float(w & 0xFFFF0000u);
+  a = lo > a ? lo : a;  // a NaN half compares false and never wins
+  return hi > a ? hi : a;
+}
+
+// max(a, |x|) for a >= 0, never NaN: one FMNMX with an |x| operand. Equal to amax_update(a, x)
+// (formats/mxfp8_math.h): PTX max.f32 returns the non-NaN operand when x is NaN, and with no -0
+// among the operands equal values have equal bits.
+__device__ __forceinline__ float amax_fast(float a, float x) { return fmaxf(a, fabsf(x)); }
+
+// ---- E8M0 block scales (MXFP8)
+// ----------------------------------------------------------------------
+// Branch-free forms of f32_to_e8m0_rceil(v) and e8m0_reciprocal(code) for v = amax * (1/max_norm)
+// with amax >= 0 and never NaN (Inf allowed). Used only where selftest.cu found them equal to
+// mxfp8_scale_code / e8m0_reciprocal for every such amax and both FP8 elements.
+// Round the exponent up when any mantissa bit is set, saturate at 0xFE (254); FP32 subnormals at
+// or below 2^-127 (0x00400000) are code 0 (2^-127), larger subnormals code 1.
+__device__ __forceinline__ uint32_t e8m0_code_fast(float v) {
+  uint32_t b = __float_as_uint(v);
+  b = b <= 0x00400000u ? 0u : b;
+  return min((b + 0x007FFFFFu) >> 23, 0xFEu);
+}
+// 2^(127 - code) for code <= 254; code 254 gives 2^-127, an FP32 subnormal.
+__device__ __forceinline__ float e8m0_rcp_fast(uint32_t code) {
+  return __uint_as_float(code == 0xFEu ? 0x00400000u : (254u - code) << 23);
+}
+
+// ---- BF16 rounding
+// -----------------------------------------------------------------------------------
+// Hardware RNE of y to BF16, widened back to FP32. Equal to bf16_to_f32(f32_to_bf16(y)) as a value
+// for every FP32 y where selftest.cu checked it (a NaN stays a NaN; only its payload may differ,
+// which no later step can see: max ignores NaN and x * r turns any NaN into the canonical one).
+__device__ __forceinline__ float round_bf16_hw(float y) {
+  uint16_t h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(y));
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+}
+
+// ---- E2M1 (NVFP4) element encoders
+// ------------------------------------------------------------------
+// Integer / rounding-mode formulations of f32_to_e2m1 and f32_to_e2m1_sr (core/codecs.h). They
+// are used only where selftest.cu found them equal to the shared codec for every FP32 input y (and
+// every random byte, for SR) on this device; otherwise the kernels call the shared functions.
+// `y` must come out of an FMUL (x * r): the GPU turns every NaN product into the canonical +NaN
+// 0x7FFFFFFF, which both encoders map to +6 (code 7) like the shared codec.
+
+// RNE with saturation: the FP adder rounds |y| to the E2M1 grid. For |y| in [2^e, 2^(e+1)) the
+// grid step is 2^(e-1) (0.5 below 2), which is the ulp of M = 2^(e+22) (at least 2^22), so
+// bits(|y| + M) - bits(M) = RNE(|y| / step) = n, and the code is n plus 2 per binade above 1
+// (offset = (bits(M) - bits(2^22)) >> 22). M is capped at 2^25: everything from 8 up saturates.
+__device__ __forceinline__ uint32_t e2m1_rn_fast(float y) {
+  const uint32_t b = __float_as_uint(y);
+  uint32_t m = (b & 0x7F800000u) + (22u << 23);
+  m = min(max(m, 0x4A800000u), 0x4C000000u);
+  const uint32_t s = __float_as_uint(fabsf(y) + __uint_as_float(m));
+  const uint32_t mag = min(s - m + ((m - 0x4A800000u) >> 22), 7u);
+  return mag | ((b >> 28) & 8u);
+}
+
+// Stochastic rounding with 8 random bits r (f32_to_e2m1_sr). With lo the grid value at or below
+// |y| and step the spacing above it, the shared codec rounds up exactly when
+// floor(256 (|y| - lo) / step) + r >= 256 (its comparison is exact), i.e. when adding r to the
+// 8 bits below the grid position carries:
+//   |y| < 2 (step 0.5): code = (floor(512 |y|) + r) >> 8, floor by the round-down adder at ulp 2^-9;
+//   |y| >= 2 (one mantissa bit): code = ((bits(|y|) + (r << 14)) >> 22) - 252, capped at 7.
+__device__ __forceinline__ uint32_t e2m1_sr_fast(float y, uint32_t r) {
+  const uint32_t b = __float_as_uint(y);
+  const uint32_t small = (__float_as_uint(__fadd_rd(fabsf(y), 16384.0f)) - 0x46800000u + r) >> 8;
+  const uint32_t big = min(((b & 0x7FFFFFFFu) + (r << 14)) >> 22, 259u) - 252u;
+  const uint32_t mag = fabsf(y) < 2.0f ? small : big;  // NaN: false -> big = 7
+  return mag | ((b >> 28) & 8u);
 }
 
 // One grid-stride-free launch shape: ceil(n / per) blocks.

@@ -2,7 +2,8 @@
 // launch. A persistent grid walks 32-row x 256-column tiles of all groups (blockIdx -> group by a
 // prefix sum of tile counts); each tile holds whole blocks of both shapes, so the input is read
 // once for both copies. Invariant: every scale and element byte comes from formats/mxfp8_math.h
-// (or the hardware cvt proven equal to it by selftest.cu): the bytes equal quantize_mxfp8_cpu's.
+// (or the hardware cvt and branch-free scale code proven equal to it by selftest.cu): the bytes
+// equal quantize_mxfp8_cpu's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,13 +29,22 @@ struct Config {
   // so the bytes in flight per SM do not depend on how many registers the arithmetic needs.
   static constexpr int kStages = 3;
   static constexpr int kInlineGroups = 4;  // groups passed in the kernel parameters
+  static constexpr int kSmemGroups = 256;  // larger non-uniform tables are searched in place
   static_assert(kTileRows == kMxfp8Block, "a tile holds exactly one columnwise block of rows");
   static_assert(kTileRows % kWarps == 0, "each warp owns whole rows of the tile");
   static_assert(kMxfp8Block % kCols == 0 && (kLanesPerBlock & (kLanesPerBlock - 1)) == 0,
                 "row blocks are reduced by xor-shuffles over a power-of-two lane group");
   static_assert(kCols % kWarps == 0, "the column reduction gives each thread whole columns");
   static_assert(kCols % 4 == 0, "output bytes are packed in words");
+  static_assert(kRowsPerThread == kLanesPerBlock,
+                "lane l writes the row scale of its row l % kLanesPerBlock: one store per tile");
+  static_assert(kTileCols % 16 == 0, "column scales leave in 16-byte pieces");
 };
+
+// CTAs per SM the register budget is set for. BF16: four (64 registers; 48 KB ring + 6.4 KB
+// shared memory each, 32 KB of loads in flight per CTA). F32 (a 96 KB ring) fits two.
+template <typename In>
+constexpr int kMinBlocks = sizeof(In) == 2 ? 4 : 2;
 
 // 16-byte vectors per thread row chunk: 1 (BF16) or 2 (F32).
 template <typename In>
@@ -64,6 +74,7 @@ struct Mxfp8Args {
   bool rowwise;
   bool columnwise;
   bool two_d;
+  bool col_scale_vec;  // col_scale rows are 16-byte aligned and K % 16 == 0: 16-byte stores
 };
 
 // Where a tile is, seen from one thread.
@@ -76,9 +87,10 @@ struct TilePos {
   int col_valid;  // how many of those columns are inside K
 };
 
-__device__ __forceinline__ TilePos locate(const Mxfp8Args& args, uint32_t tile) {
+__device__ __forceinline__ TilePos locate(const Mxfp8Args& args, uint32_t tile,
+                                          const uint32_t* begins) {
   TilePos p;
-  const int g = args.groups.find(tile);
+  const int g = args.groups.find_smem<Config::kSmemGroups>(tile, begins);
   p.grp = &args.groups[g];
   const uint32_t local = tile - p.grp->tile_begin;
   p.row_tile = local / args.col_tiles;
@@ -102,10 +114,10 @@ __device__ __forceinline__ uint4* ring_slot(uint4* ring, int stage, int v, int i
 // otherwise plain scalar loads packed into the same vector layout (ragged K or unaligned input).
 template <typename In, bool kVec>
 __device__ __forceinline__ void issue_tile(const Mxfp8Args& args, uint4* ring, uint32_t tile,
-                                           int stage) {
+                                           int stage, const uint32_t* begins) {
   constexpr int kPerVec = 16 / static_cast<int>(sizeof(In));
   if (tile >= args.groups.total_tiles) return;
-  const TilePos p = locate(args, tile);
+  const TilePos p = locate(args, tile, begins);
   const In* in = static_cast<const In*>(p.grp->in);
   const int64_t K = args.cols;
 #pragma unroll
@@ -178,22 +190,63 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint32_t* words,
   }
 }
 
-// Column partial amaxes, [warp][j][lane] for column lane*kCols + j: lanes touch consecutive
-// words, so neither the writes nor the reduction's reads conflict on banks.
+// E8M0 code of a block and its quantization multiplier q. kHw: the branch-free forms of
+// kernels_common.cuh (selftest.cu proves them equal for every amax); else the shared functions.
+template <DType kEl, bool kHw>
+__device__ __forceinline__ uint8_t scale_code(float amax, float& q) {
+  if constexpr (kHw) {
+    const uint32_t c = cuda::e8m0_code_fast(amax * mxfp8_max_norm_rcp(kEl));
+    q = cuda::e8m0_rcp_fast(c);
+    return static_cast<uint8_t>(c);
+  } else {
+    const uint8_t c = mxfp8_scale_code(amax, kEl);
+    q = e8m0_reciprocal(c);
+    return c;
+  }
+}
+
+// Column partial amaxes: F32 [warp][j][lane] for column lane*kCols + j; BF16 input keeps them
+// packed, [warp][j/2][lane] words of two BF16 maxima. Lanes touch consecutive words, so neither the
+// writes nor the reduction's reads conflict on banks.
+template <typename In>
 struct ColumnSmem {
-  float partial[Config::kWarps][Config::kCols][32];
+  static constexpr int kPartialWords = sizeof(In) == 2 ? Config::kCols / 2 : Config::kCols;
+  uint32_t partial[Config::kWarps][kPartialWords][32];
   float colq[Config::kCols][32];  // per column: q (1D) or the column amax (2D), same layout
+  // 1D column scale codes of the tile, gathered so they leave as 16-byte stores instead of one
+  // byte per column at stride kCols across the lanes.
+  alignas(16) uint8_t colcode[Config::kTileCols];
 };
+
+// Lane l stores the row scale of its row l % kLanesPerBlock (the xor-reduction left the code of
+// row i in all kLanesPerBlock lanes of a block): one byte store per thread covers the tile's
+// rows x blocks, 8 consecutive bytes per row, instead of one store per row.
+template <int R>
+__device__ __forceinline__ void store_row_scales(uint8_t* row_scale, int64_t K, const TilePos& p,
+                                                 int64_t rows, const uint8_t (&code)[R]) {
+  const int lane = threadIdx.x % 32;
+  const int i = lane % R;
+  uint8_t c = code[0];
+#pragma unroll
+  for (int k = 1; k < R; ++k)
+    if (i == k) c = code[k];
+  const int64_t r = p.r0 + i;
+  if (r < rows && p.col_valid) row_scale[r * (K / kMxfp8Block) + p.c0 / kMxfp8Block] = c;
+}
 
 template <typename In, DType kEl, bool kHw, bool kVec>
 __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4* ring_stage_v0,
-                                             uint32_t tile, ColumnSmem& cs) {
+                                             uint32_t tile, ColumnSmem<In>& cs,
+                                             const uint32_t* begins) {
   constexpr int C = Config::kCols;
   constexpr int R = Config::kRowsPerThread;
   constexpr int kV = kVecs<In>;
   constexpr int kPerVec = 16 / static_cast<int>(sizeof(In));
   constexpr int kLpb = Config::kLanesPerBlock;
-  const TilePos p = locate(args, tile);
+  constexpr bool kBf16 = sizeof(In) == 2;
+  const TilePos p = locate(args, tile, begins);
+  // Group fields are read into locals once per phase: the output stores could alias the table, so
+  // every `grp.x` after a store would be loaded again.
   const Mxfp8Group& grp = *p.grp;
   const int64_t K = args.cols;
   const int warp = threadIdx.x / 32;
@@ -205,39 +258,69 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
 #pragma unroll
     for (int v = 0; v < kV; ++v) raw[i][v] = ring_stage_v0[(v * R + i) * Config::kThreads];
   auto elem = [&](int i, int j) { return cuda::chunk_elem<In>(raw[i][j / kPerVec], j % kPerVec); };
+  // BF16: |x| of both halves of each word, for the packed maxima below.
+  uint32_t aw[R][4];
+  if constexpr (kBf16) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      aw[i][0] = cuda::abs_bf16x2(raw[i][0].x);
+      aw[i][1] = cuda::abs_bf16x2(raw[i][0].y);
+      aw[i][2] = cuda::abs_bf16x2(raw[i][0].z);
+      aw[i][3] = cuda::abs_bf16x2(raw[i][0].w);
+    }
+  }
 
   // ---- rowwise 1x32 blocks ----
   if (args.rowwise && !args.two_d) {
+    uint8_t* const row_data = grp.row_data + p.r0 * K + p.c0;
+    uint8_t* const row_scale = grp.row_scale;
+    const int64_t rows = grp.rows;
+    uint8_t codes[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       float amax = 0.0f;
+      if constexpr (kBf16) {
+        const uint32_t m = cuda::max_bf16x2(cuda::max_bf16x2(aw[i][0], aw[i][1]),
+                                            cuda::max_bf16x2(aw[i][2], aw[i][3]));
+        amax = cuda::amax_bf16x2(0.0f, m);
+      } else {
 #pragma unroll
-      for (int j = 0; j < C; ++j) amax = amax_update(amax, elem(i, j));
+        for (int j = 0; j < C; ++j) amax = cuda::amax_fast(amax, elem(i, j));
+      }
+      // amax is >= 0 and never NaN from here on: a plain max reduces it.
 #pragma unroll
       for (int m = 1; m < kLpb; m <<= 1)
-        amax = amax_update(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
-      const uint8_t code = mxfp8_scale_code(amax, kEl);
-      const float q = e8m0_reciprocal(code);
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
+      float q;
+      codes[i] = scale_code<kEl, kHw>(amax, q);
       uint32_t words[C / 4];
       encode_chunk<In, kEl, kHw>(
           raw[i], [&](int) { return q; }, words);
       const int64_t r = p.r0 + i;
-      if (r < grp.rows && p.col_valid) {
-        store_bytes<kVec>(grp.row_data + r * K + p.c0, words, p.col_valid);
-        if (lane % kLpb == 0) grp.row_scale[r * (K / kMxfp8Block) + p.c0 / kMxfp8Block] = code;
-      }
+      if (r < rows && p.col_valid) store_bytes<kVec>(row_data + i * K, words, p.col_valid);
     }
+    store_row_scales<R>(row_scale, K, p, rows, codes);
   }
   if (!(args.columnwise || args.two_d)) return;
 
-    // ---- columnwise 32x1 blocks / 2D 32x32 tiles: amax over the tile's 32 rows per column ----
-    // (rows % 32 == 0 here, so every row of the tile is inside the group.)
+  // ---- columnwise 32x1 blocks / 2D 32x32 tiles: amax over the tile's 32 rows per column ----
+  // (rows % 32 == 0 here, so every row of the tile is inside the group.)
+  if constexpr (kBf16) {
 #pragma unroll
-  for (int j = 0; j < C; ++j) {
-    float amax = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      uint32_t m = aw[0][k];
 #pragma unroll
-    for (int i = 0; i < R; ++i) amax = amax_update(amax, elem(i, j));
-    cs.partial[warp][j][lane] = amax;
+      for (int i = 1; i < R; ++i) m = cuda::max_bf16x2(m, aw[i][k]);
+      cs.partial[warp][k][lane] = m;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < R; ++i) amax = cuda::amax_fast(amax, elem(i, j));
+      cs.partial[warp][j][lane] = __float_as_uint(amax);
+    }
   }
   __syncthreads();
   // Thread (warp w, lane l) reduces columns l*C + j for j = w, w + kWarps, ...
@@ -245,20 +328,27 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
   for (int m = 0; m < C / Config::kWarps; ++m) {
     const int j = warp + Config::kWarps * m;
     float amax = 0.0f;
+    if constexpr (kBf16) {
+      uint32_t w = cs.partial[0][j / 2][lane];
 #pragma unroll
-    for (int w = 0; w < Config::kWarps; ++w) amax = amax_update(amax, cs.partial[w][j][lane]);
+      for (int u = 1; u < Config::kWarps; ++u) w = cuda::max_bf16x2(w, cs.partial[u][j / 2][lane]);
+      amax = cuda::amax_bf16x2(0.0f, (j % 2) ? (w & 0xFFFF0000u) : (w & 0xFFFFu));
+    } else {
+#pragma unroll
+      for (int u = 0; u < Config::kWarps; ++u)
+        amax = fmaxf(amax, __uint_as_float(cs.partial[u][j][lane]));
+    }
     if (args.two_d) {
       cs.colq[j][lane] = amax;
     } else {
-      const uint8_t code = mxfp8_scale_code(amax, kEl);
-      cs.colq[j][lane] = e8m0_reciprocal(code);
-      const int64_t c = p.col_tile * Config::kTileCols + lane * C + j;
-      if (c < K) grp.col_scale[p.row_tile * K + c] = code;
+      float q;
+      cs.colcode[lane * C + j] = scale_code<kEl, kHw>(amax, q);
+      cs.colq[j][lane] = q;
     }
   }
   __syncthreads();
-  // The next tile writes `partial` only after its first barrier, which every thread reaches
-  // after it has finished reading `colq` below, so one set of buffers suffices.
+  // The next tile writes `partial` and `colcode` only after its first barrier, which every thread
+  // reaches after it has finished reading `colq` and `colcode` below, so one set suffices.
 
   if (args.two_d) {
     // Tile amax = max of the 32 column amaxes of this thread's 32-column block.
@@ -267,21 +357,25 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
 #pragma unroll
     for (int l = 0; l < kLpb; ++l)
 #pragma unroll
-      for (int j = 0; j < C; ++j) amax = amax_update(amax, cs.colq[j][l0 + l]);
-    const uint8_t code = mxfp8_scale_code(amax, kEl);
-    const float q = e8m0_reciprocal(code);
+      for (int j = 0; j < C; ++j) amax = fmaxf(amax, cs.colq[j][l0 + l]);
+    float q;
+    const uint8_t code = scale_code<kEl, kHw>(amax, q);
     if (!p.col_valid) return;
+    uint8_t* const row_data = grp.row_data + p.r0 * K + p.c0;
+    uint8_t* const col_data = grp.col_data + p.r0 * K + p.c0;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       uint32_t words[C / 4];
       encode_chunk<In, kEl, kHw>(
           raw[i], [&](int) { return q; }, words);
-      const int64_t r = p.r0 + i;
-      if (args.rowwise) {
-        store_bytes<kVec>(grp.row_data + r * K + p.c0, words, p.col_valid);
-        if (lane % kLpb == 0) grp.row_scale[r * (K / kMxfp8Block) + p.c0 / kMxfp8Block] = code;
-      }
-      if (args.columnwise) store_bytes<kVec>(grp.col_data + r * K + p.c0, words, p.col_valid);
+      if (args.rowwise) store_bytes<kVec>(row_data + i * K, words, p.col_valid);
+      if (args.columnwise) store_bytes<kVec>(col_data + i * K, words, p.col_valid);
+    }
+    if (args.rowwise) {
+      uint8_t codes[R];
+#pragma unroll
+      for (int i = 0; i < R; ++i) codes[i] = code;
+      store_row_scales<R>(grp.row_scale, K, p, grp.rows, codes);
     }
     if (args.columnwise && warp == 0) {
       const uint32_t codes[C / 4] = {0x01010101u * code, 0x01010101u * code};
@@ -290,7 +384,21 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
     return;
   }
 
+  // 1D column scales: the tile's kTileCols codes in 16-byte pieces (or bytes at ragged K).
+  {
+    const int64_t c0 = p.col_tile * Config::kTileCols;
+    uint8_t* dst = grp.col_scale + p.row_tile * K + c0;
+    if (args.col_scale_vec) {
+      const int t = threadIdx.x;
+      if (t < Config::kTileCols / 16 && c0 + 16 * t < K)
+        __stcs(reinterpret_cast<uint4*>(dst) + t, reinterpret_cast<const uint4*>(cs.colcode)[t]);
+    } else {
+      for (int t = threadIdx.x; t < Config::kTileCols; t += Config::kThreads)
+        if (c0 + t < K) dst[t] = cs.colcode[t];
+    }
+  }
   if (!p.col_valid) return;
+  uint8_t* const col_data = grp.col_data + p.r0 * K + p.c0;
   float q[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) q[j] = cs.colq[j][lane];
@@ -299,7 +407,7 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
     uint32_t words[C / 4];
     encode_chunk<In, kEl, kHw>(
         raw[i], [&](int j) { return q[j]; }, words);
-    store_bytes<kVec>(grp.col_data + (p.r0 + i) * K + p.c0, words, p.col_valid);
+    store_bytes<kVec>(col_data + i * K, words, p.col_valid);
   }
 }
 
@@ -307,27 +415,31 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
 // all out of the matrix and moves with vector instructions; otherwise (columnwise-only with
 // ragged K, or unaligned views) elements move one at a time.
 template <typename In, DType kEl, bool kHw, bool kVec>
-__global__ void __launch_bounds__(Config::kThreads)
+__global__ void __launch_bounds__(Config::kThreads, kMinBlocks<In>)
     mxfp8_quantize_kernel(const __grid_constant__ Mxfp8Args args) {
   extern __shared__ uint4 ring[];  // kRingBytes<In>
-  __shared__ ColumnSmem cs;
+  __shared__ ColumnSmem<In> cs;
+  __shared__ uint32_t begins[Config::kSmemGroups];  // tile_begin of a non-uniform uploaded table
   constexpr int S = Config::kStages;
   const uint32_t step = gridDim.x;
+  args.groups.template load_tile_begins<Config::kSmemGroups>(begins);
+  __syncthreads();
   // Prologue: the CTA's first S-1 tiles. Every thread commits one group per tile, loads or not,
   // so the group count (and wait_group's meaning) is uniform.
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    issue_tile<In, kVec>(args, ring, blockIdx.x + s * step, s);
+    issue_tile<In, kVec>(args, ring, blockIdx.x + s * step, s, begins);
     cuda::cp_async_commit();
   }
   int stage = 0;
   for (uint32_t tile = blockIdx.x; tile < args.groups.total_tiles; tile += step) {
     // Refill the stage this thread finished reading in the previous iteration (its own slots:
     // the register values it read are consumed, so no barrier is needed).
-    issue_tile<In, kVec>(args, ring, tile + (S - 1) * step, stage == 0 ? S - 1 : stage - 1);
+    issue_tile<In, kVec>(args, ring, tile + (S - 1) * step, stage == 0 ? S - 1 : stage - 1,
+                         begins);
     cuda::cp_async_commit();
     cuda::cp_async_wait<S - 1>();
-    process_tile<In, kEl, kHw, kVec>(args, ring_slot<In>(ring, stage, 0, 0), tile, cs);
+    process_tile<In, kEl, kHw, kVec>(args, ring_slot<In>(ring, stage, 0, 0), tile, cs, begins);
     stage = stage == S - 1 ? 0 : stage + 1;
   }
 }
@@ -385,6 +497,7 @@ Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxf
   // Vector path: chunks never straddle K and every row of every buffer starts 16-byte aligned
   // (outputs are written in 8-byte pieces at multiples of 8 bytes).
   bool vec = K % Config::kCols == 0;
+  bool col_scale_vec = K % 16 == 0;
   std::vector<Mxfp8Group> groups(in.groups());
   uint64_t tiles = 0;
   for (int64_t g = 0; g < in.groups(); ++g) {
@@ -399,11 +512,13 @@ Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxf
     if (d.rows == 0) continue;
     vec = vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) &&
           cuda::aligned16(d.col_data) && (!cfg.two_d || cuda::aligned16(d.col_scale));
+    col_scale_vec = col_scale_vec && (!cfg.columnwise || cuda::aligned16(d.col_scale));
     tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) *
              args.col_tiles;
   }
+  args.col_scale_vec = col_scale_vec;
   args.groups = cuda::make_group_table<Mxfp8Group, Config::kInlineGroups>(be, groups, tiles);
-  const bool hw = cuda_fp8_hw_conversion_ok(be, cfg.element);
+  const bool hw = cuda_fp8_hw_conversion_ok(be, cfg.element) && cuda_mxfp8_fast_scale_ok(be);
   if (in.dtype == DType::kBF16)
     dispatch_element<uint16_t>(be, args, cfg.element, hw, vec);
   else

@@ -1,16 +1,20 @@
 // NVFP4 grouped quantize (1x16 rowwise, transposed 16x1 columnwise with optional RHT and
 // stochastic rounding, or 2D 16x16) of every group. The per-group amax must be known before any
 // block is scaled, so this is TWO launches over the whole pack (never per group): an amax pass
-// (input amax, and the post-RHT amax when the columnwise copy uses the RHT) with one atomicMax per
-// CTA into a zeroed workspace, then the quantize pass. Invariant: every byte comes from
-// formats/nvfp4_math.h with the SR numbering of formats/nvfp4.h, so it equals quantize_nvfp4_cpu.
+// (input amax, and the post-RHT amax when the columnwise copy uses the RHT) with per-warp
+// atomicMax into a zeroed workspace, then the quantize pass, which walks the tiles in reverse so
+// its first tiles are the ones the amax pass read last (still in L2). Invariant: every byte comes
+// from formats/nvfp4_math.h with the SR numbering of formats/nvfp4.h, so it equals
+// quantize_nvfp4_cpu; the E2M1 / E4M3 encoders of kernels_common.cuh replace the shared ones only
+// where selftest.cu proved them equal on this device.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "backend/cuda/kernels_common.cuh"
 #include "core/philox.h"
-#include "formats/mxfp8_math.h"  // amax_update
+#include "formats/mxfp8_math.h"  // amax_update (via the encoders)
 #include "formats/nvfp4_math.h"
 
 namespace packmoe {
@@ -19,18 +23,44 @@ namespace {
 using cuda::GroupTable;
 
 struct Config {
-  static constexpr int kTileRows = 64;  // 4 column blocks of 16 tokens: 32 contiguous bytes
-  static constexpr int kTileCols = 64;  // 4 row blocks of 16: 32 contiguous bytes per row
   static constexpr int kThreads = 256;
-  static constexpr int kPitch = kTileCols + 4;  // floats; keeps 16-byte row alignment
-  static constexpr int kBlocksPerRow = kTileCols / kNvfp4Block;  // 4
-  static constexpr int kBlocksPerCol = kTileRows / kNvfp4Block;  // 4
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kTileRows = 128;  // 8 column blocks of 16 rows: warp w owns rows 16w..
+  static constexpr int kRowBytes = 256;  // input bytes of one tile row: 128 BF16 or 64 F32
+  static constexpr int kStageBytes = kTileRows * kRowBytes;  // 32 KB
+  static constexpr int kStages = 2;  // one tile loads while the CTA works on the other
   static constexpr int kInlineGroups = 4;
-  // One 1x16 row block and one 16x1 column block per thread.
-  static_assert(kTileRows * kBlocksPerRow == kThreads, "one row block per thread");
-  static_assert(kTileCols * kBlocksPerCol == kThreads, "one column block per thread");
-  static_assert(kTileCols % 32 == 0, "a warp reads 32 consecutive columns in the column pass");
-  static_assert(kPitch % 4 == 0, "float4 accesses to the tile");
+  static constexpr int kSmemGroups = 256;  // larger non-uniform tables are searched in place
+  static constexpr int kStagingBytes = 10240;  // transposed-copy staging (Geo asserts the fit)
+  // Three CTAs per SM: (2 x 32 KB + 10 KB + 1 KB group table + 1 KB reserved) x 3 = 228 KB.
+  static constexpr int kMinBlocks = 3;
+  static constexpr int kColBlocks = kTileRows / kNvfp4Block;  // 8
+  static_assert(kColBlocks == kWarps, "warp w owns the tile's row block w (rows 16w..16w+15)");
+  static_assert(kStageBytes % (16 * kThreads) == 0, "whole 16-byte chunks per thread");
+};
+
+// Tile geometry for input element type In.
+template <typename In>
+struct Geo {
+  static constexpr int kCols = Config::kRowBytes / static_cast<int>(sizeof(In));  // 128 / 64
+  static constexpr int kPerChunk = 16 / static_cast<int>(sizeof(In));  // elements per 16 B
+  static constexpr int kChunksPerRow = Config::kRowBytes / 16;         // 16
+  static constexpr int kKb = kCols / kNvfp4Block;                      // 1x16 blocks per row
+  static constexpr int kRowsPerPass = 32 / kKb;        // rows of one warp instruction (4 / 8)
+  static constexpr int kRowIters = kNvfp4Block / kRowsPerPass;  // row blocks per thread (4 / 2)
+  static constexpr int kChunksPerBlock = kNvfp4Block / kPerChunk;  // 2 / 4
+  static constexpr int kColGroups = kCols / 32;  // 32-column groups (column-phase warp tasks)
+  static constexpr int kCodeWords = kCols / 8;  // 32-bit words of E2M1 codes per tile row
+  // Column copy of the 1D path, staged: codes [kCols][pitch 72 B] (8 bytes per row block; the
+  // pitch puts 16 consecutive columns on distinct bank pairs), then scales [kCols][8].
+  static constexpr int kColPitch = 72;
+  static constexpr int kColScaleOff = kCols * kColPitch;
+  static_assert(kCols % 32 == 0 && 32 % kKb == 0, "warp shapes");
+  static_assert(kColScaleOff + kCols * 8 <= Config::kStagingBytes, "1D staging fits");
+  // 2D staging: row codes [kTileRows][16 words], then the tile scales [8 row blocks][8].
+  static constexpr int kTscaleOff = Config::kTileRows * 64;
+  static_assert(kCodeWords <= 16 && kKb <= 8, "2D staging layout");
+  static_assert(kTscaleOff + 64 <= Config::kStagingBytes, "2D staging fits");
 };
 
 constexpr uint32_t kRowStream = 0;  // formats/nvfp4.h: SR stream of the rowwise copy
@@ -56,6 +86,7 @@ struct Nvfp4Args {
   bool two_d;
   bool rht;
   bool sr;
+  bool col16;  // every columnwise row is 16-byte aligned (rows % 32 == 0): 16-byte code stores
   uint64_t seed;
   uint64_t offset;
   float* amax_ws;   // (2G,): input amax [0, G), post-RHT amax [G, 2G); zeroed before pass 1
@@ -70,45 +101,227 @@ struct TilePos {
   int64_t col0;  // first column
 };
 
-__device__ __forceinline__ TilePos locate(const Nvfp4Args& a) {
+template <typename In>
+__device__ __forceinline__ TilePos locate_tile(const Nvfp4Args& a, uint32_t tile,
+                                               const uint32_t* begins) {
   TilePos p;
-  p.g = a.groups.find(blockIdx.x);
+  p.g = a.groups.find_smem<Config::kSmemGroups>(tile, begins);
   p.grp = &a.groups[p.g];
-  const uint32_t local = blockIdx.x - p.grp->tile_begin;
+  const uint32_t local = tile - p.grp->tile_begin;
   p.row0 = static_cast<int64_t>(local / a.col_tiles) * Config::kTileRows;
-  p.col0 = static_cast<int64_t>(local % a.col_tiles) * Config::kTileCols;
+  p.col0 = static_cast<int64_t>(local % a.col_tiles) * Geo<In>::kCols;
   return p;
 }
 
-using Tile = float[Config::kTileRows][Config::kPitch];
+// ---- shared-memory tile: [kTileRows][kRowBytes], 16-byte chunk q of a row stored at chunk
+// q ^ ((q >> 3) & 1): the row phase's two 16-byte reads per 1x16 block then hit 8 distinct bank
+// quads per quarter-warp (chunk q and q + 8 would otherwise share banks).
+__device__ __forceinline__ int chunk_slot(int q) { return q ^ ((q >> 3) & 1); }
+__device__ __forceinline__ int tile_byte(int r, int byte_in_row) {
+  return r * Config::kRowBytes + (chunk_slot(byte_in_row >> 4) << 4) + (byte_in_row & 15);
+}
 
-// Loads the tile as FP32 (zeros outside the matrix) into `tile` when given, and returns this
-// thread's NaN-ignoring amax of what it loaded. Chunks of 16 bytes go to consecutive threads
-// along a row, so the loads coalesce. K % 16 == 0, so a chunk is all in or all out.
+template <typename In>
+__device__ __forceinline__ float tile_elem(const uint8_t* stage, int r, int c) {
+  const int off = tile_byte(r, c * static_cast<int>(sizeof(In)));
+  if constexpr (sizeof(In) == 2)
+    return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(stage + off))
+                           << 16);
+  else
+    return *reinterpret_cast<const float*>(stage + off);
+}
+
+// Loads of `tile` into `stage` (zeros outside the matrix; K % 16 == 0, so a 16-byte chunk is all
+// in or all out). kVec: cp.async, one commit group per call; else scalar loads and plain stores.
 template <typename In, bool kVec>
-__device__ __forceinline__ float load_tile(const Nvfp4Args& a, const TilePos& p, Tile* tile) {
-  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(In));
-  constexpr int kChunksPerRow = Config::kTileCols / kPerChunk;
-  constexpr int kPerThread = Config::kTileRows * kChunksPerRow / Config::kThreads;
-  static_assert(kPerThread * Config::kThreads == Config::kTileRows * kChunksPerRow, "even split");
+__device__ __forceinline__ void issue_tile(const Nvfp4Args& a, uint8_t* stage, uint32_t tile,
+                                           const uint32_t* begins) {
+  using G = Geo<In>;
+  constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
+  const TilePos p = locate_tile<In>(a, tile, begins);
   const In* in = static_cast<const In*>(p.grp->in);
   const int64_t K = a.cols;
-  float amax = 0.0f;
-  uint4 v[kPerThread];
 #pragma unroll
-  for (int m = 0; m < kPerThread; ++m) {  // all loads first
+  for (int m = 0; m < kPer; ++m) {
     const int q = threadIdx.x + m * Config::kThreads;
-    const int64_t r = p.row0 + q / kChunksPerRow;
-    const int64_t c = p.col0 + (q % kChunksPerRow) * kPerChunk;
-    const bool ok = r < p.grp->rows && c < K;
+    const int r = q / G::kChunksPerRow;
+    const int ch = q % G::kChunksPerRow;
+    const int64_t row = p.row0 + r;
+    const int64_t col = p.col0 + ch * G::kPerChunk;
+    const bool ok = row < p.grp->rows && col < K;
+    uint8_t* dst = stage + r * Config::kRowBytes + (chunk_slot(ch) << 4);
     if constexpr (kVec) {
-      v[m] = ok ? cuda::load_stream16(in + r * K + c) : make_uint4(0, 0, 0, 0);
+      cuda::cp_async16(dst, ok ? in + row * K + col : in, ok);
     } else {
       uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int e = 0; e < kPerChunk; ++e) {
+      for (int e = 0; e < G::kPerChunk; ++e) {
         if (!ok) break;
-        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(in + r * K + c + e));
+        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(in + row * K + col + e));
+        if constexpr (sizeof(In) == 4)
+          w[e] = bits;
+        else
+          w[e / 2] |= (bits >> 16) << (16 * (e % 2));
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// ---- per-block arithmetic ----------------------------------------------------------------------
+
+// NaN-ignoring amax of one 1x16 block held as 16-byte chunks; BF16 by packed maxima (exact).
+template <typename In>
+__device__ __forceinline__ float block_amax(const uint4 (&c)[Geo<In>::kChunksPerBlock]) {
+  if constexpr (sizeof(In) == 2) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int h = 0; h < Geo<In>::kChunksPerBlock; ++h) {
+      m = cuda::max_bf16x2(m, cuda::max_bf16x2(cuda::abs_bf16x2(c[h].x), cuda::abs_bf16x2(c[h].y)));
+      m = cuda::max_bf16x2(m, cuda::max_bf16x2(cuda::abs_bf16x2(c[h].z), cuda::abs_bf16x2(c[h].w)));
+    }
+    return cuda::amax_bf16x2(0.0f, m);
+  } else {
+    float a = 0.0f;
+#pragma unroll
+    for (int h = 0; h < Geo<In>::kChunksPerBlock; ++h) {
+      a = cuda::amax_fast(a, __uint_as_float(c[h].x));
+      a = cuda::amax_fast(a, __uint_as_float(c[h].y));
+      a = cuda::amax_fast(a, __uint_as_float(c[h].z));
+      a = cuda::amax_fast(a, __uint_as_float(c[h].w));
+    }
+    return a;
+  }
+}
+
+// E4M3 block scale s_b = nvfp4_block_scale(block_amax, s_enc), with s_enc * (1/6) precomputed in
+// the same FP32 multiply. kHw: the hardware cvt (selftest.cu proves it equal to f32_to_e4m3 for
+// every non-NaN input; block_amax * s_enc_over_6 is never NaN).
+template <bool kHw>
+__device__ __forceinline__ uint8_t block_scale(float block_amax, float s_enc_over_6) {
+  if constexpr (kHw)
+    return static_cast<uint8_t>(cuda::cvt_fp8x2<false>(block_amax * s_enc_over_6, 0.0f) & 0xFFu);
+  else
+    return f32_to_e4m3(block_amax * s_enc_over_6);
+}
+
+// 16 codes of v[j] * r (RNE, or SR from one Philox draw) packed into 8 bytes, element 2i in the
+// low nibble of byte i. kHw: the encoders of kernels_common.cuh, else the shared codecs.
+template <bool kHw>
+__device__ __forceinline__ uint2 encode16(const float v[kNvfp4Block], float r, bool sr,
+                                          const Philox4& draw) {
+  uint32_t w[2] = {0, 0};
+  if (sr) {
+#pragma unroll
+    for (int j = 0; j < kNvfp4Block; ++j) {
+      const uint32_t rb = nvfp4_sr_byte(draw, j);
+      const uint32_t code = kHw ? cuda::e2m1_sr_fast(v[j] * r, rb)
+                                : nvfp4_encode_sr(v[j], r, static_cast<uint8_t>(rb));
+      w[j / 8] |= (code & 0xFu) << (4 * (j % 8));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kNvfp4Block; ++j) {
+      const uint32_t code = kHw ? cuda::e2m1_rn_fast(v[j] * r) : nvfp4_encode(v[j], r);
+      w[j / 8] |= (code & 0xFu) << (4 * (j % 8));
+    }
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Stores of n bytes (n = 4, 8 or 16) of codes: one vector store, or bytes on unaligned views.
+template <bool kVec, int N>
+__device__ __forceinline__ void store_n(uint8_t* dst, const uint32_t (&w)[N / 4]) {
+  if constexpr (kVec) {
+    if constexpr (N == 4) __stcs(reinterpret_cast<unsigned*>(dst), w[0]);
+    if constexpr (N == 8) __stcs(reinterpret_cast<uint2*>(dst), make_uint2(w[0], w[1]));
+    if constexpr (N == 16)
+      __stcs(reinterpret_cast<uint4*>(dst), make_uint4(w[0], w[1], w[2], w[3]));
+  } else {
+#pragma unroll
+    for (int b = 0; b < N; ++b) dst[b] = static_cast<uint8_t>(w[b / 4] >> (8 * (b % 4)));
+  }
+}
+
+// rht16 (formats/nvfp4_math.h) with the same FP32 operations in the same order, minus the
+// rounding of inputs that already are BF16 values (kBf16In: an identity for every non-NaN value, and
+// a NaN input makes the first FADD produce the canonical NaN either way), and with the outputs
+// rounded to BF16 by the hardware cvt when kHw (selftest.cu: equal values, NaN stays NaN).
+template <bool kBf16In, bool kHw>
+__device__ __forceinline__ void rht16_fast(const float in[kRhtSize], float out[kRhtSize]) {
+  float v[kRhtSize];
+#pragma unroll
+  for (int i = 0; i < kRhtSize; ++i) v[i] = kBf16In ? in[i] : bf16_to_f32(f32_to_bf16(in[i]));
+#pragma unroll
+  for (int j = 0; j < kRhtSize; ++j) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRhtSize; ++i) acc += rht_negative(i, j) ? -v[i] : v[i];
+    const float s = acc * 0.25f;
+    out[j] = kHw ? cuda::round_bf16_hw(s) : bf16_to_f32(f32_to_bf16(s));
+  }
+}
+
+// 8x8 transpose of 4-bit elements: w[i] nibble j (row i, column j) -> w[j] nibble i. Three
+// rounds of block swaps (4x4, 2x2, 1x1 blocks), each a masked xor exchange between two words.
+__device__ __forceinline__ void transpose_nibbles8x8(uint32_t w[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t t = ((w[i] >> 16) ^ w[i + 4]) & 0x0000FFFFu;
+    w[i] ^= t << 16;
+    w[i + 4] ^= t;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (i & 2) continue;
+    const uint32_t t = ((w[i] >> 8) ^ w[i + 2]) & 0x00FF00FFu;
+    w[i] ^= t << 8;
+    w[i + 2] ^= t;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; i += 2) {
+    const uint32_t t = ((w[i] >> 4) ^ w[i + 1]) & 0x0F0F0F0Fu;
+    w[i] ^= t << 4;
+    w[i + 1] ^= t;
+  }
+}
+
+// ---- pass 1: per-group amax ----------------------------------------------------------------------
+
+// Max over the warp of non-negative, non-NaN values, published by one atomicMax per warp: the
+// values' IEEE order is their unsigned bit order.
+__device__ __forceinline__ void flush_amax(float* slot, float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  if (threadIdx.x % 32 == 0 && v > 0.0f)
+    atomicMax(reinterpret_cast<unsigned*>(slot), __float_as_uint(v));
+}
+
+// 16-byte chunks of `tile` for the plain amax: chunk q = threadIdx.x + m * kThreads, consecutive
+// threads along a row (zeros outside the matrix).
+template <typename In, bool kVec>
+__device__ __forceinline__ void load_amax_chunks(const Nvfp4Args& a, const TilePos& p,
+                                                 uint4 (&v)[Config::kStageBytes / 16 /
+                                                            Config::kThreads]) {
+  using G = Geo<In>;
+  constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
+  const In* in = static_cast<const In*>(p.grp->in);
+  const int64_t rows = p.grp->rows;
+  const int64_t K = a.cols;
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) {
+    const int q = threadIdx.x + m * Config::kThreads;
+    const int64_t row = p.row0 + q / G::kChunksPerRow;
+    const int64_t col = p.col0 + (q % G::kChunksPerRow) * G::kPerChunk;
+    const bool ok = row < rows && col < K;
+    if constexpr (kVec) {
+      v[m] = ok ? cuda::load_stream16(in + row * K + col) : make_uint4(0, 0, 0, 0);
+    } else {
+      uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int e = 0; e < G::kPerChunk; ++e) {
+        if (!ok) break;
+        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(in + row * K + col + e));
         if constexpr (sizeof(In) == 4)
           w[e] = bits;
         else
@@ -117,264 +330,407 @@ __device__ __forceinline__ float load_tile(const Nvfp4Args& a, const TilePos& p,
       v[m] = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
-#pragma unroll
-  for (int m = 0; m < kPerThread; ++m) {
-    const int q = threadIdx.x + m * Config::kThreads;
-    float x[kPerChunk];
-#pragma unroll
-    for (int e = 0; e < kPerChunk; ++e) {
-      x[e] = cuda::chunk_elem<In>(v[m], e);
-      amax = amax_update(amax, x[e]);
-    }
-    if (tile) {
-      float* dst = &(*tile)[q / kChunksPerRow][(q % kChunksPerRow) * kPerChunk];
-#pragma unroll
-      for (int e = 0; e < kPerChunk; e += 4)
-        *reinterpret_cast<float4*>(dst + e) = make_float4(x[e], x[e + 1], x[e + 2], x[e + 3]);
-    }
-  }
-  return amax;
 }
 
-// The thread's column block: column c (0..63) of the tile, rows 16*rb .. 16*rb+15. A warp reads
-// 32 consecutive columns of one row: no bank conflicts.
-__device__ __forceinline__ int col_of_thread() { return threadIdx.x % Config::kTileCols; }
-__device__ __forceinline__ int colblock_of_thread() { return threadIdx.x / Config::kTileCols; }
-
-// The 16 values of the thread's column block (after the RHT when on).
-__device__ __forceinline__ void column_values(const Tile& tile, bool rht, float v[kNvfp4Block]) {
-  const int c = col_of_thread();
-  const int rb = colblock_of_thread();
-  float x[kNvfp4Block];
-#pragma unroll
-  for (int i = 0; i < kNvfp4Block; ++i) x[i] = tile[rb * kNvfp4Block + i][c];
-  if (rht) {
-    rht16(x, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kNvfp4Block; ++i) v[i] = x[i];
-  }
-}
-
-// Max over the CTA of non-negative, non-NaN values; result valid in every thread.
-__device__ __forceinline__ float block_max(float v, float* scratch /* kThreads/32 */) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = amax_update(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
-  __syncthreads();  // scratch may still be read by a previous call
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  float r = 0.0f;
-#pragma unroll
-  for (int w = 0; w < Config::kThreads / 32; ++w) r = amax_update(r, scratch[w]);
-  return r;
-}
-
-// Pass 1: per-group amax of the input (and of the RHT outputs) by one atomicMax per CTA. The
-// values are non-negative and never NaN, so their IEEE order is their unsigned bit order.
-template <typename In, bool kVec>
+// Input amax (and, kRht, the amax of the RHT outputs of every 16x1 column block). A thread keeps
+// running maxima while the CTA stays in one group and flushes them when the group changes, so a
+// single-group tensor costs one atomic per warp. Without the RHT the loads of the CTA's next tile
+// are in flight while the current one is reduced.
+template <typename In, bool kVec, bool kRht, bool kHw>
 __global__ void __launch_bounds__(Config::kThreads)
     nvfp4_amax_kernel(const __grid_constant__ Nvfp4Args a) {
-  __shared__ __align__(16) Tile tile;
-  __shared__ float scratch[Config::kThreads / 32];
-  const TilePos p = locate(a);
-  const bool rht_amax = a.columnwise && a.rht;
-  const float amax = block_max(load_tile<In, kVec>(a, p, rht_amax ? &tile : nullptr), scratch);
-  if (threadIdx.x == 0 && amax > 0.0f)
-    atomicMax(reinterpret_cast<unsigned*>(a.amax_ws) + p.g, __float_as_uint(amax));
-  if (!rht_amax) return;
-  // tile was written before block_max's barriers, so it is visible here.
-  float col = 0.0f;
-  const int64_t c = p.col0 + col_of_thread();
-  const int64_t r = p.row0 + colblock_of_thread() * kNvfp4Block;
-  if (c < a.cols && r < p.grp->rows) {
-    float v[kNvfp4Block];
-    column_values(tile, true, v);
+  using G = Geo<In>;
+  __shared__ uint32_t begins[Config::kSmemGroups];
+  a.groups.template load_tile_begins<Config::kSmemGroups>(begins);
+  __syncthreads();
+  const int64_t K = a.cols;
+  const int G_count = a.groups.count;
+  const uint32_t total = a.groups.total_tiles;
+  float in_max = 0.0f, rht_max = 0.0f;  // >= 0, never NaN
+  uint32_t in_w = 0;                    // BF16: packed running max of |x|
+  int cur = -1;
+  auto switch_group = [&](int g) {
+    if (g == cur) return;
+    if (cur >= 0) {
+      if constexpr (sizeof(In) == 2) in_max = cuda::amax_bf16x2(in_max, in_w);
+      flush_amax(a.amax_ws + cur, in_max);
+      if constexpr (kRht) flush_amax(a.amax_ws + G_count + cur, rht_max);
+    }
+    cur = g;
+    in_max = rht_max = 0.0f;
+    in_w = 0;
+  };
+  if constexpr (!kRht) {
+    constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
+    uint32_t tile = blockIdx.x;
+    if (tile >= total) return;
+    TilePos p = locate_tile<In>(a, tile, begins);
+    uint4 v[kPer];
+    load_amax_chunks<In, kVec>(a, p, v);
+    while (true) {
+      const uint32_t next = tile + gridDim.x;
+      TilePos np{};
+      uint4 nv[kPer];
+      if (next < total) {
+        np = locate_tile<In>(a, next, begins);
+        load_amax_chunks<In, kVec>(a, np, nv);
+      }
+      switch_group(p.g);
 #pragma unroll
-    for (int i = 0; i < kNvfp4Block; ++i) col = amax_update(col, v[i]);
-  }
-  col = block_max(col, scratch);
-  if (threadIdx.x == 0 && col > 0.0f)
-    atomicMax(reinterpret_cast<unsigned*>(a.amax_ws) + a.groups.count + p.g, __float_as_uint(col));
-}
-
-// 16 codes of v[j] * r (deterministic or SR from one Philox draw) packed into 8 bytes.
-__device__ __forceinline__ uint2 encode16(const float v[kNvfp4Block], float r, bool sr,
-                                          const Philox4& draw) {
-  uint32_t w[2] = {0, 0};
+      for (int m = 0; m < kPer; ++m) {
+        if constexpr (sizeof(In) == 2) {
+          in_w = cuda::max_bf16x2(in_w, cuda::max_bf16x2(cuda::abs_bf16x2(v[m].x),
+                                                         cuda::abs_bf16x2(v[m].y)));
+          in_w = cuda::max_bf16x2(in_w, cuda::max_bf16x2(cuda::abs_bf16x2(v[m].z),
+                                                         cuda::abs_bf16x2(v[m].w)));
+        } else {
+          in_max = cuda::amax_fast(in_max, __uint_as_float(v[m].x));
+          in_max = cuda::amax_fast(in_max, __uint_as_float(v[m].y));
+          in_max = cuda::amax_fast(in_max, __uint_as_float(v[m].z));
+          in_max = cuda::amax_fast(in_max, __uint_as_float(v[m].w));
+        }
+      }
+      if (next >= total) break;
+      tile = next;
+      p = np;
 #pragma unroll
-  for (int j = 0; j < kNvfp4Block; ++j) {
-    const uint8_t code =
-        sr ? nvfp4_encode_sr(v[j], r, nvfp4_sr_byte(draw, j)) : nvfp4_encode(v[j], r);
-    w[j / 8] |= static_cast<uint32_t>(code & 0xF) << (4 * (j % 8));
-  }
-  return make_uint2(w[0], w[1]);
-}
-
-template <bool kVec>
-__device__ __forceinline__ void store8(uint8_t* dst, uint2 v) {
-  if constexpr (kVec) {
-    __stcs(reinterpret_cast<uint2*>(dst), v);
+      for (int m = 0; m < kPer; ++m) v[m] = nv[m];
+    }
   } else {
+    for (uint32_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
+      const TilePos p = locate_tile<In>(a, tile, begins);
+      switch_group(p.g);
+      const In* in = static_cast<const In*>(p.grp->in);
+      // Thread t: column block row rb = t / 32, 8 bytes of columns (4 BF16 / 2 F32) at piece
+      // t % 32, 16 rows; a warp's load covers 256 consecutive bytes of one row.
+      constexpr int kPer8 = 8 / static_cast<int>(sizeof(In));
+      const int rb = threadIdx.x / 32;
+      const int64_t col = p.col0 + (threadIdx.x % 32) * kPer8;
+      const int64_t row0 = p.row0 + rb * kNvfp4Block;
+      const bool ok = row0 < p.grp->rows && col < K;  // rows % 16 == 0: blocks all in or out
+      uint2 v[kNvfp4Block];
 #pragma unroll
-    for (int b = 0; b < 8; ++b) dst[b] = static_cast<uint8_t>((b < 4 ? v.x : v.y) >> (8 * (b % 4)));
+      for (int i = 0; i < kNvfp4Block; ++i) {
+        if constexpr (kVec) {
+          v[i] = ok ? __ldcs(reinterpret_cast<const uint2*>(in + (row0 + i) * K + col))
+                    : make_uint2(0, 0);
+        } else {
+          uint32_t w[2] = {0, 0};
+#pragma unroll
+          for (int e = 0; e < kPer8; ++e) {
+            if (!ok) break;
+            const uint32_t bits =
+                __float_as_uint(cuda::load_elem<In>(in + (row0 + i) * K + col + e));
+            if constexpr (sizeof(In) == 4)
+              w[e] = bits;
+            else
+              w[e / 2] |= (bits >> 16) << (16 * (e % 2));
+          }
+          v[i] = make_uint2(w[0], w[1]);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < kPer8; ++e) {
+        float x[kNvfp4Block], y[kNvfp4Block];
+#pragma unroll
+        for (int i = 0; i < kNvfp4Block; ++i) {
+          const uint32_t w = (e * sizeof(In) < 4) ? v[i].x : v[i].y;
+          x[i] = sizeof(In) == 4 ? __uint_as_float(w)
+                                 : __uint_as_float((e % 2) ? (w & 0xFFFF0000u) : (w << 16));
+          in_max = cuda::amax_fast(in_max, x[i]);
+        }
+        rht16_fast<sizeof(In) == 2, kHw>(x, y);
+#pragma unroll
+        for (int i = 0; i < kNvfp4Block; ++i) rht_max = cuda::amax_fast(rht_max, y[i]);
+      }
+    }
   }
+  switch_group(-1);  // flush
 }
 
-// Pass 2: scales and codes. Thread t owns row block (t/4, t%4) and column block (t%64, t/64).
-template <typename In, bool kVec>
-__global__ void __launch_bounds__(Config::kThreads)
+// ---- pass 2: scales and codes ---------------------------------------------------------------------
+
+// Per tile, in one CTA: (1) row phase: thread (warp w, lane) owns 1x16 row blocks of rows
+// 16w + kRowsPerPass*m + lane / kKb, block lane % kKb, and writes the rowwise copy directly
+// (8 lanes x 8 bytes contiguous per row); in 2D it forms the 16x16 tile scale by shuffles and
+// stages its codes for the transpose. (2) column phase (1D): warp w's lanes own 32 consecutive
+// columns of row block w (conflict-free column reads), RHT / amax / SR in registers, codes staged.
+// (3) after a barrier the transposed copy leaves in 64-byte runs per column.
+template <typename In, bool kVec, bool kHw>
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     nvfp4_quantize_kernel(const __grid_constant__ Nvfp4Args a) {
-  __shared__ __align__(16) Tile tile;
-  __shared__ float blk_amax[Config::kTileRows][Config::kBlocksPerRow];   // 2D: 1x16 amaxes
-  __shared__ uint2 col_codes[Config::kTileCols][Config::kBlocksPerCol];  // staged column output
-  __shared__ uint8_t col_scales[Config::kTileCols][Config::kBlocksPerCol];
+  using G = Geo<In>;
+  extern __shared__ __align__(16) uint8_t smem[];  // [kStages][kStageBytes] + staging
+  __shared__ uint32_t begins[Config::kSmemGroups];
+  uint8_t* staging = smem + Config::kStages * Config::kStageBytes;  // kStagingBytes
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t K = a.cols;
+  const int Gc = a.groups.count;
 
   // One CTA publishes the amax outputs of every group (0 for empty groups, which own no tile).
   if (blockIdx.x == 0) {
-    for (int g = threadIdx.x; g < a.groups.count; g += Config::kThreads) {
+    for (int g = threadIdx.x; g < Gc; g += Config::kThreads) {
       const float in_amax = a.amax_ws[g];
       if (a.row_amax) a.row_amax[g] = in_amax;
-      if (a.col_amax) a.col_amax[g] = a.rht ? a.amax_ws[a.groups.count + g] : in_amax;
+      if (a.col_amax) a.col_amax[g] = a.rht ? a.amax_ws[Gc + g] : in_amax;
     }
   }
-
-  const TilePos p = locate(a);
-  const Nvfp4Group& grp = *p.grp;
-  const int64_t K = a.cols;
-  const int64_t rows = grp.rows;
-  const float row_amax = a.amax_ws[p.g];
-  const float col_amax = a.rht ? a.amax_ws[a.groups.count + p.g] : row_amax;
-  load_tile<In, kVec>(a, p, &tile);
+  a.groups.template load_tile_begins<Config::kSmemGroups>(begins);
   __syncthreads();
 
-  // ---- row block of this thread ----
-  const int rr = threadIdx.x / Config::kBlocksPerRow;  // row in tile
-  const int rk = threadIdx.x % Config::kBlocksPerRow;  // block in row
-  const bool row_ok = p.row0 + rr < rows && p.col0 + rk * kNvfp4Block < K;
-  float rv[kNvfp4Block];
-  {
-    const float* src = &tile[rr][rk * kNvfp4Block];
-#pragma unroll
-    for (int j = 0; j < kNvfp4Block; j += 4) {
-      const float4 f = *reinterpret_cast<const float4*>(src + j);
-      rv[j] = f.x;
-      rv[j + 1] = f.y;
-      rv[j + 2] = f.z;
-      rv[j + 3] = f.w;
-    }
-  }
-  float rblock_amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kNvfp4Block; ++j) rblock_amax = amax_update(rblock_amax, rv[j]);
-
-  // ---- column block of this thread ----
-  const int cc = col_of_thread();
-  const int cb = colblock_of_thread();
-  const bool col_ok = p.col0 + cc < K && p.row0 + cb * kNvfp4Block < rows;
-
-  if (a.two_d) {
-    // One scale per 16x16 tile from the max of its 16 row-block amaxes; both copies use it.
-    blk_amax[rr][rk] = rblock_amax;
+  // Reverse order: the amax pass walked the tiles forwards, so the last ones it read are in L2.
+  const uint32_t total = a.groups.total_tiles;
+  auto tile_of = [&](uint32_t i) { return total - 1 - i; };
+  uint32_t i = blockIdx.x;
+  if (i < total) issue_tile<In, kVec>(a, smem, tile_of(i), begins);
+  cuda::cp_async_commit();
+  for (int s = 0; i < total; i += gridDim.x, s ^= 1) {
+    const uint8_t* stage = smem + s * Config::kStageBytes;
+    cuda::cp_async_wait<0>();
+    // B1: the tile is visible, and every thread is done with the previous tile (its stage, which
+    // the next load overwrites, and the staging area).
     __syncthreads();
-    const float s_enc = nvfp4_encode_scale(row_amax);
-    const float s_dec = nvfp4_decode_scale(row_amax);
-    if (a.rowwise && row_ok) {
-      const int t0 = rr / kNvfp4Block * kNvfp4Block;
-      float tamax = 0.0f;
+    if (i + gridDim.x < total)
+      issue_tile<In, kVec>(a, smem + (s ^ 1) * Config::kStageBytes, tile_of(i + gridDim.x),
+                           begins);
+    cuda::cp_async_commit();
+
+    const TilePos p = locate_tile<In>(a, tile_of(i), begins);
+    const Nvfp4Group& grp = *p.grp;
+    const int64_t rows = grp.rows;
+    const float row_amax = a.amax_ws[p.g];
+    const float col_amax = a.rht ? a.amax_ws[Gc + p.g] : row_amax;
+
+    // ---- (1) row phase ----
+    const int rsub = lane / G::kKb;
+    const int kb = lane % G::kKb;
+    const bool kb_ok = p.col0 + kb * kNvfp4Block < K;
+    const int64_t kbg = p.col0 / kNvfp4Block + kb;
+    auto row_of = [&](int m) { return kNvfp4Block * warp + G::kRowsPerPass * m + rsub; };
+    auto load_block = [&](int m, uint4 (&raw)[G::kChunksPerBlock]) {
 #pragma unroll
-      for (int i = 0; i < kNvfp4Block; ++i) tamax = amax_update(tamax, blk_amax[t0 + i][rk]);
-      const uint8_t s_b = nvfp4_block_scale(tamax, s_enc);
-      const float r = nvfp4_block_rcp(s_b, s_dec);
-      const int64_t row = p.row0 + rr;
-      const int64_t kb = p.col0 / kNvfp4Block + rk;
-      store8<kVec>(grp.row_data + row * (K / 2) + kb * (kNvfp4Block / 2),
-                   encode16(rv, r, false, Philox4{}));
-      grp.row_scale[row * (K / kNvfp4Block) + kb] = s_b;
-    }
-    if (a.columnwise) {
-      uint2 codes = make_uint2(0, 0);
-      uint8_t s_b = 0;
-      if (col_ok) {
-        const int k16 = cc / kNvfp4Block;
-        float tamax = 0.0f;
+      for (int h = 0; h < G::kChunksPerBlock; ++h)
+        raw[h] = *reinterpret_cast<const uint4*>(
+            stage + tile_byte(row_of(m), (kb * G::kChunksPerBlock + h) * 16));
+    };
+    auto values = [&](const uint4 (&raw)[G::kChunksPerBlock], float v[kNvfp4Block]) {
 #pragma unroll
-        for (int i = 0; i < kNvfp4Block; ++i)
-          tamax = amax_update(tamax, blk_amax[cb * kNvfp4Block + i][k16]);
-        s_b = nvfp4_block_scale(tamax, s_enc);
-        const float r = nvfp4_block_rcp(s_b, s_dec);
-        float v[kNvfp4Block];
-        column_values(tile, false, v);
-        codes = encode16(v, r, false, Philox4{});
-      }
-      col_codes[cc][cb] = codes;
-      col_scales[cc][cb] = s_b;
-    }
-  } else {
-    if (a.rowwise && row_ok) {
-      const float s_enc = nvfp4_encode_scale(row_amax);
+      for (int h = 0; h < G::kChunksPerBlock; ++h)
+#pragma unroll
+        for (int e = 0; e < G::kPerChunk; ++e)
+          v[h * G::kPerChunk + e] = cuda::chunk_elem<In>(raw[h], e);
+    };
+    if (a.two_d) {
+      const float s_enc6 = nvfp4_encode_scale(row_amax) * kOneSixth;
       const float s_dec = nvfp4_decode_scale(row_amax);
-      const uint8_t s_b = nvfp4_block_scale(rblock_amax, s_enc);
-      const float r = nvfp4_block_rcp(s_b, s_dec);
-      const int64_t row = p.row0 + rr;
-      const int64_t kb = p.col0 / kNvfp4Block + rk;
-      Philox4 draw{};
-      if (a.sr)
-        draw = philox_draw(
-            a.seed, a.offset + grp.block_base + static_cast<uint64_t>(row * (K / kNvfp4Block) + kb),
-            kRowStream);
-      store8<kVec>(grp.row_data + row * (K / 2) + kb * (kNvfp4Block / 2),
-                   encode16(rv, r, a.sr, draw));
-      grp.row_scale[row * (K / kNvfp4Block) + kb] = s_b;
-    }
-    if (a.columnwise) {
-      uint2 codes = make_uint2(0, 0);
-      uint8_t s_b = 0;
-      if (col_ok) {
-        float v[kNvfp4Block];
-        column_values(tile, a.rht, v);
-        float bamax = 0.0f;
+      // 16x16 tile amax: the thread's kRowIters blocks, then the lanes of the other rows.
+      float t = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kNvfp4Block; ++i) bamax = amax_update(bamax, v[i]);
-        const float s_enc = nvfp4_encode_scale(col_amax);
-        const float s_dec = nvfp4_decode_scale(col_amax);
-        s_b = nvfp4_block_scale(bamax, s_enc);
+      for (int m = 0; m < G::kRowIters; ++m) {
+        uint4 raw[G::kChunksPerBlock];
+        load_block(m, raw);
+        t = fmaxf(t, block_amax<In>(raw));  // block amaxes are >= 0 and never NaN
+      }
+#pragma unroll
+      for (int sh = G::kKb; sh < 32; sh <<= 1) t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, sh));
+      const uint8_t tscale = block_scale<kHw>(t, s_enc6);
+      const float r = nvfp4_block_rcp(tscale, s_dec);
+      uint32_t* rc = reinterpret_cast<uint32_t*>(staging);
+#pragma unroll
+      for (int m = 0; m < G::kRowIters; ++m) {
+        uint4 raw[G::kChunksPerBlock];
+        load_block(m, raw);
+        float v[kNvfp4Block];
+        values(raw, v);
+        const uint2 c = encode16<kHw>(v, r, false, Philox4{});
+        const int64_t row = p.row0 + row_of(m);
+        if (a.rowwise && kb_ok && row < rows) {
+          store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
+          grp.row_scale[row * (K / kNvfp4Block) + kbg] = tscale;
+        }
+        // Staged row codes: word w of tile row r at w ^ ((r >> 3) % kCodeWords), so the
+        // transpose's reads of 16 rows 8 apart hit at most 2 words per bank.
+        const int rr = row_of(m);
+        const int sw = (rr >> 3) % G::kCodeWords;
+        rc[rr * 16 + ((2 * kb) ^ sw)] = c.x;
+        rc[rr * 16 + ((2 * kb + 1) ^ sw)] = c.y;
+      }
+      if (rsub == 0) staging[G::kTscaleOff + warp * 8 + kb] = tscale;
+    } else if (a.rowwise) {
+      const float s_enc6 = nvfp4_encode_scale(row_amax) * kOneSixth;
+      const float s_dec = nvfp4_decode_scale(row_amax);
+#pragma unroll
+      for (int m = 0; m < G::kRowIters; ++m) {
+        const int64_t row = p.row0 + row_of(m);
+        if (!(kb_ok && row < rows)) continue;
+        uint4 raw[G::kChunksPerBlock];
+        load_block(m, raw);
+        const uint8_t s_b = block_scale<kHw>(block_amax<In>(raw), s_enc6);
         const float r = nvfp4_block_rcp(s_b, s_dec);
         Philox4 draw{};
-        if (a.sr) {
-          const int64_t c = p.col0 + cc;
-          const int64_t rb = p.row0 / kNvfp4Block + cb;
+        if (a.sr)
           draw = philox_draw(
               a.seed,
-              a.offset + grp.block_base + static_cast<uint64_t>(c * (rows / kNvfp4Block) + rb),
-              kColStream);
-        }
-        codes = encode16(v, r, a.sr, draw);
+              a.offset + grp.block_base + static_cast<uint64_t>(row * (K / kNvfp4Block) + kbg),
+              kRowStream);
+        float v[kNvfp4Block];
+        values(raw, v);
+        const uint2 c = encode16<kHw>(v, r, a.sr, draw);
+        store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
+        grp.row_scale[row * (K / kNvfp4Block) + kbg] = s_b;
       }
-      col_codes[cc][cb] = codes;
-      col_scales[cc][cb] = s_b;
     }
-  }
-  if (!a.columnwise) return;
-  __syncthreads();
-  // Store the transposed copy with 4 consecutive threads per column: each column's 32 bytes (one
-  // sector) leave in one instruction instead of as four scattered 8-byte pieces.
-  const int sc = threadIdx.x / Config::kBlocksPerCol;
-  const int sb = threadIdx.x % Config::kBlocksPerCol;
-  const int64_t c = p.col0 + sc;
-  const int64_t rb = p.row0 / kNvfp4Block + sb;
-  if (c < K && rb * kNvfp4Block < rows) {
-    store8<kVec>(grp.col_data + c * (rows / 2) + rb * (kNvfp4Block / 2), col_codes[sc][sb]);
-    grp.col_scale[c * (rows / kNvfp4Block) + rb] = col_scales[sc][sb];
+    if (!a.columnwise) continue;  // uniform; B1 of the next tile orders the stage's reuse
+
+    // ---- (2) column phase (1D columnwise): codes and scales to the staging area ----
+    if (!a.two_d) {
+      const float s_enc6 = nvfp4_encode_scale(col_amax) * kOneSixth;
+      const float s_dec = nvfp4_decode_scale(col_amax);
+      const int rb = warp;
+      const int64_t rbg = p.row0 / kNvfp4Block + rb;
+#pragma unroll 1
+      for (int u = 0; u < G::kColGroups; ++u) {
+        const int c = u * 32 + lane;
+        const int64_t cg = p.col0 + c;
+        uint2 code = make_uint2(0, 0);
+        uint8_t s_b = 0;
+        if (cg < K && rbg * kNvfp4Block < rows) {
+          float x[kNvfp4Block], v[kNvfp4Block];
+#pragma unroll
+          for (int r = 0; r < kNvfp4Block; ++r)
+            x[r] = tile_elem<In>(stage, rb * kNvfp4Block + r, c);
+          if (a.rht) {
+            rht16_fast<false, kHw>(x, v);  // (skipping the BF16 input rounding here costs spills)
+          } else {
+#pragma unroll
+            for (int r = 0; r < kNvfp4Block; ++r) v[r] = x[r];
+          }
+          float am = 0.0f;
+#pragma unroll
+          for (int r = 0; r < kNvfp4Block; ++r) am = cuda::amax_fast(am, v[r]);
+          s_b = block_scale<kHw>(am, s_enc6);
+          const float rc = nvfp4_block_rcp(s_b, s_dec);
+          Philox4 draw{};
+          if (a.sr)
+            draw = philox_draw(
+                a.seed,
+                a.offset + grp.block_base + static_cast<uint64_t>(cg * (rows / kNvfp4Block) + rbg),
+                kColStream);
+          code = encode16<kHw>(v, rc, a.sr, draw);
+        }
+        *reinterpret_cast<uint2*>(staging + c * G::kColPitch + rb * 8) = code;
+        staging[G::kColScaleOff + c * 8 + rb] = s_b;
+      }
+    }
+    __syncthreads();  // B2: staging complete
+
+    // ---- (3) the transposed copy ----
+    if (a.two_d) {
+      // Thread (8-column group cg, row block rb, half h): an 8x8 nibble transpose of its 8 rows
+      // gives 4 bytes of each of its 8 columns; 16 lanes write a column's 64 bytes.
+      const int h = threadIdx.x & 1;
+      const int rb = (threadIdx.x >> 1) & 7;
+      const int cgrp = threadIdx.x >> 4;
+      const int64_t rbg = p.row0 / kNvfp4Block + rb;
+      if (cgrp < G::kCodeWords && rbg * kNvfp4Block < rows) {
+        const uint32_t* rc = reinterpret_cast<const uint32_t*>(staging);
+        uint32_t w[8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int r = rb * kNvfp4Block + 8 * h + q;
+          w[q] = rc[r * 16 + (cgrp ^ ((r >> 3) % G::kCodeWords))];
+        }
+        transpose_nibbles8x8(w);
+        const uint8_t s_b = staging[G::kTscaleOff + rb * 8 + (cgrp * 8) / kNvfp4Block];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int64_t cgl = p.col0 + cgrp * 8 + j;
+          if (cgl >= K) continue;
+          store_n<kVec, 4>(grp.col_data + cgl * (rows / 2) + rbg * 8 + 4 * h, {w[j]});
+          if ((j >> 2) == h) grp.col_scale[cgl * (rows / kNvfp4Block) + rbg] = s_b;
+        }
+      }
+    } else {
+      // Column c's 8 row blocks: 64 bytes, 4 threads x 16 (or 2 x 8-byte stores).
+      constexpr int kPieces = G::kCols * 4;
+#pragma unroll
+      for (int q = threadIdx.x; q < kPieces; q += Config::kThreads) {
+        const int c = q / 4;
+        const int pc = q % 4;  // row blocks 2pc, 2pc+1
+        const int64_t cg = p.col0 + c;
+        const int64_t rbg = p.row0 / kNvfp4Block + 2 * pc;
+        if (cg >= K || rbg * kNvfp4Block >= rows) continue;
+        const uint2 lo = *reinterpret_cast<const uint2*>(staging + c * G::kColPitch + 16 * pc);
+        const uint2 hi = *reinterpret_cast<const uint2*>(staging + c * G::kColPitch + 16 * pc + 8);
+        uint8_t* dst = grp.col_data + cg * (rows / 2) + rbg * 8;
+        if (kVec && a.col16) {
+          store_n<true, 16>(dst, {lo.x, lo.y, hi.x, hi.y});
+        } else {
+          store_n<kVec, 8>(dst, {lo.x, lo.y});
+          if ((rbg + 1) * kNvfp4Block < rows) store_n<kVec, 8>(dst + 8, {hi.x, hi.y});
+        }
+      }
+      if (threadIdx.x < G::kCols) {
+        const int c = threadIdx.x;
+        const int64_t cg = p.col0 + c;
+        const int64_t rb0 = p.row0 / kNvfp4Block;
+        const int64_t nrb = rows / kNvfp4Block;
+        if (cg < K) {
+          uint8_t* dst = grp.col_scale + cg * nrb + rb0;
+          const uint8_t* src = staging + G::kColScaleOff + c * 8;
+          if (rb0 + 8 <= nrb && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+            *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+          } else {
+            for (int b = 0; b < 8 && rb0 + b < nrb; ++b) dst[b] = src[b];
+          }
+        }
+      }
+    }
   }
 }
 
-template <typename In, bool kVec>
+template <typename In, bool kVec, bool kHw>
 void launch(CudaBackend& be, const Nvfp4Args& a) {
-  const unsigned grid = a.groups.total_tiles;
-  nvfp4_amax_kernel<In, kVec><<<grid, Config::kThreads, 0, be.stream()>>>(a);
+  constexpr size_t kSmem =
+      static_cast<size_t>(Config::kStages) * Config::kStageBytes + Config::kStagingBytes;
+  auto* amax_plain = &nvfp4_amax_kernel<In, kVec, false, false>;
+  auto* amax_rht = &nvfp4_amax_kernel<In, kVec, true, kHw>;
+  auto* quant = &nvfp4_quantize_kernel<In, kVec, kHw>;
+  // Per instantiation, once: persistent grids of as many CTAs as fit on the device at once.
+  auto per_sm = [](auto* kernel, size_t smem) {
+    if (smem > 48 * 1024)
+      PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int n = 0;
+    PACKMOE_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Config::kThreads, smem));
+    PACKMOE_CHECK(n > 0, "NVFP4 kernel does not fit on an SM");
+    return n;
+  };
+  static const int plain_per_sm = per_sm(amax_plain, 0);
+  static const int rht_per_sm = per_sm(amax_rht, 0);
+  static const int quant_per_sm = per_sm(quant, kSmem);
+  const uint64_t tiles = a.groups.total_tiles;
+  if (tiles == 0) return;
+  const uint64_t sms = static_cast<uint64_t>(be.sm_count());
+  const uint64_t g1 = std::min<uint64_t>(tiles, (a.rht ? rht_per_sm : plain_per_sm) * sms);
+  if (a.rht)
+    amax_rht<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
+  else
+    amax_plain<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  nvfp4_quantize_kernel<In, kVec><<<grid, Config::kThreads, 0, be.stream()>>>(a);
+  const uint64_t g2 = std::min<uint64_t>(tiles, quant_per_sm * sms);
+  quant<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
+}
+
+template <typename In>
+void dispatch(CudaBackend& be, const Nvfp4Args& a, bool vec, bool hw) {
+  if (hw)
+    vec ? launch<In, true, true>(be, a) : launch<In, false, true>(be, a);
+  else
+    vec ? launch<In, true, false>(be, a) : launch<In, false, false>(be, a);
 }
 
 }  // namespace
@@ -384,9 +740,10 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
   PACKMOE_RETURN_IF_ERROR(validate_nvfp4(in, cfg, out));
   const int64_t K = in.cols;
   const int64_t G = in.groups();
+  const int64_t tile_cols = in.dtype == DType::kBF16 ? Geo<uint16_t>::kCols : Geo<float>::kCols;
   Nvfp4Args a{};
   a.cols = K;
-  a.col_tiles = static_cast<uint32_t>((K + Config::kTileCols - 1) / Config::kTileCols);
+  a.col_tiles = static_cast<uint32_t>((K + tile_cols - 1) / tile_cols);
   a.rowwise = cfg.rowwise;
   a.columnwise = cfg.columnwise;
   a.two_d = cfg.two_d;
@@ -397,7 +754,7 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
   a.row_amax = static_cast<float*>(out.row_amax);
   a.col_amax = static_cast<float*>(out.col_amax);
 
-  bool vec = true;
+  bool vec = true, col16 = true;
   std::vector<Nvfp4Group> groups(G);
   uint64_t tiles = 0, base = 0;
   for (int64_t g = 0; g < G; ++g) {
@@ -414,16 +771,19 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
     if (d.rows == 0) continue;
     vec =
         vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) && cuda::aligned16(d.col_data);
-    tiles +=
-        static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) * a.col_tiles;
+    col16 = col16 && d.rows % 32 == 0;
+    tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) *
+             a.col_tiles;
   }
+  a.col16 = col16;
   a.groups = cuda::make_group_table<Nvfp4Group, Config::kInlineGroups>(be, groups, tiles);
   a.amax_ws = static_cast<float*>(be.workspace(2 * G * sizeof(float)));
   be.fill_zero(a.amax_ws, 2 * G * sizeof(float));
+  const bool hw = cuda_nvfp4_fast_codecs_ok(be);
   if (in.dtype == DType::kBF16)
-    vec ? launch<uint16_t, true>(be, a) : launch<uint16_t, false>(be, a);
+    dispatch<uint16_t>(be, a, vec, hw);
   else
-    vec ? launch<float, true>(be, a) : launch<float, false>(be, a);
+    dispatch<float>(be, a, vec, hw);
   return Status::ok();
 }
 

@@ -1,0 +1,786 @@
+// Grouped GEMM on CUDA, first version: every operand becomes BF16 (MXFP8 and NVFP4 are dequantized
+// EXACTLY, one launch per operand over all groups) and each group is one cuBLASLt matmul with true
+// FP32 accumulation, all on be.stream(). Invariant: a group's algorithm is a function of
+// (op, m_g, N, K, out dtype) only, never of where its pointers live, so a packed (E, N, K) weight
+// and E separate buffers give the same bytes. Host synchronisation: only when `m_device` is given
+// (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
+//
+// The dequantize is this file's bandwidth-oriented BF16 kernel (hardware FP8 -> F16 converts,
+// 4 x 32 elements a thread) when the copies are 16-byte aligned, else the backend's
+// dequantize_mxfp8 / dequantize_nvfp4 (any alignment). Both write the same values: f32_to_bf16 of
+// mxfp8_decode, or of nvfp4_decode with S_dec = 1 (NaN payloads aside); a test checks the GEMM
+// results of both paths are the same bytes.
+//
+// Exactness of the BF16 operands (docs/gemm.md): an MXFP8 value e * 2^(s-127) has at most 4
+// significant bits (E4M3; 3 for E5M2) and fits BF16 exactly unless its lowest bit falls below
+// BF16's smallest subnormal 2^-133, i.e. for scale codes s < 3 (E4M3) or s < 10 (E5M2), which
+// the quantizer gives only blocks with amax below ~2^-116 (E4M3) / ~2^-102 (E5M2); there the
+// dequantize rounds to BF16 (RNE). An NVFP4 block value e2m1 * e4m3 has at most 6
+// significant bits in [2^-10, 2688]: always exact. NVFP4's per-tensor FP32 decode scales are not
+// folded into the operands but applied as alpha[g] = S_dec(lhs)[g] * S_dec(rhs)[g], computed on
+// the device (no host round trip), as a native block-scaled GEMM does. cuBLASLt takes it as a
+// device alpha vector (one entry per output row, all equal) with beta zero or a host beta, so an
+// overwrite never reads the old output (a device-scalar beta of 0 would not promise that: where
+// the vector mode has no algorithm we use it and zero the output first).
+//
+// Determinism. cuBLAS's own heuristic (cublasGemmEx, or cublasLt with the default preference)
+// assumes up to 256-byte pointer alignment and may pick another kernel for a pointer that is only
+// 16-byte aligned (a packed expert at offset g*N*K*2), which can change the FP32 summation
+// order. So we call cublasLt with an algorithm chosen once per shape by the heuristic told that
+// every pointer is exactly kAlignmentBytes (16) aligned, and cache it. Pointers that are not
+// 16-byte aligned (possible only for BF16 operands with odd shapes) are staged through aligned
+// scratch, so they too run the cached algorithm. The reduction-scheme mask allows split-K only
+// with an FP32 workspace reduction (the cublasLt form of CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_
+// REDUCTION); compute type CUBLAS_COMPUTE_32F (no TF32/BF16x9 "fast" modes); a fixed 32 MiB
+// workspace of our own, so nothing depends on a cuBLAS-internal pool.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/grouped_gemm.h"
+#include "core/codecs.h"
+#include "formats/mxfp8.h"
+#include "formats/nvfp4.h"
+
+#define PACKMOE_CUBLAS_CHECK(expr)                                                    \
+  do {                                                                                \
+    cublasStatus_t packmoe_cublas_st_ = (expr);                                       \
+    PACKMOE_CHECK(packmoe_cublas_st_ == CUBLAS_STATUS_SUCCESS,                        \
+                  #expr << ": " << cublasLtGetStatusString(packmoe_cublas_st_));      \
+  } while (0)
+
+namespace packmoe {
+namespace {
+
+struct Config {
+  static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // NVIDIA's advice for sm_90
+  static constexpr uint32_t kAlignmentBytes = 16;  // the one alignment the heuristic is told
+  static constexpr size_t kScratchAlign = 256;     // every scratch matrix starts here
+  static constexpr size_t kGrowQuantum = size_t{2} << 20;
+  static constexpr size_t kMaxPlans = 1 << 14;     // cached (shape -> algorithm) entries
+  static constexpr int kDequantThreads = 256;       // fast dequantize: CTA size,
+  static constexpr int kChunksPerThread = 4;        // chunks per thread,
+  static constexpr int kChunk = 32;                 // elements per chunk
+  static_assert(kScratchAlign % kAlignmentBytes == 0, "scratch must satisfy the heuristic");
+  static_assert(kChunk == kMxfp8Block && kChunk == 2 * kNvfp4Block, "a chunk is whole blocks");
+};
+
+// ---- small kernels ---------------------------------------------------------------------------
+
+__global__ void fill_kernel(float* p, float v, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) p[i] = v;
+}
+
+// alpha[g * rows + i] = S_dec(lhs)[g] * S_dec(rhs)[g] for i < rows: one FP32 multiply, as the
+// block-scaled GEMM's alpha, repeated over the output rows of group g (cuBLASLt's alpha vector).
+__global__ void nvfp4_alpha_kernel(const float* lhs, const float* rhs, float* alpha, int groups,
+                                   int rows) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < static_cast<int64_t>(groups) * rows) {
+    const int g = static_cast<int>(i / rows);
+    alpha[i] = lhs[g] * rhs[g];
+  }
+}
+
+// ---- fast dequantize to BF16 ------------------------------------------------------------------
+// One launch per operand; CTA t belongs to the group with the last tile_begin <= t (empty groups
+// share tile_begin with the next one, so they are never chosen). Values: the FP32 product of the
+// exactly converted element and scale, rounded once to BF16 (cvt.rn.bf16x2.f32, no FTZ), i.e.
+// f32_to_bf16(mxfp8_decode(...)) / f32_to_bf16(nvfp4_decode(..., S_dec = 1)).
+
+struct DequantGroup {
+  const uint8_t* data;
+  const uint8_t* scale;
+  uint32_t* out;       // BF16 pairs
+  int64_t chunks;      // 32-element chunks
+  int64_t cols;        // MXFP8: row length (multiple of 32); NVFP4: number of 16-element blocks
+  uint32_t tile_begin;
+};
+
+__device__ __forceinline__ int find_group(const DequantGroup* t, int count, uint32_t tile) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(&t[mid].tile_begin) <= tile)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ uint4 load_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Two FP8 codes (low byte = first element) -> two exact F16 values (low half = first).
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
+  uint32_t r;
+  const uint16_t h = static_cast<uint16_t>(v);
+  if constexpr (kE5M2)
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(h));
+  else
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
+  return r;
+}
+
+__device__ __forceinline__ float2 f16x2_to_f32x2(uint32_t h) {
+  float lo, hi;
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  return make_float2(lo, hi);
+}
+
+// RNE to BF16, `lo` in the low half.
+__device__ __forceinline__ uint32_t f32x2_to_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ void store64(uint32_t* out, const uint32_t o[16]) {
+  uint4* p = reinterpret_cast<uint4*>(out);
+  p[0] = make_uint4(o[0], o[1], o[2], o[3]);
+  p[1] = make_uint4(o[4], o[5], o[6], o[7]);
+  p[2] = make_uint4(o[8], o[9], o[10], o[11]);
+  p[3] = make_uint4(o[12], o[13], o[14], o[15]);
+}
+
+// MXFP8 (rows, cols) -> BF16. A thread converts kChunksPerThread 32-element chunks (each one
+// row's block), strided by the CTA size so every load and store of a warp is contiguous; all
+// loads are issued before the first conversion.
+template <bool kE5M2, bool kColumnwise>
+__global__ void __launch_bounds__(Config::kDequantThreads)
+    mxfp8_to_bf16_kernel(const DequantGroup* __restrict__ table, int count) {
+  constexpr int T = Config::kDequantThreads, P = Config::kChunksPerThread;
+  const int g = find_group(table, count, blockIdx.x);
+  const DequantGroup& grp = table[g];
+  const int64_t base = static_cast<int64_t>(blockIdx.x - grp.tile_begin) * (T * P) + threadIdx.x;
+  const int64_t cols = grp.cols;
+  uint4 d[P][2], s[P][2];
+  uint8_t code[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t chunk = base + i * T;
+    if (chunk < grp.chunks) {
+      const int64_t first = chunk * Config::kChunk;
+      d[i][0] = load_stream16(grp.data + first);
+      d[i][1] = load_stream16(grp.data + first + 16);
+      if constexpr (kColumnwise) {
+        const int64_t r = first / cols;
+        const uint8_t* sp = grp.scale + (r / kMxfp8Block) * cols + (first - r * cols);
+        s[i][0] = __ldg(reinterpret_cast<const uint4*>(sp));  // (rows / 32, cols)
+        s[i][1] = __ldg(reinterpret_cast<const uint4*>(sp + 16));
+      } else {
+        code[i] = __ldg(grp.scale + chunk);  // (rows, cols / 32): index first / 32
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t chunk = base + i * T;
+    if (chunk >= grp.chunks) break;
+    const uint32_t w[8] = {d[i][0].x, d[i][0].y, d[i][0].z, d[i][0].w,
+                           d[i][1].x, d[i][1].y, d[i][1].z, d[i][1].w};
+    uint32_t o[16];
+    if constexpr (!kColumnwise) {
+      const float sc = e8m0_to_f32(code[i]);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
+        o[j] = f32x2_to_bf16x2(f.x * sc, f.y * sc);
+      }
+    } else {
+      const uint32_t sw[8] = {s[i][0].x, s[i][0].y, s[i][0].z, s[i][0].w,
+                              s[i][1].x, s[i][1].y, s[i][1].z, s[i][1].w};
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
+        const uint32_t sv = sw[j >> 1] >> (16 * (j & 1));
+        o[j] = f32x2_to_bf16x2(f.x * e8m0_to_f32(static_cast<uint8_t>(sv)),
+                               f.y * e8m0_to_f32(static_cast<uint8_t>(sv >> 8)));
+      }
+    }
+    store64(grp.out + chunk * (Config::kChunk / 2), o);
+  }
+}
+
+// NVFP4 blocks (16 elements = 8 bytes + one E4M3 scale each, in stored order) -> BF16 e2m1 * s_b.
+// A chunk is two blocks (the group's last chunk may hold one); chunks are laid out as above.
+__global__ void __launch_bounds__(Config::kDequantThreads)
+    nvfp4_to_bf16_kernel(const DequantGroup* __restrict__ table, int count) {
+  constexpr int T = Config::kDequantThreads, P = Config::kChunksPerThread;
+  const int g = find_group(table, count, blockIdx.x);
+  const DequantGroup& grp = table[g];
+  const int64_t base = static_cast<int64_t>(blockIdx.x - grp.tile_begin) * (T * P) + threadIdx.x;
+  const int64_t blocks = grp.cols;
+  uint4 d[P];
+  uint8_t c0[P], c1[P];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t chunk = base + i * T;
+    if (chunk < grp.chunks) {
+      const int64_t b0 = 2 * chunk;
+      if (b0 + 1 < blocks) {
+        d[i] = load_stream16(grp.data + b0 * 8);
+        c1[i] = __ldg(grp.scale + b0 + 1);
+      } else {
+        const uint2 h = __ldg(reinterpret_cast<const uint2*>(grp.data + b0 * 8));
+        d[i] = make_uint4(h.x, h.y, 0, 0);
+        c1[i] = 0;
+      }
+      c0[i] = __ldg(grp.scale + b0);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int64_t chunk = base + i * T;
+    if (chunk >= grp.chunks) break;
+    const int64_t b0 = 2 * chunk;
+    const bool two = b0 + 1 < blocks;
+    const uint32_t w[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
+    const float s0 = e4m3_to_f32(c0[i]), s1 = e4m3_to_f32(c1[i]);
+    uint32_t o[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
+      const uint8_t byte = static_cast<uint8_t>(w[j >> 2] >> (8 * (j & 3)));
+      const float sc = j < 8 ? s0 : s1;
+      o[j] = f32x2_to_bf16x2(e2m1_to_f32(byte & 0xF) * sc, e2m1_to_f32(byte >> 4) * sc);
+    }
+    uint4* p = reinterpret_cast<uint4*>(grp.out + b0 * 8);
+    p[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    p[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    if (two) {
+      p[2] = make_uint4(o[8], o[9], o[10], o[11]);
+      p[3] = make_uint4(o[12], o[13], o[14], o[15]);
+    }
+  }
+}
+
+// ---- per-backend state -------------------------------------------------------------------------
+
+// A device buffer that only grows; growing waits for queued work that may still read the old one.
+class GrowBuffer {
+ public:
+  void* get(CudaBackend& be, size_t bytes) {
+    if (bytes > bytes_) {
+      be.synchronize();
+      if (ptr_) PACKMOE_CUDA_CHECK(cudaFree(ptr_));
+      bytes_ = (bytes + Config::kGrowQuantum - 1) / Config::kGrowQuantum * Config::kGrowQuantum;
+      PACKMOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes_));
+      grown_ = true;
+    }
+    return ptr_;
+  }
+  // True once after each growth (the caller re-initialises the contents).
+  bool take_grown() { return std::exchange(grown_, false); }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  bool grown_ = false;
+};
+
+// How alpha and beta reach cuBLASLt.
+enum class Scaling : int {
+  kHost = 0,             // alpha = 1, beta = 0 or 1, host scalars (BF16, MXFP8)
+  kVectorBetaZero = 1,   // NVFP4 overwrite: device alpha vector, beta zero (C never read)
+  kVectorBetaHost = 2,   // NVFP4 accumulate: device alpha vector, host beta = 1
+};
+
+// One cuBLASLt problem in column-major terms: D (M, Nc) = op(A) (M, Kc) . op(B) (Kc, Nc);
+// (transa, transb, M, Nc, Kc, lda, ldb, ldc, out is BF16, Scaling).
+using PlanKey =
+    std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+  // The vector modes had no algorithm: device scalar alpha/beta instead, and an overwrite zeroes
+  // its output first (beta = 0 from device memory may still read C).
+  bool device_scalar = false;
+};
+
+class GemmState {
+ public:
+  explicit GemmState(CudaBackend& be) {
+    PACKMOE_CUBLAS_CHECK(cublasLtCreate(&lt_));
+    PACKMOE_CUDA_CHECK(cudaMalloc(&cublas_ws_, Config::kCublasWorkspaceBytes));
+    PACKMOE_CUDA_CHECK(cudaMalloc(&consts_, 2 * sizeof(float)));
+    const float c[2] = {0.0f, 1.0f};
+    PACKMOE_CUDA_CHECK(
+        cudaMemcpyAsync(consts_, c, sizeof c, cudaMemcpyHostToDevice, be.stream()));
+    PACKMOE_CUDA_CHECK(cudaStreamSynchronize(be.stream()));  // `c` lives on this frame
+  }
+  // The state lives as long as the process-wide backend (never destroyed).
+
+  std::mutex mu;
+  GrowBuffer scratch;  // dequantized / staged operands and staged outputs
+  GrowBuffer ones;     // (G,) 1.0f: NVFP4 decode scales for dequantizing e2m1 * e4m3 only
+  GrowBuffer alpha;    // (G, rows of D) NVFP4 alpha vectors
+
+  cublasLtHandle_t lt() const { return lt_; }
+  void* cublas_workspace() const { return cublas_ws_; }
+  const float* zero() const { return consts_; }
+  const float* one() const { return consts_ + 1; }
+
+  const Plan& plan(const PlanKey& key);
+
+ private:
+  cublasLtHandle_t lt_ = nullptr;
+  void* cublas_ws_ = nullptr;
+  float* consts_ = nullptr;  // {0, 1}
+  std::map<PlanKey, Plan> plans_;
+};
+
+// Creates the descriptors of `key` with alpha/beta passed as `mode`; false when the heuristic has
+// no algorithm for that mode.
+bool make_plan(cublasLtHandle_t lt, const PlanKey& key, cublasLtPointerMode_t mode, Plan& p) {
+  const auto [ta, tb, M, Nc, Kc, lda, ldb, ldc, out_bf16, scaling] = key;
+  const cublasOperation_t op_a = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
+                                                      sizeof op_a));
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                                      sizeof op_b));
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
+                                                      &mode, sizeof mode));
+  // Stored (pre-op) column-major shapes.
+  PACKMOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, ta ? Kc : M, ta ? M : Kc, lda));
+  PACKMOE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, tb ? Nc : Kc, tb ? Kc : Nc, ldb));
+  PACKMOE_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&p.c, out_bf16 ? CUDA_R_16BF : CUDA_R_32F, M, Nc, ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = Config::kCublasWorkspaceBytes;
+  // Split-K only with an FP32 (compute type) reduction: no partial sums rounded to BF16.
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  const uint32_t align = Config::kAlignmentBytes;
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  PACKMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction, sizeof reduction));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    PACKMOE_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    cublasLtMatmulDescDestroy(p.desc);
+    p = Plan{};
+    return false;
+  }
+  p.algo = result.algo;
+  p.workspace = result.workspaceSize;
+  return true;
+}
+
+const Plan& GemmState::plan(const PlanKey& key) {
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return it->second;
+  if (plans_.size() >= Config::kMaxPlans) {
+    // Shapes are per expert token count; a long run with ever-new counts must not grow forever.
+    for (auto& [k, p] : plans_) {
+      cublasLtMatrixLayoutDestroy(p.a);
+      cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.c);
+      cublasLtMatmulDescDestroy(p.desc);
+    }
+    plans_.clear();
+  }
+  const auto scaling = static_cast<Scaling>(std::get<9>(key));
+  Plan p;
+  bool ok = false;
+  switch (scaling) {
+    case Scaling::kHost: ok = make_plan(lt_, key, CUBLASLT_POINTER_MODE_HOST, p); break;
+    case Scaling::kVectorBetaZero:
+      ok = make_plan(lt_, key, CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO, p);
+      break;
+    case Scaling::kVectorBetaHost:
+      ok = make_plan(lt_, key, CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_HOST, p);
+      break;
+  }
+  if (!ok && scaling != Scaling::kHost) {
+    ok = make_plan(lt_, key, CUBLASLT_POINTER_MODE_DEVICE, p);
+    p.device_scalar = true;
+  }
+  PACKMOE_CHECK(ok, "cuBLASLt has no algorithm for D(" << std::get<2>(key) << ", "
+                                                       << std::get<3>(key) << ") = op(A) op(B), K = "
+                                                       << std::get<4>(key) << ", trans "
+                                                       << std::get<0>(key) << std::get<1>(key));
+  return plans_.emplace(key, p).first->second;
+}
+
+GemmState& state_of(CudaBackend& be) {
+  static std::mutex mu;
+  static auto* states = new std::map<CudaBackend*, std::unique_ptr<GemmState>>();  // leaked
+  std::lock_guard<std::mutex> lock(mu);
+  auto& s = (*states)[&be];
+  if (!s) s = std::make_unique<GemmState>(be);
+  return *s;
+}
+
+// ---- operand geometry ------------------------------------------------------------------------
+
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+bool aligned(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) % Config::kAlignmentBytes) == 0;
+}
+
+// The stored copy an operand of `op` reads (table in backend/grouped_gemm.h), as the row-major
+// BF16 (rows, cols) matrix it dequantizes to. `transposed`: the NVFP4 columnwise copies, stored
+// as the transpose of the logical matrix.
+struct Stored {
+  int64_t rows = 0, cols = 0;
+  bool columnwise = false;  // MXFP8 columnwise scales
+  bool transposed = false;
+};
+
+Stored stored_of(GemmOp op, OperandFormat f, bool is_lhs, int64_t m, int64_t n, int64_t k) {
+  int64_t lr = 0, lc = 0;  // logical shape
+  bool reduce_rows = false;
+  switch (op) {
+    case GemmOp::kFprop:
+      lr = is_lhs ? m : n;  // X (m, K) | W (N, K)
+      lc = k;
+      break;
+    case GemmOp::kDgrad:
+      lr = is_lhs ? m : n;  // dY (m, N) | W (N, K)
+      lc = is_lhs ? n : k;
+      reduce_rows = !is_lhs;
+      break;
+    case GemmOp::kWgrad:
+      lr = m;  // dY (m, N) | X (m, K)
+      lc = is_lhs ? n : k;
+      reduce_rows = true;
+      break;
+  }
+  Stored s{lr, lc, false, false};
+  if (reduce_rows && f == OperandFormat::kMxfp8) s.columnwise = true;
+  if (reduce_rows && f == OperandFormat::kNvfp4) s = Stored{lc, lr, false, true};
+  return s;
+}
+
+// One operand after preparation: per group a 16-byte aligned row-major BF16 matrix.
+struct Prepared {
+  std::vector<const void*> ptr;
+  std::vector<Stored> shape;
+};
+
+// Fills `dst` (scratch, 256-byte aligned per group) with the BF16 form of operand `o`: one
+// dequantize launch for a quantized operand, per-group async copies for a BF16 operand with a
+// misaligned pointer (rare: only odd shapes), nothing for an aligned BF16 operand. Validity of
+// the quantized pointers was checked by validate_grouped_gemm (non-null for active groups).
+Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
+               const std::vector<Stored>& shape, const std::vector<bool>& active, uint8_t* dst,
+               const std::vector<size_t>& offset, Prepared& out) {
+  const size_t G = shape.size();
+  out.ptr.assign(G, nullptr);
+  out.shape = shape;
+  if (o.format == OperandFormat::kBF16) {
+    bool ok = true;
+    for (size_t g = 0; g < G; ++g)
+      if (active[g] && !aligned(o.data[g])) ok = false;
+    for (size_t g = 0; g < G; ++g) {
+      if (!active[g]) continue;
+      if (ok) {
+        out.ptr[g] = o.data[g];
+      } else {
+        const size_t bytes = static_cast<size_t>(shape[g].rows * shape[g].cols) * 2;
+        PACKMOE_CUDA_CHECK(cudaMemcpyAsync(dst + offset[g], o.data[g], bytes,
+                                           cudaMemcpyDeviceToDevice, be.stream()));
+        out.ptr[g] = dst + offset[g];
+      }
+    }
+    return Status::ok();
+  }
+  std::vector<void*> outs(G, nullptr);
+  for (size_t g = 0; g < G; ++g) {
+    if (!active[g]) continue;
+    if (o.scale[g] == nullptr)
+      return Status::error("grouped_gemm: group " + std::to_string(g) + " has no block scales");
+    outs[g] = dst + offset[g];
+  }
+  for (size_t g = 0; g < G; ++g) out.ptr[g] = outs[g];
+
+  // Fast path: 16-byte aligned copies (and, for MXFP8 columnwise scales, rows of 16 bytes).
+  bool fast = true;
+  for (size_t g = 0; g < G; ++g)
+    if (active[g] && (!aligned(o.data[g]) ||
+                      (shape[g].columnwise && (!aligned(o.scale[g]) || shape[g].cols % 16))))
+      fast = false;
+  if (fast) {
+    std::vector<DequantGroup> table(G);
+    uint64_t tiles = 0;
+    for (size_t g = 0; g < G; ++g) {
+      DequantGroup& d = table[g];
+      d.data = static_cast<const uint8_t*>(o.data[g]);
+      d.scale = static_cast<const uint8_t*>(o.scale[g]);
+      d.out = static_cast<uint32_t*>(outs[g]);
+      d.tile_begin = static_cast<uint32_t>(tiles);
+      const int64_t elems = active[g] ? shape[g].rows * shape[g].cols : 0;
+      d.chunks = (elems + Config::kChunk - 1) / Config::kChunk;
+      d.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : elems / kNvfp4Block;
+      const int64_t per_tile = Config::kDequantThreads * Config::kChunksPerThread;
+      tiles += (d.chunks + per_tile - 1) / per_tile;
+    }
+    PACKMOE_CHECK(tiles < (1ull << 31), "dequantize grid of " << tiles << " CTAs");
+    if (tiles == 0) return Status::ok();
+    const auto* dt = static_cast<const DequantGroup*>(be.upload(table.data(), G * sizeof(DequantGroup)));
+    const int n = static_cast<int>(G);
+    const unsigned grid = static_cast<unsigned>(tiles);
+    constexpr int T = Config::kDequantThreads;
+    if (o.format == OperandFormat::kNvfp4) {
+      nvfp4_to_bf16_kernel<<<grid, T, 0, be.stream()>>>(dt, n);
+    } else {
+      const bool e5 = o.element == DType::kE5M2, col = shape[0].columnwise;
+      if (e5 && col) mxfp8_to_bf16_kernel<true, true><<<grid, T, 0, be.stream()>>>(dt, n);
+      if (e5 && !col) mxfp8_to_bf16_kernel<true, false><<<grid, T, 0, be.stream()>>>(dt, n);
+      if (!e5 && col) mxfp8_to_bf16_kernel<false, true><<<grid, T, 0, be.stream()>>>(dt, n);
+      if (!e5 && !col) mxfp8_to_bf16_kernel<false, false><<<grid, T, 0, be.stream()>>>(dt, n);
+    }
+    PACKMOE_CUDA_CHECK_LAUNCH();
+    return Status::ok();
+  }
+
+  // Fallback: the backend's grouped dequantize kernels (any alignment).
+  if (o.format == OperandFormat::kMxfp8) {
+    Mxfp8Copy q;
+    q.element = o.element;
+    q.columnwise = shape[0].columnwise;
+    q.cols = shape[0].cols;
+    for (size_t g = 0; g < G; ++g) {
+      PACKMOE_CHECK(shape[g].cols == q.cols, "MXFP8 copies share their column count");
+      q.rows.push_back(active[g] ? shape[g].rows : 0);
+      q.data.push_back(active[g] ? o.data[g] : nullptr);
+      q.scale.push_back(active[g] ? o.scale[g] : nullptr);
+    }
+    PACKMOE_RETURN_IF_ERROR(be.dequantize_mxfp8(q, DType::kBF16, outs));
+  } else {
+    // Every NVFP4 copy is a row-major sequence of 16-element blocks with one scale byte each, so
+    // group g is viewed as (rows * cols / 16, 16): one launch even when the stored row length
+    // differs per group (the wgrad copies are (N, m_g) and (K, m_g)). Decode scale 1: the
+    // operand holds e2m1 * e4m3 exactly; S_dec goes into alpha.
+    Nvfp4Copy q;
+    q.cols = kNvfp4Block;
+    for (size_t g = 0; g < G; ++g) {
+      q.rows.push_back(active[g] ? shape[g].rows * shape[g].cols / kNvfp4Block : 0);
+      q.data.push_back(active[g] ? o.data[g] : nullptr);
+      q.scale.push_back(active[g] ? o.scale[g] : nullptr);
+    }
+    float* ones = static_cast<float*>(st.ones.get(be, G * sizeof(float)));
+    if (st.ones.take_grown()) {
+      // Filled up to its (rounded-up) capacity, so later calls with more groups see ones too.
+      const int n = static_cast<int>(round_up(G * sizeof(float), Config::kGrowQuantum) / 4);
+      fill_kernel<<<(n + 255) / 256, 256, 0, be.stream()>>>(ones, 1.0f, n);
+      PACKMOE_CUDA_CHECK_LAUNCH();
+    }
+    q.decode_scale = ones;
+    PACKMOE_RETURN_IF_ERROR(be.dequantize_nvfp4(q, DType::kBF16, outs));
+  }
+  return Status::ok();
+}
+
+// ---- the cuBLASLt implementation -----------------------------------------------------------
+
+Status run_cublas(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
+                  const std::vector<int64_t>& m) {
+  const size_t G = m.size();
+  const int64_t N = a.n, K = a.k;
+  const OperandFormat f = a.lhs.format;
+  const bool out_bf16 = a.out_dtype == DType::kBF16;
+  const size_t out_elem = out_bf16 ? 2 : 4;
+  cudaStream_t s = be.stream();
+
+  std::vector<bool> active(G);
+  bool any = false;
+  for (size_t g = 0; g < G; ++g) any |= (active[g] = m[g] > 0);
+
+  // wgrad groups without tokens: zeros when overwriting, untouched when accumulating.
+  if (a.op == GemmOp::kWgrad && !a.accumulate)
+    for (size_t g = 0; g < G; ++g)
+      if (!active[g])
+        PACKMOE_CUDA_CHECK(cudaMemsetAsync(a.out[g], 0, static_cast<size_t>(N * K) * out_elem, s));
+  if (!any) return Status::ok();
+
+  // Scratch layout: [lhs groups][rhs groups][staged outputs], each matrix 256-byte aligned.
+  std::vector<Stored> lhs_shape(G), rhs_shape(G);
+  std::vector<size_t> lhs_off(G, 0), rhs_off(G, 0), out_off(G, 0);
+  auto out_rows = [&](size_t g) { return a.op == GemmOp::kWgrad ? N : m[g]; };
+  auto out_cols = [&]() { return a.op == GemmOp::kFprop ? N : K; };
+  bool stage_out = false;
+  for (size_t g = 0; g < G; ++g) {
+    lhs_shape[g] = stored_of(a.op, f, true, m[g], N, K);
+    rhs_shape[g] = stored_of(a.op, f, false, m[g], N, K);
+    if (active[g] && !aligned(a.out[g])) stage_out = true;
+  }
+  auto need = [&](const GemmOperand& o) {
+    if (o.format != OperandFormat::kBF16) return true;
+    for (size_t g = 0; g < G; ++g)
+      if (active[g] && !aligned(o.data[g])) return true;
+    return false;
+  };
+  const bool lhs_scratch = need(a.lhs), rhs_scratch = need(a.rhs);
+  size_t total = 0;
+  auto layout = [&](bool use, const std::vector<Stored>& sh, std::vector<size_t>& off, size_t el) {
+    if (!use) return;
+    for (size_t g = 0; g < G; ++g) {
+      if (!active[g]) continue;
+      off[g] = total;
+      total += round_up(static_cast<size_t>(sh[g].rows * sh[g].cols) * el, Config::kScratchAlign);
+    }
+  };
+  layout(lhs_scratch, lhs_shape, lhs_off, 2);
+  layout(rhs_scratch, rhs_shape, rhs_off, 2);
+  std::vector<Stored> out_shape(G);
+  for (size_t g = 0; g < G; ++g) out_shape[g] = Stored{out_rows(g), out_cols(), false, false};
+  layout(stage_out, out_shape, out_off, out_elem);
+  uint8_t* scratch = total ? static_cast<uint8_t*>(st.scratch.get(be, total)) : nullptr;
+
+  Prepared lhs, rhs;
+  PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs));
+  PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs));
+
+  // Rows of D in cuBLASLt's column-major view (fprop N, dgrad and wgrad K): the alpha vector length.
+  const int64_t d_rows = a.op == GemmOp::kFprop ? N : K;
+  // alpha: 1, or NVFP4's per-group S_dec(lhs) * S_dec(rhs) on the device (no host round trip).
+  const float* alpha_nvfp4 = nullptr;
+  if (f == OperandFormat::kNvfp4) {
+    float* al = static_cast<float*>(st.alpha.get(be, G * d_rows * sizeof(float)));
+    st.alpha.take_grown();
+    const int64_t n = static_cast<int64_t>(G) * d_rows;
+    nvfp4_alpha_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(
+        static_cast<const float*>(a.lhs.decode_scale),
+        static_cast<const float*>(a.rhs.decode_scale), al, static_cast<int>(G),
+        static_cast<int>(d_rows));
+    PACKMOE_CUDA_CHECK_LAUNCH();
+    alpha_nvfp4 = al;
+  }
+  const Scaling scaling = f != OperandFormat::kNvfp4 ? Scaling::kHost
+                          : a.accumulate              ? Scaling::kVectorBetaHost
+                                                      : Scaling::kVectorBetaZero;
+  const float host_one = 1.0f, host_zero = 0.0f;
+
+  // Outputs: the caller's pointers, or aligned scratch copied back after the GEMMs.
+  std::vector<void*> out(G, nullptr);
+  for (size_t g = 0; g < G; ++g) {
+    if (!active[g]) continue;
+    const size_t bytes = static_cast<size_t>(out_rows(g) * out_cols()) * out_elem;
+    out[g] = stage_out ? scratch + out_off[g] : a.out[g];
+    if (stage_out && a.accumulate)
+      PACKMOE_CUDA_CHECK(cudaMemcpyAsync(out[g], a.out[g], bytes, cudaMemcpyDeviceToDevice, s));
+  }
+
+  // Column-major view of our row-major matrices: a stored row-major (r, c) matrix is the
+  // column-major (c, r) matrix with leading dimension c. Per op, D (M, Nc) = op(A) op(B):
+  //   fprop  Y^T (N, m)  = W (N,K)        [stored (N,K): T]   . X^T  [stored (m,K): N]
+  //   dgrad  dX^T (K, m) = W^T (K,N)      [(N,K): N | NVFP4 (K,N): T] . dY^T [(m,N): N]
+  //   wgrad  dW^T (K, N) = X^T (K,m)      [(m,K): N | NVFP4 (K,m): T] . dY   [(m,N): T | (N,m): N]
+  for (size_t g = 0; g < G; ++g) {
+    if (!active[g]) continue;
+    const Stored& sa = rhs.shape[g];  // A is always the rhs (W or X)
+    const Stored& sb = lhs.shape[g];  // B is always the lhs (X or dY)
+    int64_t M = 0, Nc = 0, Kc = 0;
+    bool ta = false, tb = false;
+    switch (a.op) {
+      case GemmOp::kFprop:
+        M = N, Nc = m[g], Kc = K, ta = true, tb = false;
+        break;
+      case GemmOp::kDgrad:
+        M = K, Nc = m[g], Kc = N, ta = sa.transposed, tb = false;
+        break;
+      case GemmOp::kWgrad:
+        M = K, Nc = N, Kc = m[g], ta = sa.transposed, tb = !sb.transposed;
+        break;
+    }
+    const PlanKey key{ta, tb, M, Nc, Kc, sa.cols, sb.cols, M, out_bf16 ? 1 : 0,
+                      static_cast<int>(scaling)};
+    const Plan& p = st.plan(key);
+    const void* alpha = &host_one;
+    const void* beta = a.accumulate ? &host_one : &host_zero;
+    if (alpha_nvfp4) {
+      alpha = alpha_nvfp4 + g * d_rows;  // vector, or its first entry as a device scalar
+      if (p.device_scalar) {
+        beta = a.accumulate ? st.one() : st.zero();
+        if (!a.accumulate)
+          PACKMOE_CUDA_CHECK(cudaMemsetAsync(
+              out[g], 0, static_cast<size_t>(out_rows(g) * out_cols()) * out_elem, s));
+      }  // else: the vector modes take beta from the host (1) or as zero (C is not read)
+    }
+    PACKMOE_CUBLAS_CHECK(cublasLtMatmul(st.lt(), p.desc, alpha, rhs.ptr[g], p.a, lhs.ptr[g], p.b,
+                                        beta, out[g], p.c, out[g], p.c, &p.algo,
+                                        st.cublas_workspace(), p.workspace, s));
+  }
+
+  if (stage_out)
+    for (size_t g = 0; g < G; ++g)
+      if (active[g])
+        PACKMOE_CUDA_CHECK(cudaMemcpyAsync(
+            a.out[g], out[g], static_cast<size_t>(out_rows(g) * out_cols()) * out_elem,
+            cudaMemcpyDeviceToDevice, s));
+  return Status::ok();
+}
+
+// The implementations behind the one entry point. A custom sm_90 kernel (grouped_gemm_sm90.cu)
+// joins here, chosen by format / shape; cuBLASLt stays the fallback and the baseline.
+enum class Impl { kCublasLt };
+
+Impl choose_impl(const GroupedGemmArgs&, const std::vector<int64_t>&) { return Impl::kCublasLt; }
+
+}  // namespace
+
+Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args) {
+  if (args.m.empty() == (args.m_device == nullptr))
+    return Status::error("grouped_gemm: give the token counts either on the host (m) or on the "
+                         "device (m_device), exactly one");
+  std::vector<int64_t> m = args.m;
+  if (args.m_device != nullptr) {
+    if (args.groups <= 0)
+      return Status::error("grouped_gemm: m_device needs the group count (groups > 0)");
+    m.resize(static_cast<size_t>(args.groups));
+    // The one host synchronisation of this op: the per-group shapes drive host-side cuBLAS calls.
+    be.copy(m.data(), args.m_device, m.size() * sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
+  } else if (args.groups != 0 && args.groups != static_cast<int64_t>(m.size())) {
+    return Status::error("grouped_gemm: groups = " + std::to_string(args.groups) + " but m has " +
+                         std::to_string(m.size()) + " entries");
+  }
+  PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, m));
+  GemmState& st = state_of(be);
+  std::lock_guard<std::mutex> lock(st.mu);
+  switch (choose_impl(args, m)) {
+    case Impl::kCublasLt: return run_cublas(be, st, args, m);
+  }
+  return Status::error("grouped_gemm: no implementation");
+}
+
+}  // namespace packmoe

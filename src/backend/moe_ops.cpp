@@ -1,0 +1,207 @@
+// Argument checks of the MoE non-GEMM ops, shared by every backend, and the host routing plan
+// (backend/moe_ops.h). Checks read only the structs, never the memory they point to.
+#include "backend/moe_ops.h"
+
+#include <climits>
+#include <string>
+
+namespace packmoe {
+namespace {
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+bool is_f32_or_bf16(DType t) { return t == DType::kF32 || t == DType::kBF16; }
+
+// T, E, k of the router-side ops. The 2^24 bound keeps token counts exact in FP32 (aux loss).
+Status check_router_dims(const char* op, int64_t tokens, int64_t experts, int64_t top_k) {
+  const std::string ctx = std::string(op) + ": ";
+  if (tokens <= 0) return Status::error(ctx + "T (tokens) must be positive, got " + num(tokens));
+  if (tokens >= (int64_t{1} << 24))
+    return Status::error(ctx + "T = " + num(tokens) + " tokens, at most 2^24 - 1 per call");
+  if (experts <= 0) return Status::error(ctx + "E (experts) must be positive, got " + num(experts));
+  if (experts > INT32_MAX) return Status::error(ctx + "E = " + num(experts) + " exceeds int32");
+  if (top_k <= 0) return Status::error(ctx + "k (top-k) must be positive, got " + num(top_k));
+  if (top_k > experts)
+    return Status::error(ctx + "k = " + num(top_k) + " exceeds E = " + num(experts) + " experts");
+  return Status::ok();
+}
+
+// T, H, k, M of the row-side ops: every (t, j) pair owns one row, so M >= T * k.
+Status check_row_dims(const char* op, int64_t tokens, int64_t hidden, int64_t top_k, int64_t rows) {
+  const std::string ctx = std::string(op) + ": ";
+  if (tokens <= 0) return Status::error(ctx + "T (tokens) must be positive, got " + num(tokens));
+  if (hidden <= 0) return Status::error(ctx + "H (hidden) must be positive, got " + num(hidden));
+  if (top_k <= 0) return Status::error(ctx + "k (top-k) must be positive, got " + num(top_k));
+  if (tokens > INT32_MAX / top_k)
+    return Status::error(ctx + "T * k = " + num(tokens) + " * " + num(top_k) + " exceeds int32");
+  if (rows < tokens * top_k)
+    return Status::error(ctx + "M = " + num(rows) +
+                         " rows cannot hold T * k = " + num(tokens * top_k) + " routed pairs");
+  if (rows > INT32_MAX) return Status::error(ctx + "M = " + num(rows) + " rows exceeds int32");
+  return Status::ok();
+}
+
+Status check_ptr(const char* op, const void* p, const char* name) {
+  if (p == nullptr) return Status::error(std::string(op) + ": " + name + " is null");
+  return Status::ok();
+}
+
+Status check_dtype(const char* op, DType t, const char* name) {
+  if (!is_f32_or_bf16(t))
+    return Status::error(std::string(op) + ": " + name + " must be f32 or bf16, got " +
+                         std::string(dtype_name(t)));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate_router_topk(const RouterTopkArgs& a) {
+  constexpr const char* op = "router_topk";
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.logits, "logits"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
+  return check_ptr(op, a.w, "w");
+}
+
+Status validate_router_topk_backward(const RouterTopkBackwardArgs& a) {
+  constexpr const char* op = "router_topk_backward";
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dw, "dw"));
+  return check_ptr(op, a.dlogits, "dlogits");
+}
+
+Status validate_aux_loss(const AuxLossArgs& a) {
+  constexpr const char* op = "aux_loss";
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
+  return check_ptr(op, a.aux, "aux");
+}
+
+Status validate_aux_loss_backward(const AuxLossBackwardArgs& a) {
+  constexpr const char* op = "aux_loss_backward";
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
+  return check_ptr(op, a.dlogits, "dlogits");
+}
+
+Status validate_permute(const PermuteArgs& a) {
+  constexpr const char* op = "permute";
+  PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dtype, "x / xp"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_slot, "row_slot"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.x, "x"));
+  return check_ptr(op, a.xp, "xp");
+}
+
+Status validate_permute_backward(const PermuteBackwardArgs& a) {
+  constexpr const char* op = "permute_backward";
+  PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dxp_dtype, "dxp"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dest, "dest"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dxp, "dxp"));
+  return check_ptr(op, a.dx, "dx");
+}
+
+Status validate_swiglu(const SwigluArgs& a) {
+  constexpr const char* op = "swiglu";
+  if (a.rows <= 0 || a.ffn <= 0)
+    return Status::error(std::string(op) + ": M and F must be positive, got M = " + num(a.rows) +
+                         ", F = " + num(a.ffn));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.in_dtype, "in"));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.out_dtype, "out"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.in, "in"));
+  return check_ptr(op, a.out, "out");
+}
+
+Status validate_swiglu_backward(const SwigluBackwardArgs& a) {
+  constexpr const char* op = "swiglu_backward";
+  if (a.rows <= 0 || a.ffn <= 0)
+    return Status::error(std::string(op) + ": M and F must be positive, got M = " + num(a.rows) +
+                         ", F = " + num(a.ffn));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.in_dtype, "in"));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dout_dtype, "dout"));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.din_dtype, "din"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.in, "in"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dout, "dout"));
+  return check_ptr(op, a.din, "din");
+}
+
+Status validate_unpermute(const UnpermuteArgs& a) {
+  constexpr const char* op = "unpermute";
+  PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.yp_dtype, "yp"));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.y_dtype, "y"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dest, "dest"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.w, "w"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.yp, "yp"));
+  return check_ptr(op, a.y, "y");
+}
+
+Status validate_unpermute_backward(const UnpermuteBackwardArgs& a) {
+  constexpr const char* op = "unpermute_backward";
+  PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.yp_dtype, "yp"));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dy_dtype, "dy"));
+  PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dyp_dtype, "dyp"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dest, "dest"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_slot, "row_slot"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.w, "w"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.yp, "yp"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dy, "dy"));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dyp, "dyp"));
+  return check_ptr(op, a.dw, "dw");
+}
+
+Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64_t experts,
+                                       int64_t top_k, int64_t align) {
+  constexpr const char* op = "routing_plan";
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, tokens, experts, top_k));
+  PACKMOE_RETURN_IF_ERROR(check_ptr(op, idx, "idx"));
+  if (align <= 0 || align > INT32_MAX)
+    return Status::error(std::string(op) + ": align must be in [1, 2^31) (1 for bf16, 32 for " +
+                         "mxfp8, 16 for nvfp4), got " + num(align));
+
+  RoutingPlan p;
+  p.tokens = tokens;
+  p.experts = experts;
+  p.top_k = top_k;
+  p.align = align;
+  const int64_t slots = tokens * top_k;  // < 2^24 * 2^31: no int64 overflow
+  p.counts.assign(experts, 0);
+  for (int64_t i = 0; i < slots; ++i) {
+    const int32_t e = idx[i];
+    if (e < 0 || e >= experts)
+      return Status::error(std::string(op) + ": idx[" + num(i / top_k) + ", " + num(i % top_k) +
+                           "] = " + num(e) + " is not an expert in [0, " + num(experts) + ")");
+    ++p.counts[e];
+  }
+  p.padded_counts.resize(experts);
+  p.offsets.assign(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    p.padded_counts[e] = (p.counts[e] + align - 1) / align * align;
+    p.offsets[e + 1] = p.offsets[e] + p.padded_counts[e];
+    // Checked per expert so the running sum itself cannot overflow.
+    if (p.offsets[e + 1] > INT32_MAX)
+      return Status::error(std::string(op) + ": more than 2^31 - 1 permuted rows (T * k = " +
+                           num(slots) + ", align " + num(align) + "): rows are int32 indices");
+  }
+  p.rows = p.offsets[experts];
+
+  // Walking the pairs in (t, j) order fills each expert's rows in that order: deterministic.
+  std::vector<int64_t> next(p.offsets.begin(), p.offsets.end() - 1);
+  p.dest.resize(slots);
+  p.row_slot.assign(p.rows, -1);
+  for (int64_t i = 0; i < slots; ++i) {
+    const int64_t r = next[idx[i]]++;
+    p.dest[i] = static_cast<int32_t>(r);
+    p.row_slot[r] = static_cast<int32_t>(i);
+  }
+  return p;
+}
+
+}  // namespace packmoe

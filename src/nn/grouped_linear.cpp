@@ -1,0 +1,212 @@
+// GroupedLinear forward / backward: activation quantization (one call over all groups), the three
+// grouped GEMMs, and the wgrad's way into main_grad.
+#include "nn/grouped_linear.h"
+
+#include <numeric>
+
+namespace packmoe {
+namespace {
+
+std::vector<const void*> to_const(const std::vector<void*>& p) { return {p.begin(), p.end()}; }
+
+// Quantizes a (M, C) BF16 activation with rows grouped by m (host counts) into its rowwise and
+// columnwise copies in one call. M == 0 (no tokens for any local expert) gives operands with
+// null pointers that no GEMM reads (every group is empty).
+ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRole role,
+                                     const Tensor& a, const std::vector<int64_t>& m,
+                                     uint64_t sr_offset) {
+  const int64_t rows = a.dim(0), c = a.dim(1);
+  const size_t groups = m.size();
+  const OperandFormat format = operand_format(q.recipe);
+  ActivationCopies out;
+  out.rowwise.format = out.columnwise.format = format;
+
+  if (format == OperandFormat::kBF16) {
+    // A private copy, so the caller may reuse `a` before backward.
+    const DeviceBuffer& copy = out.col_memory.emplace_back(b, a.nbytes());
+    if (a.nbytes()) b.copy(copy.get(), a.data(), a.nbytes(), Backend::CopyKind::kDeviceToDevice);
+    out.columnwise.data = to_const(carve_rows(copy.get(), m, c * 2));
+    out.rowwise = out.columnwise;
+    return out;
+  }
+
+  const bool mx = format == OperandFormat::kMxfp8;
+  const size_t data_bytes_per_row = mx ? c : c / 2;  // per token row, both copies
+  const size_t scale_bytes_per_row = mx ? c / kMxfp8Block : c / kNvfp4Block;
+  void* row_data = out.row_memory.emplace_back(b, rows * data_bytes_per_row).get();    // (M, C)
+  void* row_scale = out.row_memory.emplace_back(b, rows * scale_bytes_per_row).get();  // (M, C/B)
+  // MXFP8 (M, C) and (M/32, C); NVFP4 per group (C, m_g/2) and (C, m_g/16), transposed.
+  void* col_data = out.col_memory.emplace_back(b, rows * data_bytes_per_row).get();
+  void* col_scale = out.col_memory.emplace_back(b, rows * scale_bytes_per_row).get();
+  const std::vector<void*> rd = carve_rows(row_data, m, data_bytes_per_row);
+  const std::vector<void*> rs = carve_rows(row_scale, m, scale_bytes_per_row);
+  const std::vector<void*> cd = carve_rows(col_data, m, data_bytes_per_row);
+  const std::vector<void*> cs = carve_rows(col_scale, m, scale_bytes_per_row);
+  out.rowwise.data = to_const(rd);
+  out.rowwise.scale = to_const(rs);
+  out.columnwise.data = to_const(cd);
+  out.columnwise.scale = to_const(cs);
+
+  GroupedMatrices in;  // G x (m_g, C) BF16
+  in.dtype = DType::kBF16;
+  in.cols = c;
+  in.data = to_const(carve_rows(a.data(), m, c * 2));
+  in.rows = m;
+
+  if (mx) {
+    if (rows) check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), Mxfp8Outputs{rd, rs, cd, cs}),
+                       "activation quantize (mxfp8)");
+    return out;
+  }
+  // NVFP4: per-group amax and decode scales of both copies (the columnwise one after the RHT).
+  const size_t scalar_bytes = groups * sizeof(float);
+  void* row_amax = out.row_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32
+  void* row_decode = out.row_memory.emplace_back(b, scalar_bytes).get();  // (G,) F32
+  void* col_amax = out.col_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32
+  void* col_decode = out.col_memory.emplace_back(b, scalar_bytes).get();  // (G,) F32
+  out.rowwise.decode_scale = row_decode;
+  out.columnwise.decode_scale = col_decode;
+  if (!rows) {  // nothing to quantize; the GEMMs read no decode scale, but they must exist
+    b.fill_zero(row_decode, scalar_bytes);
+    b.fill_zero(col_decode, scalar_bytes);
+    return out;
+  }
+  Nvfp4Outputs o;
+  o.row_data = rd;
+  o.row_scale = rs;
+  o.row_amax = row_amax;
+  o.col_data = cd;
+  o.col_scale = cs;
+  o.col_amax = col_amax;
+  check_op(b.quantize_nvfp4(in, nvfp4_config(q, role, sr_offset), o), "activation quantize (nvfp4)");
+  nvfp4_decode_scales(b, row_amax, row_decode, groups);
+  nvfp4_decode_scales(b, col_amax, col_decode, groups);
+  return out;
+}
+
+}  // namespace
+
+void ActivationCopies::release_rowwise() {
+  rowwise = GemmOperand{};
+  row_memory.clear();
+}
+
+GroupedLinear::GroupedLinear(Backend& backend, const GroupedLinearConfig& cfg, const Tensor& init)
+    : backend_(&backend),
+      cfg_(cfg),
+      param_(backend, cfg.recipe, cfg.primary, cfg.layout, init) {
+  PACKMOE_CHECK(cfg.out_dtype == DType::kBF16 || cfg.out_dtype == DType::kF32,
+                "GroupedLinear outputs bf16 or f32");
+}
+
+Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m) {
+  PACKMOE_CHECK(state_ != LinearState::kWgradPending,
+                "forward with a delayed wgrad pending: run backward_dw first, or its gradient is "
+                "lost");
+  const int64_t e = param_.experts(), n = param_.n(), k = param_.k();
+  PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(1) == k,
+                "forward: x must be (M, " << k << ") bf16, got " << shape_string(x.shape()));
+  PACKMOE_CHECK(x.device() == backend_->device(), "forward: x is not in the backend's memory");
+  PACKMOE_CHECK(static_cast<int64_t>(m.size()) == e, "forward: " << m.size() << " token counts for "
+                                                                   << e << " experts");
+  const int64_t align = token_alignment(cfg_.recipe.recipe);
+  for (int64_t mg : m)
+    PACKMOE_CHECK(mg >= 0 && mg % align == 0,
+                  "forward: " << mg << " tokens is not a multiple of " << align);
+  const int64_t rows = std::accumulate(m.begin(), m.end(), int64_t{0});
+  PACKMOE_CHECK(rows == x.dim(0), "forward: token counts sum to " << rows << ", x has " << x.dim(0));
+
+  param_.prepare_compute();
+  x_ = quantize_activation(*backend_, cfg_.recipe, TensorRole::kInput, x, m, 0);
+  Tensor y = Tensor::empty(*backend_, cfg_.out_dtype, {rows, n});  // (M, N)
+  GroupedGemmArgs a;
+  a.op = GemmOp::kFprop;
+  a.n = n;
+  a.k = k;
+  a.m = m;
+  a.lhs = x_.rowwise;
+  a.rhs = param_.fprop_weight();
+  a.out_dtype = cfg_.out_dtype;
+  a.out = carve_rows(y.data(), m, dtype_bytes_for(cfg_.out_dtype, n));
+  check_op(backend_->grouped_gemm(a), "fprop");
+  x_.release_rowwise();
+  m_ = m;
+  state_ = LinearState::kForwardDone;
+  return y;
+}
+
+Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
+  PACKMOE_CHECK(state_ == LinearState::kForwardDone,
+                "backward needs a forward first (and runs once per forward)");
+  const int64_t n = param_.n(), k = param_.k();
+  const int64_t rows = std::accumulate(m_.begin(), m_.end(), int64_t{0});
+  PACKMOE_CHECK(dy.dtype() == DType::kBF16 && dy.rank() == 2 && dy.dim(0) == rows && dy.dim(1) == n,
+                "backward: dy must be (" << rows << ", " << n << ") bf16, got "
+                                         << shape_string(dy.shape()));
+  PACKMOE_CHECK(dy.device() == backend_->device(), "backward: dy is not in the backend's memory");
+
+  dy_ = quantize_activation(*backend_, cfg_.recipe, TensorRole::kGradOutput, dy, m_,
+                            grad_sr_offset_);
+  grad_sr_offset_ += static_cast<uint64_t>(rows * n / kNvfp4Block);
+  Tensor dx = Tensor::empty(*backend_, cfg_.out_dtype, {rows, k});  // (M, K)
+  GroupedGemmArgs a;
+  a.op = GemmOp::kDgrad;
+  a.n = n;
+  a.k = k;
+  a.m = m_;
+  a.lhs = dy_.rowwise;
+  a.rhs = param_.dgrad_weight();
+  a.out_dtype = cfg_.out_dtype;
+  a.out = carve_rows(dx.data(), m_, dtype_bytes_for(cfg_.out_dtype, k));
+  check_op(backend_->grouped_gemm(a), "dgrad");
+  dy_.release_rowwise();
+
+  if (cfg_.delay_wgrad) {
+    pending_accum_ = accum;
+    param_.mark_wgrad_pending();
+    state_ = LinearState::kWgradPending;
+  } else {
+    run_wgrad(accum);
+    state_ = LinearState::kIdle;
+  }
+  return dx;
+}
+
+void GroupedLinear::backward_dw() {
+  PACKMOE_CHECK(state_ == LinearState::kWgradPending,
+                "backward_dw without a queued wgrad (a wgrad runs once per backward, and is only "
+                "queued with delay_wgrad)");
+  run_wgrad(pending_accum_);
+  param_.mark_wgrad_settled();
+  state_ = LinearState::kIdle;
+}
+
+void GroupedLinear::run_wgrad(GradAccum accum) {
+  GroupedStorage& main_grad = param_.main_grad_;  // (E, N, K) F32
+  GroupedGemmArgs a;
+  a.op = GemmOp::kWgrad;
+  a.n = param_.n();
+  a.k = param_.k();
+  a.m = m_;
+  a.lhs = dy_.columnwise;
+  a.rhs = x_.columnwise;
+  a.out_dtype = DType::kF32;
+  if (cfg_.grad_accum_fusion) {
+    a.out = main_grad.ptrs();
+    a.accumulate = accum == GradAccum::kAccumulate;
+    check_op(backend_->grouped_gemm(a), "wgrad into main_grad");
+  } else {
+    // The unfused path's separate gradient, in the param's layout (E buffers when discrete).
+    GroupedStorage grad(*backend_, param_.layout(), param_.experts(), main_grad.bytes_per_group());
+    a.out = grad.ptrs();
+    check_op(backend_->grouped_gemm(a), "wgrad");
+    if (accum == GradAccum::kAccumulate)
+      add_f32(main_grad, grad);
+    else
+      main_grad.copy_from(grad);
+  }
+  x_ = ActivationCopies{};
+  dy_ = ActivationCopies{};
+}
+
+}  // namespace packmoe

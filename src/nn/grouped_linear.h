@@ -1,0 +1,92 @@
+// GroupedLinear: per expert g, Y_g (m_g, N) = X_g (m_g, K) . W_g^T over a packed GroupedParam, with
+// explicit forward / backward (no autograd); the wgrad lands in the param's FP32 main_grad.
+// Invariants: each activation is quantized by ONE call over all groups; the layer's state
+// machine (Idle -> ForwardDone -> [WgradPending] -> Idle) makes a lost or doubled wgrad a
+// PACKMOE_CHECK error; both layouts issue identical ops, so their results are bitwise equal.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/device_buffer.h"
+#include "core/tensor.h"
+#include "nn/grouped_param.h"
+#include "nn/recipe.h"
+
+namespace packmoe {
+
+enum class LinearState {
+  kIdle,          // nothing saved
+  kForwardDone,   // X's wgrad copy and the token counts are saved for backward
+  kWgradPending,  // backward ran dgrad; the wgrad is queued for backward_dw (delay_wgrad)
+};
+
+// What the wgrad does to main_grad. kOverwrite is for the first micro-batch of a step (no
+// zero_grad needed); experts without tokens then get zeros.
+enum class GradAccum { kAccumulate, kOverwrite };
+
+struct GroupedLinearConfig {
+  QuantRecipe recipe;
+  PrimaryWeight primary = PrimaryWeight::kHighPrecision;
+  Layout layout = Layout::kSingle;
+  // ON: the wgrad GEMM writes main_grad itself (beta = 1 when accumulating). OFF: it writes a
+  // separate FP32 grad (E, N, K) that is then added (or, for kOverwrite, copied) into main_grad.
+  bool grad_accum_fusion = true;
+  bool delay_wgrad = false;         // backward queues the wgrad; backward_dw() runs it
+  DType out_dtype = DType::kBF16;   // y and dx: kBF16 or kF32
+};
+
+// The copies of one activation (M, C), rows grouped by expert, that the GEMMs read. BF16: one
+// copy of the activation serves both operands.
+struct ActivationCopies {
+  GemmOperand rowwise;     // fprop X / dgrad dY (blocks along C)
+  GemmOperand columnwise;  // wgrad X / dY (blocks along the tokens)
+  std::vector<DeviceBuffer> row_memory;  // what only `rowwise` reads
+  std::vector<DeviceBuffer> col_memory;  // what `columnwise` reads
+
+  // After fprop / dgrad: only the wgrad copy is kept (as TE does).
+  void release_rowwise();
+};
+
+class GroupedLinear {
+ public:
+  // init: (E, N, K) F32 on the host or in `backend`'s memory (GroupedParam keeps it until
+  // create_master()).
+  GroupedLinear(Backend& backend, const GroupedLinearConfig& cfg, const Tensor& init);
+  GroupedLinear(const GroupedLinear&) = delete;
+  GroupedLinear& operator=(const GroupedLinear&) = delete;
+
+  GroupedParam& param() { return param_; }
+  const GroupedParam& param() const { return param_; }
+  const GroupedLinearConfig& config() const { return cfg_; }
+  LinearState state() const { return state_; }
+  // SR offset the next dY quantization uses: it advances by the M * N / 16 blocks each call draws.
+  uint64_t grad_sr_offset() const { return grad_sr_offset_; }
+
+  // x: (M, K) BF16 in the backend's memory, expert g's m[g] rows after expert g-1's; m: (E,) host
+  // token counts, each a multiple of token_alignment(recipe), summing to M. Returns y (M, N) in
+  // out_dtype. Allowed from kIdle and kForwardDone (a forward never followed by backward, e.g. an
+  // eval step, is dropped); with a wgrad pending it would be lost: PACKMOE_CHECK error.
+  Tensor forward(const Tensor& x, const std::vector<int64_t>& m);
+  // dy: (M, N) BF16. Returns dx (M, K) in out_dtype. Runs dgrad, and wgrad now (-> kIdle) or
+  // queued (-> kWgradPending) per delay_wgrad. Only from kForwardDone.
+  Tensor backward(const Tensor& dy, GradAccum accum);
+  // Runs the queued wgrad (-> kIdle). Only from kWgradPending: a second call is a doubled wgrad.
+  void backward_dw();
+
+ private:
+  void run_wgrad(GradAccum accum);
+
+  Backend* backend_;
+  GroupedLinearConfig cfg_;
+  GroupedParam param_;
+  LinearState state_ = LinearState::kIdle;
+  uint64_t grad_sr_offset_ = 0;
+  std::vector<int64_t> m_;  // (E,) token counts of the saved forward
+  ActivationCopies x_;      // X (M, K): columnwise kept for wgrad
+  ActivationCopies dy_;     // dY (M, N): columnwise kept while the wgrad is queued
+  GradAccum pending_accum_ = GradAccum::kAccumulate;
+};
+
+}  // namespace packmoe

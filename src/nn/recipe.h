@@ -1,0 +1,55 @@
+// Precision recipes: which format each GEMM operand of a grouped linear uses and how it is
+// quantized (TransformerEngine defaults, reference/formats-and-grouped-linear.md A.5, B.1).
+// Invariant: every quantizer setting of a layer comes from these functions, so the packed and the
+// discrete layout, and the CPU and CUDA backends, quantize with the same configuration.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/grouped_gemm.h"
+#include "formats/mxfp8.h"
+#include "formats/nvfp4.h"
+
+namespace packmoe {
+
+enum class Recipe { kBF16, kMxfp8, kNvfp4 };
+
+// Where the weight's parameter lives between optimizer steps.
+enum class PrimaryWeight {
+  kHighPrecision,  // BF16 param, quantized for compute at every forward
+  kLowPrecision,   // the quantized bytes ARE the param (no BF16 copy is kept)
+};
+
+// The three tensor roles of a linear layer, each with its own quantizer.
+enum class TensorRole {
+  kWeight,      // W (N, K): fprop rowwise, dgrad columnwise
+  kInput,       // X (M, K): fprop rowwise, wgrad columnwise
+  kGradOutput,  // dY (M, N): dgrad rowwise, wgrad columnwise
+};
+
+struct QuantRecipe {
+  Recipe recipe = Recipe::kBF16;
+  // MXFP8 weights: one E8M0 scale per 32x32 tile instead of 1x32 blocks (TE's
+  // enable_2d_quantization, off by default).
+  bool mxfp8_weight_2d = false;
+  // NVFP4 stochastic rounding of gradients: Philox seed. The offset is advanced by the layer at
+  // every call (formats/nvfp4.h numbers the draws), so no two calls reuse random bits.
+  uint64_t sr_seed = 0;
+};
+
+const char* recipe_name(Recipe r);
+OperandFormat operand_format(Recipe r);
+// Tokens of every group must be a multiple of this (gemm_token_alignment of the format).
+int64_t token_alignment(Recipe r);
+
+// MXFP8: E4M3 for every role, rowwise + columnwise (both copies are always produced: a weight
+// needs both for fprop/dgrad, an activation both for fprop-or-dgrad and wgrad). Only weights
+// may use 2D tiles.
+Mxfp8Config mxfp8_config(const QuantRecipe& q, TensorRole role);
+
+// NVFP4 (reference B.1): weights 2D 16x16 with RNE; inputs 1x16 rowwise + columnwise with the RHT
+// on the columnwise copy; gradients the same plus stochastic rounding of both copies from
+// (q.sr_seed, sr_offset). sr_offset is ignored for the other roles.
+Nvfp4Config nvfp4_config(const QuantRecipe& q, TensorRole role, uint64_t sr_offset);
+
+}  // namespace packmoe

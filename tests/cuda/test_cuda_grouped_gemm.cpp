@@ -1,0 +1,705 @@
+// CUDA grouped GEMM (backend/grouped_gemm.h) against an FP64 reference computed here from the very
+// bytes the GPU reads (operands quantized by the CPU quantizers, decoded in double with
+// core/codecs.h): relative Frobenius error <= 1e-5 for FP32 output. Every case also runs twice,
+// packed operands / host m and per-expert buffers / device m, and the two outputs must be the
+// same bytes; sentinel gaps catch writes outside a group's slice. Skips when no GPU is visible.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/device_buffer.h"
+#include "backend/grouped_gemm.h"
+#include "core/codecs.h"
+#include "formats/mxfp8.h"
+#include "formats/nvfp4.h"
+#include "formats/nvfp4_math.h"
+
+namespace packmoe {
+namespace {
+
+constexpr uint8_t kGap = 0xA5;   // bytes between regions: must survive every call
+constexpr uint8_t kUnset = 0xFF;  // output regions before an overwrite: NaN in F32 and BF16
+constexpr double kTolF32 = 1e-5;
+constexpr double kTolBF16 = 4e-3;  // one BF16 rounding of the output (unit roundoff 2^-8)
+
+Backend* gpu_or_null() {
+  Result<Backend*> b = get_backend(Device::kCUDA);
+  return b.is_ok() ? b.value() : nullptr;
+}
+
+#define SKIP_WITHOUT_GPU()        \
+  Backend* gpu = gpu_or_null();   \
+  if (gpu == nullptr) GTEST_SKIP() << "no usable GPU: " << get_backend(Device::kCUDA).status().message()
+
+// ---- G regions of one device buffer, mirrored on the host --------------------------------------
+
+enum class Placement {
+  kPacked,      // back to back (a packed (E, N, K) weight, carve_rows activations)
+  kDiscrete,    // 256-byte aligned regions with gaps, like per-expert allocations
+  kMisaligned,  // discrete, shifted 2 bytes off 16-byte alignment
+};
+
+class Regions {
+ public:
+  Regions(Backend& gpu, const std::vector<size_t>& bytes, Placement pl) {
+    size_t at = 0;
+    for (size_t b : bytes) {
+      if (pl != Placement::kPacked) at = (at + 64 + 255) / 256 * 256 + (pl == Placement::kMisaligned ? 2 : 0);
+      off_.push_back(at);
+      size_.push_back(b);
+      at += b;
+    }
+    total_ = at + 256;
+    host_.assign(total_, kGap);
+    dev_ = std::make_unique<DeviceBuffer>(gpu, total_);
+  }
+  uint8_t* host(size_t g) { return host_.data() + off_[g]; }
+  size_t size(size_t g) const { return size_[g]; }
+  size_t groups() const { return off_.size(); }
+  void upload() { dev_->upload(host_); }
+  std::vector<uint8_t> download() const { return dev_->download(); }
+  std::vector<void*> ptrs() const {
+    std::vector<void*> p;
+    for (size_t o : off_) p.push_back(static_cast<uint8_t*>(dev_->get()) + o);
+    return p;
+  }
+  std::vector<const void*> cptrs() const {
+    std::vector<const void*> p;
+    for (void* q : ptrs()) p.push_back(q);
+    return p;
+  }
+  // Bytes of `d` (a download) outside every region that differ from what was uploaded.
+  size_t gap_changes(const std::vector<uint8_t>& d) const {
+    std::vector<bool> in(total_, false);
+    for (size_t g = 0; g < off_.size(); ++g)
+      for (size_t i = 0; i < size_[g]; ++i) in[off_[g] + i] = true;
+    size_t bad = 0;
+    for (size_t i = 0; i < total_; ++i)
+      if (!in[i] && d[i] != host_[i]) ++bad;
+    return bad;
+  }
+  const uint8_t* region(const std::vector<uint8_t>& d, size_t g) const { return d.data() + off_[g]; }
+
+ private:
+  std::vector<size_t> off_, size_;
+  size_t total_ = 0;
+  std::vector<uint8_t> host_;
+  std::unique_ptr<DeviceBuffer> dev_;
+};
+
+// ---- operands on the host ------------------------------------------------------------------------
+
+// One stored copy of one operand (the table in backend/grouped_gemm.h), per group.
+struct HostOperand {
+  OperandFormat format = OperandFormat::kBF16;
+  DType element = DType::kE4M3;
+  bool columnwise = false;  // MXFP8 columnwise scales
+  bool transposed = false;  // NVFP4 columnwise copy: stored (lc, lr)
+  std::vector<int64_t> lrows;  // logical shape per group
+  int64_t lcols = 0;
+  std::vector<std::vector<uint8_t>> data, scale;
+  std::vector<float> s_dec;  // NVFP4 per-group decode scale
+
+  // Logical (lrows, lcols) row-major values in double; NVFP4 without S_dec (it is alpha).
+  std::vector<double> decode(size_t g) const {
+    const int64_t lr = lrows[g], lc = lcols;
+    std::vector<double> v(lr * lc);
+    const int64_t sr = transposed ? lc : lr, sc = transposed ? lr : lc;  // stored shape
+    for (int64_t r = 0; r < sr; ++r)
+      for (int64_t c = 0; c < sc; ++c) {
+        double x = 0;
+        const int64_t i = r * sc + c;
+        switch (format) {
+          case OperandFormat::kBF16: {
+            uint16_t h;
+            std::memcpy(&h, data[g].data() + 2 * i, 2);
+            x = bf16_to_f32(h);
+            break;
+          }
+          case OperandFormat::kMxfp8: {
+            const uint8_t s = columnwise ? scale[g][(r / 32) * sc + c] : scale[g][r * (sc / 32) + c / 32];
+            const uint8_t e = data[g][i];
+            const double ev = element == DType::kE5M2 ? e5m2_to_f32(e) : e4m3_to_f32(e);
+            x = s == 0xFF ? NAN : std::ldexp(ev, static_cast<int>(s) - 127);
+            break;
+          }
+          case OperandFormat::kNvfp4: {
+            const uint8_t byte = data[g][i / 2];
+            const uint8_t code = (i % 2) ? (byte >> 4) : (byte & 0xF);
+            const uint8_t s = scale[g][r * (sc / 16) + c / 16];
+            x = static_cast<double>(e2m1_to_f32(code)) * static_cast<double>(e4m3_to_f32(s));
+            break;
+          }
+        }
+        if (transposed)
+          v[c * lc + r] = x;
+        else
+          v[r * lc + c] = x;
+      }
+    return v;
+  }
+};
+
+struct Logical {  // G row-major BF16 matrices (rows_g, cols)
+  std::vector<int64_t> rows;
+  int64_t cols = 0;
+  std::vector<std::vector<uint16_t>> bf16;
+};
+
+// Random BF16 values: normal, each row scaled by 2^e, e in [-3, 3]; groups outside `keep` are zero
+// (the group-slice test). `keep` < 0 keeps all.
+Logical make_logical(const std::vector<int64_t>& rows, int64_t cols, int keep, std::mt19937_64& rng) {
+  Logical l{rows, cols, {}};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t g = 0; g < rows.size(); ++g) {
+    std::vector<uint16_t> v(rows[g] * cols);
+    for (int64_t r = 0; r < rows[g]; ++r) {
+      const int e = static_cast<int>(rng() % 7) - 3;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float x = (keep < 0 || keep == static_cast<int>(g)) ? std::ldexp(normal(rng), e) : 0.0f;
+        v[r * cols + c] = f32_to_bf16(x);
+      }
+    }
+    l.bf16.push_back(std::move(v));
+  }
+  return l;
+}
+
+enum class Role { kWeight, kActivation, kGradient };
+
+struct Recipe {
+  OperandFormat format = OperandFormat::kBF16;
+  DType element = DType::kE4M3;       // MXFP8 element of activations and weights
+  DType grad_element = DType::kE4M3;  // MXFP8 element of dY
+  bool rht = false;                   // NVFP4: RHT on the columnwise (wgrad) copies
+  bool sr = false;                    // NVFP4: stochastic rounding of dY
+  std::string name() const {
+    switch (format) {
+      case OperandFormat::kBF16: return "bf16";
+      case OperandFormat::kMxfp8:
+        return std::string("mxfp8 ") + (element == DType::kE5M2 ? "e5m2" : "e4m3") +
+               (grad_element != element ? "/dY e5m2" : "");
+      case OperandFormat::kNvfp4: return std::string("nvfp4") + (rht ? " rht" : "") + (sr ? "+sr" : "");
+    }
+    return "?";
+  }
+};
+
+// Quantizes `l` with the CPU quantizer and keeps the copy a GEMM reducing over the logical rows
+// (`reduce_rows`) or columns reads.
+HostOperand make_operand(const Logical& l, const Recipe& rc, Role role, bool reduce_rows, uint64_t seed) {
+  HostOperand o;
+  o.format = rc.format;
+  o.lrows = l.rows;
+  o.lcols = l.cols;
+  const size_t G = l.rows.size();
+  GroupedMatrices in;
+  in.dtype = DType::kBF16;
+  in.cols = l.cols;
+  in.rows = l.rows;
+  for (const auto& v : l.bf16) in.data.push_back(v.data());
+  auto alloc = [&](std::vector<std::vector<uint8_t>>& dst, auto bytes_of) {
+    std::vector<void*> p;
+    dst.resize(G);
+    for (size_t g = 0; g < G; ++g) {
+      dst[g].assign(std::max<size_t>(1, bytes_of(g)), 0);
+      p.push_back(dst[g].data());
+    }
+    return p;
+  };
+  switch (rc.format) {
+    case OperandFormat::kBF16:
+      for (const auto& v : l.bf16) {
+        o.data.emplace_back(reinterpret_cast<const uint8_t*>(v.data()),
+                            reinterpret_cast<const uint8_t*>(v.data()) + v.size() * 2);
+      }
+      break;
+    case OperandFormat::kMxfp8: {
+      o.element = role == Role::kGradient ? rc.grad_element : rc.element;
+      o.columnwise = reduce_rows;
+      std::vector<std::vector<uint8_t>> rd, rs, cd, cs;
+      Mxfp8Outputs out;
+      out.row_data = alloc(rd, [&](size_t g) { return l.rows[g] * l.cols; });
+      out.row_scale = alloc(rs, [&](size_t g) { return l.rows[g] * l.cols / 32; });
+      out.col_data = alloc(cd, [&](size_t g) { return l.rows[g] * l.cols; });
+      out.col_scale = alloc(cs, [&](size_t g) { return l.rows[g] * l.cols / 32; });
+      const Mxfp8Config cfg{o.element, true, true, false};
+      const Status s = quantize_mxfp8_cpu(in, cfg, out);
+      EXPECT_TRUE(s.is_ok()) << s.message();
+      o.data = reduce_rows ? cd : rd;
+      o.scale = reduce_rows ? cs : rs;
+      break;
+    }
+    case OperandFormat::kNvfp4: {
+      o.transposed = reduce_rows;
+      std::vector<std::vector<uint8_t>> rd, rs, cd, cs;
+      std::vector<float> ra(G), ca(G);
+      Nvfp4Outputs out;
+      out.row_data = alloc(rd, [&](size_t g) { return l.rows[g] * l.cols / 2; });
+      out.row_scale = alloc(rs, [&](size_t g) { return l.rows[g] * l.cols / 16; });
+      out.col_data = alloc(cd, [&](size_t g) { return l.rows[g] * l.cols / 2; });
+      out.col_scale = alloc(cs, [&](size_t g) { return l.rows[g] * l.cols / 16; });
+      out.row_amax = ra.data();
+      out.col_amax = ca.data();
+      Nvfp4Config cfg;
+      cfg.rowwise = cfg.columnwise = true;
+      cfg.two_d = role == Role::kWeight;
+      cfg.rht = role != Role::kWeight && rc.rht;
+      cfg.stochastic_rounding = role == Role::kGradient && rc.sr;
+      cfg.seed = seed;
+      const Status s = quantize_nvfp4_cpu(in, cfg, out);
+      EXPECT_TRUE(s.is_ok()) << s.message();
+      o.data = reduce_rows ? cd : rd;
+      o.scale = reduce_rows ? cs : rs;
+      for (size_t g = 0; g < G; ++g) o.s_dec.push_back(nvfp4_decode_scale(reduce_rows ? ca[g] : ra[g]));
+      break;
+    }
+  }
+  return o;
+}
+
+// ---- one case ------------------------------------------------------------------------------------
+
+struct Case {
+  GemmOp op = GemmOp::kFprop;
+  Recipe recipe;
+  DType out = DType::kF32;
+  std::vector<int64_t> m;
+  int64_t n = 0, k = 0;
+  bool accumulate = false;
+  int only_group = -1;  // group-slice test: fprop/dgrad weights / wgrad tokens zero elsewhere
+  bool misaligned = false;  // second run with BF16 pointers off 16-byte alignment (staging path)
+  std::string tag;
+};
+
+const char* op_name_of(GemmOp op) {
+  return op == GemmOp::kFprop ? "fprop" : op == GemmOp::kDgrad ? "dgrad" : "wgrad";
+}
+
+// Device copies of one operand in a placement.
+struct DevOperand {
+  std::unique_ptr<Regions> data, scale;
+  std::unique_ptr<DeviceBuffer> s_dec;
+  GemmOperand view;
+};
+
+DevOperand upload_operand(Backend& gpu, const HostOperand& h, Placement pl) {
+  DevOperand d;
+  const size_t G = h.lrows.size();
+  std::vector<size_t> db, sb;
+  for (size_t g = 0; g < G; ++g) {
+    const size_t elems = static_cast<size_t>(h.lrows[g] * h.lcols);
+    db.push_back(h.format == OperandFormat::kBF16 ? 2 * elems
+                 : h.format == OperandFormat::kMxfp8 ? elems : elems / 2);
+    sb.push_back(h.format == OperandFormat::kMxfp8 ? elems / 32 : elems / 16);
+  }
+  d.data = std::make_unique<Regions>(gpu, db, pl);
+  for (size_t g = 0; g < G; ++g)
+    if (db[g]) std::memcpy(d.data->host(g), h.data[g].data(), db[g]);
+  d.data->upload();
+  d.view.format = h.format;
+  d.view.element = h.element;
+  d.view.data = d.data->cptrs();
+  if (h.format != OperandFormat::kBF16) {
+    const Placement spl = pl == Placement::kMisaligned ? Placement::kDiscrete : pl;
+    d.scale = std::make_unique<Regions>(gpu, sb, spl);
+    for (size_t g = 0; g < G; ++g)
+      if (sb[g]) std::memcpy(d.scale->host(g), h.scale[g].data(), sb[g]);
+    d.scale->upload();
+    d.view.scale = d.scale->cptrs();
+  }
+  if (h.format == OperandFormat::kNvfp4) {
+    d.s_dec = std::make_unique<DeviceBuffer>(gpu, G * sizeof(float));
+    std::vector<uint8_t> b(G * sizeof(float));
+    std::memcpy(b.data(), h.s_dec.data(), b.size());
+    d.s_dec->upload(b);
+    d.view.decode_scale = d.s_dec->get();
+  }
+  return d;
+}
+
+struct RunOut {
+  std::vector<std::vector<uint8_t>> regions;  // per group output bytes
+  size_t gap_changes = 0;
+  Status status;
+};
+
+// Runs the case on the GPU with all operands and outputs in `pl`, m on the host or the device.
+RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOperand& rhs,
+               const std::vector<std::vector<uint8_t>>& out_init, Placement pl, bool m_device) {
+  RunOut r;
+  const size_t G = c.m.size();
+  DevOperand dl = upload_operand(gpu, lhs, pl);
+  DevOperand dr = upload_operand(gpu, rhs, pl);
+  std::vector<size_t> ob;
+  for (size_t g = 0; g < G; ++g) ob.push_back(out_init[g].size());
+  Regions out(gpu, ob, pl);
+  for (size_t g = 0; g < G; ++g)
+    if (ob[g]) std::memcpy(out.host(g), out_init[g].data(), ob[g]);
+  out.upload();
+  GroupedGemmArgs a;
+  a.op = c.op;
+  a.n = c.n;
+  a.k = c.k;
+  a.lhs = dl.view;
+  a.rhs = dr.view;
+  a.out_dtype = c.out;
+  a.out = out.ptrs();
+  a.accumulate = c.accumulate;
+  std::unique_ptr<DeviceBuffer> md;
+  if (m_device) {
+    md = std::make_unique<DeviceBuffer>(gpu, G * sizeof(int64_t));
+    std::vector<uint8_t> b(G * sizeof(int64_t));
+    std::memcpy(b.data(), c.m.data(), b.size());
+    md->upload(b);
+    a.m_device = md->get();
+    a.groups = static_cast<int64_t>(G);
+  } else {
+    a.m = c.m;
+  }
+  r.status = gpu.grouped_gemm(a);
+  gpu.synchronize();
+  const std::vector<uint8_t> d = out.download();
+  r.gap_changes = out.gap_changes(d);
+  for (size_t g = 0; g < G; ++g) {
+    const uint8_t* p = out.region(d, g);
+    r.regions.emplace_back(p, p + ob[g]);
+  }
+  return r;
+}
+
+void run_case(Backend& gpu, const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const size_t G = c.m.size();
+  const int64_t N = c.n, K = c.k;
+  const bool wgrad = c.op == GemmOp::kWgrad;
+  const int keep_w = wgrad ? -1 : c.only_group;
+  const int keep_t = wgrad ? c.only_group : -1;
+  // Logical operands: lhs X | dY | dY, rhs W | W | X.
+  const Logical lhs_l = make_logical(c.m, c.op == GemmOp::kFprop ? K : N, keep_t, rng);
+  const Logical rhs_l = wgrad ? make_logical(c.m, K, keep_t, rng)
+                              : make_logical(std::vector<int64_t>(G, N), K, keep_w, rng);
+  const Role lhs_role = c.op == GemmOp::kFprop ? Role::kActivation : Role::kGradient;
+  const Role rhs_role = wgrad ? Role::kActivation : Role::kWeight;
+  const HostOperand lhs = make_operand(lhs_l, c.recipe, lhs_role, wgrad, seed * 3 + 1);
+  const HostOperand rhs = make_operand(rhs_l, c.recipe, rhs_role, c.op != GemmOp::kFprop, seed * 3 + 2);
+
+  // Output shapes and initial contents.
+  const size_t el = c.out == DType::kBF16 ? 2 : 4;
+  auto out_rows = [&](size_t g) { return wgrad ? N : c.m[g]; };
+  const int64_t out_cols = c.op == GemmOp::kFprop ? N : K;
+  std::vector<std::vector<uint8_t>> init(G);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t g = 0; g < G; ++g) {
+    const size_t n = static_cast<size_t>(out_rows(g) * out_cols);
+    init[g].assign(n * el, kUnset);
+    if (c.accumulate)
+      for (size_t i = 0; i < n; ++i) {
+        const float v = normal(rng);
+        std::memcpy(init[g].data() + 4 * i, &v, 4);
+      }
+  }
+
+  // FP64 reference on the decoded operands (NVFP4: alpha = S_dec(lhs) * S_dec(rhs) in double).
+  std::vector<std::vector<double>> ref(G);
+  std::vector<bool> product_zero(G, true);
+  for (size_t g = 0; g < G; ++g) {
+    const int64_t m = c.m[g];
+    const int64_t rows = out_rows(g);
+    ref[g].assign(rows * out_cols, 0.0);
+    if (m > 0) {
+      const std::vector<double> L = lhs.decode(g), R = rhs.decode(g);
+      const double alpha = c.recipe.format == OperandFormat::kNvfp4
+                               ? static_cast<double>(lhs.s_dec[g]) * static_cast<double>(rhs.s_dec[g])
+                               : 1.0;
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < out_cols; ++j) {
+          double s = 0;
+          if (c.op == GemmOp::kFprop)
+            for (int64_t t = 0; t < K; ++t) s += L[i * K + t] * R[j * K + t];
+          else if (c.op == GemmOp::kDgrad)
+            for (int64_t t = 0; t < N; ++t) s += L[i * N + t] * R[t * K + j];
+          else
+            for (int64_t t = 0; t < m; ++t) s += L[t * N + i] * R[t * K + j];
+          ref[g][i * out_cols + j] = alpha * s;
+          if (s != 0) product_zero[g] = false;
+        }
+    }
+    if (c.accumulate)
+      for (size_t i = 0; i < ref[g].size(); ++i) {
+        float v;
+        std::memcpy(&v, init[g].data() + 4 * i, 4);
+        ref[g][i] += v;
+      }
+  }
+
+  const Placement second = c.misaligned ? Placement::kMisaligned : Placement::kDiscrete;
+  const RunOut a = run_gpu(gpu, c, lhs, rhs, init, Placement::kPacked, false);
+  const RunOut b = run_gpu(gpu, c, lhs, rhs, init, second, true);
+  ASSERT_TRUE(a.status.is_ok()) << a.status.message();
+  ASSERT_TRUE(b.status.is_ok()) << b.status.message();
+  EXPECT_EQ(a.gap_changes, 0u) << "bytes outside the group slices changed (packed)";
+  EXPECT_EQ(b.gap_changes, 0u) << "bytes outside the group slices changed (discrete)";
+
+  // Packed / host m vs per-expert / device m: the same bytes.
+  size_t differing = 0;
+  for (size_t g = 0; g < G; ++g)
+    if (a.regions[g] != b.regions[g]) ++differing;
+  EXPECT_EQ(differing, 0u) << "groups whose bytes differ between packed and per-expert runs";
+
+  double err2 = 0, ref2 = 0, worst_group = 0;
+  size_t exact_bad = 0;
+  for (size_t g = 0; g < G; ++g) {
+    const size_t n = ref[g].size();
+    double ge = 0, gr = 0;
+    for (size_t i = 0; i < n; ++i) {
+      float v;
+      if (el == 4) {
+        std::memcpy(&v, a.regions[g].data() + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, a.regions[g].data() + 2 * i, 2);
+        v = bf16_to_f32(h);
+      }
+      if (product_zero[g] || c.m[g] == 0) {
+        // Nothing to multiply: exactly zero (overwrite) or exactly the old value (accumulate).
+        const double expect = c.accumulate ? ref[g][i] : 0.0;
+        if (!(static_cast<double>(v) == expect)) ++exact_bad;
+        continue;
+      }
+      const double d = static_cast<double>(v) - ref[g][i];
+      ge += d * d;
+      gr += ref[g][i] * ref[g][i];
+    }
+    err2 += ge;
+    ref2 += gr;
+    if (gr > 0) worst_group = std::max(worst_group, std::sqrt(ge / gr));
+  }
+  const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
+  const double tol = c.out == DType::kBF16 ? kTolBF16 : kTolF32;
+  std::string ms;
+  for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "[gemm cuda] %-5s %-16s out=%-4s N=%-4lld K=%-4lld m={%s}%s%s groups=%zu "
+                "rel_err=%.3e worst_group=%.3e packed==discrete=%s",
+                op_name_of(c.op), c.recipe.name().c_str(), c.out == DType::kBF16 ? "bf16" : "f32",
+                static_cast<long long>(N), static_cast<long long>(K), ms.c_str(),
+                c.accumulate ? " acc" : "", c.tag.c_str(), G, rel, worst_group,
+                differing == 0 ? "yes" : "NO");
+  std::printf("%s\n", line);
+  std::fflush(stdout);
+  EXPECT_LE(rel, tol) << line;
+  EXPECT_LE(worst_group, c.out == DType::kBF16 ? kTolBF16 : 4 * kTolF32) << line;
+  EXPECT_EQ(exact_bad, 0u) << "slices without tokens (or whose product is zero) were written: " << line;
+}
+
+// ---- shapes --------------------------------------------------------------------------------------
+
+struct Shape {
+  std::vector<int64_t> m;
+  int64_t n, k;
+};
+
+// Token counts are multiples of `align` (32 MXFP8, 16 NVFP4, 1 BF16): E = 1, uneven splits with
+// empty groups first, in the middle and last, and a realistic reduction length.
+std::vector<Shape> shapes(int64_t align) {
+  const int64_t a = align == 1 ? 32 : align;
+  std::vector<Shape> s = {
+      {{2 * a}, 64, 96},
+      {{a, 0, 3 * a, 2 * a, 0, 5 * a}, 96, 128},
+      {{0, a, 7 * a, 2 * a, a, 0, 4 * a, 3 * a}, 160, 64},
+      {{8 * a, 0, 4 * a}, 256, 512},
+  };
+  if (align == 1) s.push_back({{1, 0, 7, 33, 5}, 24, 40});  // ragged tokens, odd leading dims
+  if (align == 16) s.push_back({{16, 48, 0, 80}, 48, 80});  // NVFP4: 16-token groups
+  return s;
+}
+
+void run_recipe(Backend& gpu, const Recipe& rc, const std::vector<GemmOp>& ops, uint64_t seed) {
+  const int64_t align = gemm_token_alignment(rc.format);
+  for (GemmOp op : ops)
+    for (DType out : {DType::kF32, DType::kBF16})
+      for (const Shape& sh : shapes(align)) {
+        Case c;
+        c.op = op;
+        c.recipe = rc;
+        c.out = out;
+        c.m = sh.m;
+        c.n = sh.n;
+        c.k = sh.k;
+        run_case(gpu, c, seed++);
+        if (::testing::Test::HasFailure()) return;
+      }
+}
+
+const std::vector<GemmOp> kAllOps = {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad};
+
+// ---- tests ---------------------------------------------------------------------------------------
+
+TEST(CudaGroupedGemm, Bf16) {
+  SKIP_WITHOUT_GPU();
+  run_recipe(*gpu, Recipe{}, kAllOps, 100);
+}
+
+TEST(CudaGroupedGemm, Mxfp8E4m3) {
+  SKIP_WITHOUT_GPU();
+  run_recipe(*gpu, Recipe{OperandFormat::kMxfp8, DType::kE4M3, DType::kE4M3}, kAllOps, 200);
+}
+
+TEST(CudaGroupedGemm, Mxfp8E5m2) {
+  SKIP_WITHOUT_GPU();
+  run_recipe(*gpu, Recipe{OperandFormat::kMxfp8, DType::kE5M2, DType::kE5M2}, kAllOps, 300);
+}
+
+TEST(CudaGroupedGemm, Mxfp8HybridGradE5m2) {
+  SKIP_WITHOUT_GPU();
+  run_recipe(*gpu, Recipe{OperandFormat::kMxfp8, DType::kE4M3, DType::kE5M2},
+             {GemmOp::kDgrad, GemmOp::kWgrad}, 400);
+}
+
+TEST(CudaGroupedGemm, Nvfp4) {
+  SKIP_WITHOUT_GPU();
+  run_recipe(*gpu, Recipe{OperandFormat::kNvfp4}, kAllOps, 500);
+}
+
+TEST(CudaGroupedGemm, Nvfp4RhtSrWgrad) {
+  SKIP_WITHOUT_GPU();
+  Recipe rc{OperandFormat::kNvfp4};
+  rc.rht = rc.sr = true;
+  run_recipe(*gpu, rc, kAllOps, 600);
+}
+
+// wgrad into an FP32 main_grad: accumulate adds, groups without tokens keep their old values.
+TEST(CudaGroupedGemm, WgradAccumulate) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 700;
+  for (const Recipe& rc : {Recipe{}, Recipe{OperandFormat::kMxfp8}, Recipe{OperandFormat::kNvfp4}})
+    for (const Shape& sh : shapes(gemm_token_alignment(rc.format))) {
+      Case c;
+      c.op = GemmOp::kWgrad;
+      c.recipe = rc;
+      c.m = sh.m;
+      c.n = sh.n;
+      c.k = sh.k;
+      c.accumulate = true;
+      run_case(*gpu, c, seed++);
+      if (HasFailure()) return;
+    }
+}
+
+// Each group in turn is the only one with non-zero weights (fprop, dgrad) or tokens (wgrad): every
+// other slice must come out exactly zero (or unchanged when accumulating), so a result written
+// with the wrong expert's weights or into the wrong expert's gradient slice fails.
+TEST(CudaGroupedGemm, GroupSlices) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 800;
+  const std::vector<int64_t> m = {64, 32, 0, 96, 32};
+  for (const Recipe& rc : {Recipe{}, Recipe{OperandFormat::kMxfp8}, Recipe{OperandFormat::kNvfp4}})
+    for (GemmOp op : kAllOps)
+      for (int acc = 0; acc < (op == GemmOp::kWgrad ? 2 : 1); ++acc)
+        for (int j = 0; j < static_cast<int>(m.size()); ++j) {
+          Case c;
+          c.op = op;
+          c.recipe = rc;
+          c.m = m;
+          c.n = 64;
+          c.k = 96;
+          c.accumulate = acc == 1;
+          c.only_group = j;
+          c.tag = " only_group=" + std::to_string(j);
+          run_case(*gpu, c, seed++);
+          if (HasFailure()) return;
+        }
+}
+
+// BF16 operands and outputs off 16-byte alignment are staged through aligned scratch, so they run
+// the same algorithm as aligned pointers: the bytes equal the packed run's.
+TEST(CudaGroupedGemm, MisalignedPointersSameBytes) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 900;
+  for (GemmOp op : kAllOps)
+    for (DType out : {DType::kF32, DType::kBF16})
+      for (const Shape& sh : {Shape{{32, 0, 64, 96}, 64, 128}, Shape{{3, 5, 0, 9}, 5, 7}}) {
+        Case c;
+        c.op = op;
+        c.out = out;
+        c.m = sh.m;
+        c.n = sh.n;
+        c.k = sh.k;
+        c.misaligned = true;
+        c.tag = " misaligned";
+        run_case(*gpu, c, seed++);
+        if (HasFailure()) return;
+      }
+}
+
+// Quantized copies off 16-byte alignment take the backend's dequantize kernels instead of the GEMM's
+// fast BF16 dequantize; the values, hence the bytes of the result, must be the same.
+TEST(CudaGroupedGemm, MisalignedQuantizedSameBytes) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 950;
+  for (const Recipe& rc : {Recipe{OperandFormat::kMxfp8}, Recipe{OperandFormat::kMxfp8, DType::kE5M2, DType::kE5M2},
+                           Recipe{OperandFormat::kNvfp4}})
+    for (GemmOp op : kAllOps) {
+      Case c;
+      c.op = op;
+      c.recipe = rc;
+      c.m = {64, 0, 32, 96};
+      c.n = 96;
+      c.k = 160;
+      c.misaligned = true;
+      c.tag = " misaligned";
+      run_case(*gpu, c, seed++);
+      if (HasFailure()) return;
+    }
+}
+
+// Every group empty: fprop writes nothing, wgrad overwrite writes zeros.
+TEST(CudaGroupedGemm, AllGroupsEmpty) {
+  SKIP_WITHOUT_GPU();
+  for (GemmOp op : kAllOps) {
+    Case c;
+    c.op = op;
+    c.m = {0, 0, 0};
+    c.n = 32;
+    c.k = 64;
+    c.tag = " all-empty";
+    run_case(*gpu, c, 1000 + static_cast<int>(op));
+  }
+}
+
+TEST(CudaGroupedGemm, RejectsBadArguments) {
+  SKIP_WITHOUT_GPU();
+  DeviceBuffer buf(*gpu, 1 << 16);
+  GroupedGemmArgs a;
+  a.n = 32;
+  a.k = 32;
+  a.lhs.data = {buf.get()};
+  a.rhs.data = {buf.get()};
+  a.out = {buf.get()};
+  EXPECT_FALSE(gpu->grouped_gemm(a).is_ok()) << "neither m nor m_device";
+  a.m = {32};
+  a.m_device = buf.get();
+  a.groups = 1;
+  EXPECT_FALSE(gpu->grouped_gemm(a).is_ok()) << "both m and m_device";
+  a.m_device = nullptr;
+  a.groups = 0;
+  a.lhs.format = a.rhs.format = OperandFormat::kMxfp8;
+  a.lhs.scale = a.rhs.scale = {buf.get()};
+  a.m = {16};
+  const Status s = gpu->grouped_gemm(a);
+  EXPECT_FALSE(s.is_ok()) << "16 tokens in an MXFP8 group";
+  std::printf("[gemm cuda] rejects: %s\n", s.message().c_str());
+}
+
+}  // namespace
+}  // namespace packmoe
