@@ -16,6 +16,26 @@
 
 namespace packmoe::cuda {
 
+// Exact unsigned division t / d for t < 2^31 by a multiply and a shift (d >= 1): with
+// s = 31 + ceil(log2 d) and m = ceil(2^s / d) < 2^32, t * m / 2^s = t / d + t * e / (d * 2^s) with
+// e = m * d - 2^s < d, and t * e < 2^31 * 2^ceil(log2 d) = 2^s keeps the floor exact. A hardware
+// 32-bit division is ~20 instructions; kernels divide tile indices once or twice per tile.
+struct FastDiv {
+  uint32_t d = 1;
+  uint32_t m = 1u << 31;
+  uint32_t s = 31;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t div) : d(div) {
+    uint32_t l = 0;
+    while ((1ull << l) < div) ++l;
+    s = 31 + l;
+    m = static_cast<uint32_t>(((1ull << s) + div - 1) / div);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t t) const {
+    return static_cast<uint32_t>((static_cast<uint64_t>(t) * m) >> s);
+  }
+};
+
 // Group descriptors of one launch. Up to kInline groups travel inside the kernel parameters (the
 // per-expert loop and small packs need no upload); larger tables are uploaded by one async copy.
 // Each G has a `tile_begin` field: the exclusive prefix sum of the groups' tile counts.
@@ -27,6 +47,7 @@ struct GroupTable {
   // Every group owns exactly this many tiles (no empty group): group = tile / uniform_tiles. 0 when
   // the counts differ. Packed weights (E groups of N rows) always take this path.
   uint32_t uniform_tiles;
+  FastDiv uniform_div;  // division by uniform_tiles
   G local[kInline];
 
   // The table is a __grid_constant__ parameter, so indexing `local` at run time reads parameter
@@ -38,7 +59,7 @@ struct GroupTable {
   // The group of tile `t`: the last g with tile_begin <= t. Empty groups share tile_begin with
   // the next group, so they are never chosen.
   __device__ __forceinline__ int find(uint32_t t) const {
-    if (uniform_tiles) return static_cast<int>(t / uniform_tiles);
+    if (uniform_tiles) return static_cast<int>(uniform_div.div(t));
     int lo = 0, hi = count - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
@@ -95,7 +116,10 @@ GroupTable<G, kInline> make_group_table(CudaBackend& be, const std::vector<G>& g
     bool uniform = true;
     for (size_t g = 0; g < groups.size() && uniform; ++g)
       uniform = groups[g].tile_begin == static_cast<uint32_t>(g) * n;
-    if (uniform) t.uniform_tiles = n;
+    if (uniform) {
+      t.uniform_tiles = n;
+      t.uniform_div = FastDiv(n);
+    }
   }
   if (groups.size() <= static_cast<size_t>(kInline)) {
     t.uploaded = nullptr;

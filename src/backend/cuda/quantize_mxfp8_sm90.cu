@@ -71,6 +71,7 @@ struct Mxfp8Args {
   GroupTable<Mxfp8Group, Config::kInlineGroups> groups;
   int64_t cols;        // K
   uint32_t col_tiles;  // tiles across K
+  cuda::FastDiv col_tiles_div;
   bool rowwise;
   bool columnwise;
   bool two_d;
@@ -93,8 +94,9 @@ __device__ __forceinline__ TilePos locate(const Mxfp8Args& args, uint32_t tile,
   const int g = args.groups.find_smem<Config::kSmemGroups>(tile, begins);
   p.grp = &args.groups[g];
   const uint32_t local = tile - p.grp->tile_begin;
-  p.row_tile = local / args.col_tiles;
-  p.col_tile = local % args.col_tiles;
+  const uint32_t rt = args.col_tiles_div.div(local);
+  p.row_tile = rt;
+  p.col_tile = local - rt * args.col_tiles;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   p.r0 = p.row_tile * Config::kTileRows + warp * Config::kRowsPerThread;
@@ -490,6 +492,7 @@ Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxf
   Mxfp8Args args{};
   args.cols = K;
   args.col_tiles = static_cast<uint32_t>((K + Config::kTileCols - 1) / Config::kTileCols);
+  args.col_tiles_div = cuda::FastDiv(args.col_tiles);
   args.rowwise = cfg.rowwise;
   args.columnwise = cfg.columnwise;
   args.two_d = cfg.two_d;

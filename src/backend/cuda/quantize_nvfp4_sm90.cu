@@ -81,6 +81,7 @@ struct Nvfp4Args {
   GroupTable<Nvfp4Group, Config::kInlineGroups> groups;
   int64_t cols;  // K
   uint32_t col_tiles;
+  cuda::FastDiv col_tiles_div;
   bool rowwise;
   bool columnwise;
   bool two_d;
@@ -108,8 +109,9 @@ __device__ __forceinline__ TilePos locate_tile(const Nvfp4Args& a, uint32_t tile
   p.g = a.groups.find_smem<Config::kSmemGroups>(tile, begins);
   p.grp = &a.groups[p.g];
   const uint32_t local = tile - p.grp->tile_begin;
-  p.row0 = static_cast<int64_t>(local / a.col_tiles) * Config::kTileRows;
-  p.col0 = static_cast<int64_t>(local % a.col_tiles) * Geo<In>::kCols;
+  const uint32_t rt = a.col_tiles_div.div(local);
+  p.row0 = static_cast<int64_t>(rt) * Config::kTileRows;
+  p.col0 = static_cast<int64_t>(local - rt * a.col_tiles) * Geo<In>::kCols;
   return p;
 }
 
@@ -297,31 +299,33 @@ __device__ __forceinline__ void flush_amax(float* slot, float v) {
     atomicMax(reinterpret_cast<unsigned*>(slot), __float_as_uint(v));
 }
 
-// 16-byte chunks of `tile` for the plain amax: chunk q = threadIdx.x + m * kThreads, consecutive
-// threads along a row (zeros outside the matrix).
+// The plain amax reads a group as the flat array it is (rows * K contiguous elements): its i-th
+// tile stands for bytes [i * kStageBytes, (i + 1) * kStageBytes) of the group, contiguous 4 KB
+// per CTA load step, which DRAM serves better than a tile's 128 rows of 256 bytes. A group has at
+// least as many tiles as such chunks; chunks past its end read nothing.
 template <typename In, bool kVec>
-__device__ __forceinline__ void load_amax_chunks(const Nvfp4Args& a, const TilePos& p,
+__device__ __forceinline__ void load_amax_chunks(uint32_t local_tile, const Nvfp4Group& grp,
+                                                 int64_t K,
                                                  uint4 (&v)[Config::kStageBytes / 16 /
                                                             Config::kThreads]) {
   using G = Geo<In>;
   constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
-  const In* in = static_cast<const In*>(p.grp->in);
-  const int64_t rows = p.grp->rows;
-  const int64_t K = a.cols;
+  constexpr int64_t kElems = Config::kStageBytes / static_cast<int>(sizeof(In));
+  const In* in = static_cast<const In*>(grp.in);
+  const int64_t n = grp.rows * K;
+  const int64_t base = static_cast<int64_t>(local_tile) * kElems;
 #pragma unroll
   for (int m = 0; m < kPer; ++m) {
-    const int q = threadIdx.x + m * Config::kThreads;
-    const int64_t row = p.row0 + q / G::kChunksPerRow;
-    const int64_t col = p.col0 + (q % G::kChunksPerRow) * G::kPerChunk;
-    const bool ok = row < rows && col < K;
+    const int64_t e0 = base + static_cast<int64_t>(threadIdx.x + m * Config::kThreads) * G::kPerChunk;
+    const bool ok = e0 < n;  // n % kPerChunk == 0 (K % 16 == 0): a chunk is all in or out
     if constexpr (kVec) {
-      v[m] = ok ? cuda::load_stream16(in + row * K + col) : make_uint4(0, 0, 0, 0);
+      v[m] = ok ? cuda::load_stream16(in + e0) : make_uint4(0, 0, 0, 0);
     } else {
       uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int e = 0; e < G::kPerChunk; ++e) {
         if (!ok) break;
-        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(in + row * K + col + e));
+        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(in + e0 + e));
         if constexpr (sizeof(In) == 4)
           w[e] = bits;
         else
@@ -364,18 +368,18 @@ __global__ void __launch_bounds__(Config::kThreads)
     constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
     uint32_t tile = blockIdx.x;
     if (tile >= total) return;
-    TilePos p = locate_tile<In>(a, tile, begins);
+    int g = a.groups.find_smem<Config::kSmemGroups>(tile, begins);
     uint4 v[kPer];
-    load_amax_chunks<In, kVec>(a, p, v);
+    load_amax_chunks<In, kVec>(tile - a.groups[g].tile_begin, a.groups[g], K, v);
     while (true) {
       const uint32_t next = tile + gridDim.x;
-      TilePos np{};
+      int ng = 0;
       uint4 nv[kPer];
       if (next < total) {
-        np = locate_tile<In>(a, next, begins);
-        load_amax_chunks<In, kVec>(a, np, nv);
+        ng = a.groups.find_smem<Config::kSmemGroups>(next, begins);
+        load_amax_chunks<In, kVec>(next - a.groups[ng].tile_begin, a.groups[ng], K, nv);
       }
-      switch_group(p.g);
+      switch_group(g);
 #pragma unroll
       for (int m = 0; m < kPer; ++m) {
         if constexpr (sizeof(In) == 2) {
@@ -392,7 +396,7 @@ __global__ void __launch_bounds__(Config::kThreads)
       }
       if (next >= total) break;
       tile = next;
-      p = np;
+      g = ng;
 #pragma unroll
       for (int m = 0; m < kPer; ++m) v[m] = nv[m];
     }
@@ -744,6 +748,7 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
   Nvfp4Args a{};
   a.cols = K;
   a.col_tiles = static_cast<uint32_t>((K + tile_cols - 1) / tile_cols);
+  a.col_tiles_div = cuda::FastDiv(a.col_tiles);
   a.rowwise = cfg.rowwise;
   a.columnwise = cfg.columnwise;
   a.two_d = cfg.two_d;
