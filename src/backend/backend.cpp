@@ -11,6 +11,20 @@ std::string_view op_name(Op op) {
     case Op::kDequantizeNvfp4: return "dequantize_nvfp4";
     case Op::kSwizzleScales: return "swizzle_scales";
     case Op::kGroupedGemm: return "grouped_gemm";
+    case Op::kRouterTopk: return "router_topk";
+    case Op::kRouterTopkBackward: return "router_topk_backward";
+    case Op::kAuxLoss: return "aux_loss";
+    case Op::kAuxLossBackward: return "aux_loss_backward";
+    case Op::kPermute: return "permute";
+    case Op::kPermuteBackward: return "permute_backward";
+    case Op::kSwiglu: return "swiglu";
+    case Op::kSwigluBackward: return "swiglu_backward";
+    case Op::kUnpermute: return "unpermute";
+    case Op::kUnpermuteBackward: return "unpermute_backward";
+    case Op::kCastF32ToBF16: return "cast_f32_to_bf16";
+    case Op::kAddF32: return "add_f32";
+    case Op::kAdamW: return "adamw";
+    case Op::kNvfp4DecodeScales: return "nvfp4_decode_scales";
   }
   return "unknown";
 }

@@ -10,7 +10,9 @@
 
 #include "core/status.h"
 #include "core/tensor.h"
+#include "backend/elementwise.h"
 #include "backend/grouped_gemm.h"
+#include "backend/moe_ops.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
 
@@ -23,6 +25,20 @@ enum class Op {
   kDequantizeNvfp4,
   kSwizzleScales,
   kGroupedGemm,
+  kRouterTopk,
+  kRouterTopkBackward,
+  kAuxLoss,
+  kAuxLossBackward,
+  kPermute,
+  kPermuteBackward,
+  kSwiglu,
+  kSwigluBackward,
+  kUnpermute,
+  kUnpermuteBackward,
+  kCastF32ToBF16,
+  kAddF32,
+  kAdamW,
+  kNvfp4DecodeScales,
 };
 std::string_view op_name(Op op);
 
@@ -58,6 +74,25 @@ class Backend : public Allocator {
 
   // Grouped GEMM (backend/grouped_gemm.h): fprop / dgrad / wgrad over G groups.
   virtual Status grouped_gemm(const GroupedGemmArgs& args) = 0;
+
+  // MoE block ops (backend/moe_ops.h): exact FP32 arithmetic, the same bits on every backend.
+  virtual Status router_topk(const RouterTopkArgs& args) = 0;
+  virtual Status router_topk_backward(const RouterTopkBackwardArgs& args) = 0;
+  virtual Status aux_loss(const AuxLossArgs& args) = 0;
+  virtual Status aux_loss_backward(const AuxLossBackwardArgs& args) = 0;
+  virtual Status permute(const PermuteArgs& args) = 0;
+  virtual Status permute_backward(const PermuteBackwardArgs& args) = 0;
+  virtual Status swiglu(const SwigluArgs& args) = 0;
+  virtual Status swiglu_backward(const SwigluBackwardArgs& args) = 0;
+  virtual Status unpermute(const UnpermuteArgs& args) = 0;
+  virtual Status unpermute_backward(const UnpermuteBackwardArgs& args) = 0;
+
+  // Elementwise ops over segment lists (backend/elementwise.h).
+  virtual Status cast_f32_to_bf16(const Segments<const float>& src,
+                                  const Segments<uint16_t>& dst) = 0;
+  virtual Status add_f32(const Segments<float>& dst, const Segments<const float>& src) = 0;
+  virtual Status adamw(const AdamWArgs& args) = 0;
+  virtual Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) = 0;
 
   // ---- helpers over the primitives above ---------------------------------------------------
   Tensor to_device(const Tensor& host);  // copy of a CPU tensor into this backend's memory

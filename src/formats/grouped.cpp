@@ -56,4 +56,20 @@ Status validate_grouped_input(const GroupedMatrices& in, const char* what) {
   return Status::ok();
 }
 
+Status validate_copy_pointers(const char* what, const char* name, bool requested,
+                              const std::vector<void*>& ptrs, const std::vector<int64_t>& rows) {
+  const std::string prefix = std::string(what) + ": " + name;
+  if (!requested) {
+    if (!ptrs.empty()) return Status::error(prefix + " is given but its copy is not requested");
+    return Status::ok();
+  }
+  if (ptrs.size() != rows.size())
+    return Status::error(prefix + " has " + std::to_string(ptrs.size()) + " pointers for " +
+                         std::to_string(rows.size()) + " groups");
+  for (size_t g = 0; g < rows.size(); ++g)
+    if (rows[g] > 0 && ptrs[g] == nullptr)
+      return Status::error(prefix + " of group " + std::to_string(g) + " is null");
+  return Status::ok();
+}
+
 }  // namespace packmoe

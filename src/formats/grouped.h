@@ -31,6 +31,11 @@ std::vector<void*> carve_rows(void* base, const std::vector<int64_t>& rows, size
 GroupedMatrices packed_groups(const void* base, DType dtype, int64_t experts, int64_t rows,
                               int64_t cols);
 
+// A per-group output pointer list of one copy: G entries when the copy is requested (null only
+// for groups with 0 rows), empty when it is not. `what` names the op, `name` the list.
+Status validate_copy_pointers(const char* what, const char* name, bool requested,
+                              const std::vector<void*>& ptrs, const std::vector<int64_t>& rows);
+
 // Shared checks of the input: dtype, pointer count, non-empty, sizes. Names `what` in errors.
 Status validate_grouped_input(const GroupedMatrices& in, const char* what);
 

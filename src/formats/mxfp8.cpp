@@ -18,24 +18,6 @@ Status error(const char* what, const std::string& msg) {
   return Status::error(std::string(what) + ": " + msg);
 }
 
-// A per-group pointer list must have G entries when its copy is on, and be empty when it is off.
-Status check_pointers(const char* what, const char* name, bool on, const std::vector<void*>& ptrs,
-                      const std::vector<int64_t>& rows) {
-  const size_t groups = rows.size();
-  if (!on) {
-    if (!ptrs.empty())
-      return error(what, std::string(name) + " is given but its copy is not requested");
-    return Status::ok();
-  }
-  if (ptrs.size() != groups)
-    return error(what, std::string(name) + " has " + std::to_string(ptrs.size()) +
-                           " pointers for " + std::to_string(groups) + " groups");
-  for (size_t g = 0; g < groups; ++g)
-    if (rows[g] > 0 && ptrs[g] == nullptr)
-      return error(what, std::string(name) + " of group " + std::to_string(g) + " is null");
-  return Status::ok();
-}
-
 Status check_element(const char* what, DType element) {
   if (element != DType::kE4M3 && element != DType::kE5M2)
     return error(what,
@@ -129,11 +111,14 @@ Status validate_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg, const M
         return error(what, "group " + std::to_string(g) + " has " + std::to_string(in.rows[g]) +
                                " rows, not a multiple of 32 (needed for columnwise or 2D blocks)");
   }
-  PACKMOE_RETURN_IF_ERROR(check_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
-  PACKMOE_RETURN_IF_ERROR(check_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
-  PACKMOE_RETURN_IF_ERROR(check_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
-      check_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
+      validate_copy_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
+  PACKMOE_RETURN_IF_ERROR(
+      validate_copy_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
+  PACKMOE_RETURN_IF_ERROR(
+      validate_copy_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
+  PACKMOE_RETURN_IF_ERROR(
+      validate_copy_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
   return Status::ok();
 }
 

@@ -23,23 +23,6 @@ Status error(const char* what, const std::string& msg) {
   return Status::error(std::string(what) + ": " + msg);
 }
 
-Status check_pointers(const char* what, const char* name, bool on, const std::vector<void*>& ptrs,
-                      const std::vector<int64_t>& rows) {
-  const size_t groups = rows.size();
-  if (!on) {
-    if (!ptrs.empty())
-      return error(what, std::string(name) + " is given but its copy is not requested");
-    return Status::ok();
-  }
-  if (ptrs.size() != groups)
-    return error(what, std::string(name) + " has " + std::to_string(ptrs.size()) +
-                           " pointers for " + std::to_string(groups) + " groups");
-  for (size_t g = 0; g < groups; ++g)
-    if (rows[g] > 0 && ptrs[g] == nullptr)
-      return error(what, std::string(name) + " of group " + std::to_string(g) + " is null");
-  return Status::ok();
-}
-
 Status check_amax(const char* what, const char* name, bool on, const void* amax) {
   if (on && amax == nullptr) return error(what, std::string(name) + " is null");
   if (!on && amax != nullptr)
@@ -191,12 +174,15 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
         return error(what, "group " + std::to_string(g) + " has " + std::to_string(in.rows[g]) +
                                " rows, not a multiple of 16 (needed for columnwise or 2D blocks)");
   }
-  PACKMOE_RETURN_IF_ERROR(check_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
-  PACKMOE_RETURN_IF_ERROR(check_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
-  PACKMOE_RETURN_IF_ERROR(check_amax(what, "row_amax", cfg.rowwise, out.row_amax));
-  PACKMOE_RETURN_IF_ERROR(check_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
-      check_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
+      validate_copy_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
+  PACKMOE_RETURN_IF_ERROR(
+      validate_copy_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
+  PACKMOE_RETURN_IF_ERROR(check_amax(what, "row_amax", cfg.rowwise, out.row_amax));
+  PACKMOE_RETURN_IF_ERROR(
+      validate_copy_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
+  PACKMOE_RETURN_IF_ERROR(
+      validate_copy_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
   PACKMOE_RETURN_IF_ERROR(check_amax(what, "col_amax", cfg.columnwise, out.col_amax));
   return Status::ok();
 }

@@ -79,8 +79,13 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   o.col_scale = cs;
   o.col_amax = col_amax;
   check_op(b.quantize_nvfp4(in, nvfp4_config(q, role, sr_offset), o), "activation quantize (nvfp4)");
-  nvfp4_decode_scales(b, row_amax, row_decode, groups);
-  nvfp4_decode_scales(b, col_amax, col_decode, groups);
+  const auto decode = [&](void* amax, void* scale) {
+    check_op(b.nvfp4_decode_scales(static_cast<const float*>(amax), static_cast<float*>(scale),
+                                   static_cast<int64_t>(groups)),
+             "activation decode scales (nvfp4)");
+  };
+  decode(row_amax, row_decode);
+  decode(col_amax, col_decode);
   return out;
 }
 

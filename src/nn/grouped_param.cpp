@@ -1,9 +1,6 @@
 // GroupedParam storage, master/grad state transitions, and the one-call weight quantization.
 #include "nn/grouped_param.h"
 
-#include "core/codecs.h"
-#include "formats/nvfp4_math.h"
-
 namespace packmoe {
 namespace {
 
@@ -143,6 +140,12 @@ void GroupedParam::prepare_compute() {
 }
 
 void GroupedParam::write_primary_from(const GroupedStorage& f32) {
+  if (&f32.memory() != backend_) {  // an init kept on the host: the ops read backend memory
+    GroupedStorage staged(*backend_, layout_, e_, f32.bytes_per_group());
+    staged.copy_from(f32);
+    write_primary_from(staged);
+    return;
+  }
   if (keeps_bf16()) {
     cast_f32_to_bf16(f32, bf16_);
     // A high-precision primary under a quantized recipe needs prepare_compute() again.
@@ -180,7 +183,9 @@ void GroupedParam::quantize_weight(const GroupedStorage& bf16) {
   out.col_amax = col_amax.get();
   check_op(backend_->quantize_nvfp4(in, nvfp4_config(recipe_, TensorRole::kWeight, 0), out),
            "weight quantize (nvfp4)");
-  nvfp4_decode_scales(*backend_, quant_.amax.packed(), quant_.decode_scale.packed(), e_);
+  check_op(backend_->nvfp4_decode_scales(static_cast<const float*>(quant_.amax.packed()),
+                                         static_cast<float*>(quant_.decode_scale.packed()), e_),
+           "weight decode scales (nvfp4)");
 }
 
 GemmOperand GroupedParam::fprop_weight() const {
@@ -251,55 +256,17 @@ void GroupedParam::mark_wgrad_settled() {
   grad_state_ = GradState::kSettled;
 }
 
-// ---- elementwise helpers ------------------------------------------------------------------------
-
-HostView::HostView(Backend& memory, void* ptr, size_t bytes, Access access)
-    : memory_(memory), device_(ptr), bytes_(bytes), access_(access), host_(ptr) {
-  if (memory.device() == Device::kCPU) return;
-  copy_.resize(bytes);
-  host_ = copy_.data();
-  if (access != Access::kWrite && bytes)
-    memory.copy(host_, device_, bytes, Backend::CopyKind::kDeviceToHost);
-}
-
-HostView::~HostView() {
-  if (memory_.device() != Device::kCPU && access_ != Access::kRead && bytes_)
-    memory_.copy(device_, host_, bytes_, Backend::CopyKind::kHostToDevice);
-}
+// ---- elementwise ops on grouped storage ---------------------------------------------------------
 
 void cast_f32_to_bf16(const GroupedStorage& src, const GroupedStorage& dst) {
-  const int64_t n = static_cast<int64_t>(src.bytes_per_group() / sizeof(float));
-  PACKMOE_CHECK(src.groups() == dst.groups() && dst.bytes_per_group() == n * sizeof(uint16_t),
-                "cast_f32_to_bf16: shapes differ");
-  for (int64_t e = 0; e < src.groups(); ++e) {
-    HostView s(src.memory(), src.group(e), src.bytes_per_group(), HostView::Access::kRead);
-    HostView d(dst.memory(), dst.group(e), dst.bytes_per_group(), HostView::Access::kWrite);
-    const float* in = s.as<float>();
-    uint16_t* out = d.as<uint16_t>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(in[i]);
-  }
+  PACKMOE_CHECK(&src.memory() == &dst.memory(), "cast_f32_to_bf16: operands in different memories");
+  check_op(dst.memory().cast_f32_to_bf16(segments<const float>(src), segments<uint16_t>(dst)),
+           "cast_f32_to_bf16");
 }
 
 void add_f32(const GroupedStorage& dst, const GroupedStorage& src) {
-  PACKMOE_CHECK(src.groups() == dst.groups() && src.bytes_per_group() == dst.bytes_per_group(),
-                "add_f32: shapes differ");
-  const int64_t n = static_cast<int64_t>(dst.bytes_per_group() / sizeof(float));
-  for (int64_t e = 0; e < dst.groups(); ++e) {
-    HostView s(src.memory(), src.group(e), src.bytes_per_group(), HostView::Access::kRead);
-    HostView d(dst.memory(), dst.group(e), dst.bytes_per_group(), HostView::Access::kReadWrite);
-    const float* in = s.as<float>();
-    float* out = d.as<float>();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = out[i] + in[i];
-  }
-}
-
-void nvfp4_decode_scales(Backend& memory, const void* amax, void* decode, int64_t groups) {
-  const size_t bytes = groups * sizeof(float);
-  HostView a(memory, const_cast<void*>(amax), bytes, HostView::Access::kRead);
-  HostView d(memory, decode, bytes, HostView::Access::kWrite);
-  for (int64_t g = 0; g < groups; ++g) d.as<float>()[g] = nvfp4_decode_scale(a.as<float>()[g]);
+  PACKMOE_CHECK(&src.memory() == &dst.memory(), "add_f32: operands in different memories");
+  check_op(dst.memory().add_f32(segments<float>(dst), segments<const float>(src)), "add_f32");
 }
 
 void check_op(const Status& s, const char* what) {

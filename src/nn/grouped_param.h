@@ -161,39 +161,23 @@ class GroupedParam {
   QuantizedWeight quant_;     // primary (low precision) or compute copies (high precision)
 };
 
-// ---- Elementwise work on backend memory (first version) ----------------------------------------
-// The Backend op table has no elementwise ops yet, so casts, adds and the optimizer update run on
-// the host: in place when the memory is host memory (CPU backend), through a download and an
-// upload otherwise (a synchronisation; device kernels replace this later). Each result is a fixed
-// sequence of exactly-rounded FP32 operations, so such a kernel can reproduce it bit for bit.
+// ---- Elementwise ops on grouped storage --------------------------------------------------------
+// Adapters from GroupedStorage to the backend's segment-list ops (backend/elementwise.h): one call
+// over all E groups, whichever the layout. Both operands must live in the same backend's memory.
 
-// Host access to `bytes` at `ptr` in `memory`. kRead/kReadWrite download on construction (unless
-// the memory is the host's); kWrite/kReadWrite upload on destruction.
-class HostView {
- public:
-  enum class Access { kRead, kWrite, kReadWrite };
-  HostView(Backend& memory, void* ptr, size_t bytes, Access access);
-  ~HostView();
-  HostView(const HostView&) = delete;
-  HostView& operator=(const HostView&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(host_); }
+// The groups of `s` as a segment list of T elements (bytes_per_group / sizeof(T) each).
+template <typename T>
+Segments<T> segments(const GroupedStorage& s) {
+  Segments<T> out;
+  out.n = static_cast<int64_t>(s.bytes_per_group() / sizeof(T));
+  for (void* p : s.ptrs()) out.ptr.push_back(static_cast<T*>(p));
+  return out;
+}
 
- private:
-  Backend& memory_;
-  void* device_;
-  size_t bytes_;
-  Access access_;
-  std::vector<uint8_t> copy_;  // used when the memory is not the host's
-  void* host_;
-};
-
-// dst = bf16(src) (RNE), group by group; src F32 and dst BF16 with equal element counts.
+// dst = bf16(src) (RNE); src (G, n) F32, dst (G, n) BF16.
 void cast_f32_to_bf16(const GroupedStorage& src, const GroupedStorage& dst);
-// dst += src (FP32), group by group.
+// dst += src, (G, n) F32 each.
 void add_f32(const GroupedStorage& dst, const GroupedStorage& src);
-// decode[g] = nvfp4_decode_scale(amax[g]) for g < groups, both (G,) F32 in `memory`.
-void nvfp4_decode_scales(Backend& memory, const void* amax, void* decode, int64_t groups);
 // PACKMOE_CHECK that an op the layer issued with checked shapes succeeded.
 void check_op(const Status& s, const char* what);
 

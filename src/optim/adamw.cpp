@@ -1,5 +1,7 @@
-// AdamW over GroupedParams: host scalars, the per-group elementwise update, re-quantization.
+// AdamW over GroupedParams: host scalars, one backend adamw call per param, re-quantization.
 #include "optim/adamw.h"
+
+#include <cmath>
 
 namespace packmoe {
 
@@ -37,23 +39,14 @@ void AdamW::step() {
   ++t_;
   const AdamWStepScalars s = adamw_step_scalars(cfg_, t_);
   for (ParamState& st : states_) {
-    GroupedStorage& master = st.param->master();
-    const GroupedStorage& grad = st.param->main_grad();
-    const size_t bytes = master.bytes_per_group();
-    const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
-    for (int64_t e = 0; e < master.groups(); ++e) {
-      HostView p(master.memory(), master.group(e), bytes, HostView::Access::kReadWrite);
-      HostView g(grad.memory(), grad.group(e), bytes, HostView::Access::kRead);
-      HostView m(st.exp_avg.memory(), st.exp_avg.group(e), bytes, HostView::Access::kReadWrite);
-      HostView v(st.exp_avg_sq.memory(), st.exp_avg_sq.group(e), bytes,
-                 HostView::Access::kReadWrite);
-      float* pp = p.as<float>();
-      const float* gp = g.as<float>();
-      float* mp = m.as<float>();
-      float* vp = v.as<float>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) adamw_update(pp[i], mp[i], vp[i], gp[i], s);
-    }
+    const GroupedStorage& master = st.param->master();
+    AdamWArgs a;
+    a.scalars = s;
+    a.param = segments<float>(master);
+    a.exp_avg = segments<float>(st.exp_avg);
+    a.exp_avg_sq = segments<float>(st.exp_avg_sq);
+    a.grad = segments<const float>(st.param->main_grad());
+    check_op(master.memory().adamw(a), "adamw");
     st.param->requantize_from_master();
   }
 }

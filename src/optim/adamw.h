@@ -1,14 +1,13 @@
 // AdamW (decoupled weight decay, bias correction) on the FP32 masters of GroupedParams, followed
 // by re-quantization of each primary weight. Invariant: every element is updated by adamw_update()
-// below, a fixed sequence of exactly-rounded FP32 operations with step scalars rounded once on the
-// host, so the CPU path and a CUDA kernel calling the same function produce the same bits.
+// (backend/elementwise.h), a fixed sequence of exactly-rounded FP32 operations whose step scalars
+// are rounded once on the host, so every backend's adamw op writes the same bits.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "core/hd.h"
+#include "backend/elementwise.h"
 #include "nn/grouped_param.h"
 
 namespace packmoe {
@@ -21,32 +20,11 @@ struct AdamWConfig {
   float weight_decay = 0.0f;
 };
 
-// The scalars of step t >= 1, each computed in FP64 and rounded once to FP32:
-//   decay      = 1 - lr * weight_decay
-//   one_minus_beta1 = 1 - beta1,  one_minus_beta2 = 1 - beta2
-//   step_size  = lr / (1 - beta1^t)
-//   sqrt_bias_correction2 = sqrt(1 - beta2^t)
-struct AdamWStepScalars {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
-  float decay, step_size, sqrt_bias_correction2;
-};
+// The scalars of step t (backend/elementwise.h has the struct and the per-element formula).
 AdamWStepScalars adamw_step_scalars(const AdamWConfig& cfg, int64_t t);
 
-// One element, PyTorch's AdamW order, every operation one FP32 rounding (no FMA contraction):
-//   p = p * decay
-//   m = beta1 * m + one_minus_beta1 * g
-//   v = beta2 * v + one_minus_beta2 * (g * g)
-//   p = p - step_size * (m / (sqrt(v) / sqrt_bias_correction2 + eps))
-PACKMOE_HD void adamw_update(float& p, float& m, float& v, float g, const AdamWStepScalars& s) {
-  p = p * s.decay;
-  m = s.beta1 * m + s.one_minus_beta1 * g;
-  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
-  const float denom = sqrtf(v) / s.sqrt_bias_correction2 + s.eps;
-  p = p - s.step_size * (m / denom);
-}
-
-// First version: the update runs on the host (HostView: in place on the CPU backend, download /
-// upload elsewhere); a device kernel calling adamw_update() comes later.
+// The update of a param is ONE backend adamw call over its E groups (either layout), in the
+// memory of the param's backend.
 class AdamW {
  public:
   explicit AdamW(const AdamWConfig& cfg) : cfg_(cfg) {}

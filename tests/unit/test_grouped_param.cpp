@@ -1,8 +1,8 @@
 // GroupedParam / GroupedLinear / AdamW units: the master is the FP32 init's bytes (never the
 // dequantized primary), checked state machines (death tests), every expert's gradient reaches its
-// slice of main_grad, one step against an FP64 product of the dequantized operands, a batch with no
-// tokens, ONE quantize call per pack in both layouts, and the non-host-memory path (a backend that
-// reports a device but uses host memory) bitwise equal to the CPU backend.
+// slice of main_grad, one step against FP64 on the dequantized operands, a batch with no tokens,
+// ONE quantize call per pack and ONE optimizer call per param in both layouts, and a backend
+// reporting a device (over host memory) bitwise equal to the CPU backend.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -496,12 +496,13 @@ TEST(GroupedLinear, OneStepMatchesFp64OnDequantizedOperands) {
 
 // ---- one quantize call per pack; the non-host-memory path ----------------------------------------
 
-// Reports a CUDA device but keeps host memory and runs the CPU reference ops, so every
-// host-round-trip path (HostView downloads and uploads) runs as it would on a GPU. Counts the
-// quantize calls.
+// Reports a CUDA device but keeps host memory and runs the CPU reference ops, so every path that
+// depends on where memory lives (an init kept on the host, staged into the backend's memory; copy
+// kinds) runs as it would on a GPU. Counts the quantize and optimizer calls.
 class FakeDeviceBackend final : public Backend {
  public:
   int quantize_calls = 0;
+  int adamw_calls = 0;
   Device device() const override { return Device::kCUDA; }
   void* allocate(size_t bytes) override { return cpu().allocate(bytes); }
   void deallocate(void* p) override { cpu().deallocate(p); }
@@ -536,6 +537,36 @@ class FakeDeviceBackend final : public Backend {
     return cpu().swizzle_scales(compact, rows, cols, transpose, swizzled);
   }
   Status grouped_gemm(const GroupedGemmArgs& args) override { return cpu().grouped_gemm(args); }
+  Status router_topk(const RouterTopkArgs& a) override { return router_topk_cpu(a); }
+  Status router_topk_backward(const RouterTopkBackwardArgs& a) override {
+    return router_topk_backward_cpu(a);
+  }
+  Status aux_loss(const AuxLossArgs& a) override { return aux_loss_cpu(a); }
+  Status aux_loss_backward(const AuxLossBackwardArgs& a) override {
+    return aux_loss_backward_cpu(a);
+  }
+  Status permute(const PermuteArgs& a) override { return permute_cpu(a); }
+  Status permute_backward(const PermuteBackwardArgs& a) override { return permute_backward_cpu(a); }
+  Status swiglu(const SwigluArgs& a) override { return swiglu_cpu(a); }
+  Status swiglu_backward(const SwigluBackwardArgs& a) override { return swiglu_backward_cpu(a); }
+  Status unpermute(const UnpermuteArgs& a) override { return unpermute_cpu(a); }
+  Status unpermute_backward(const UnpermuteBackwardArgs& a) override {
+    return unpermute_backward_cpu(a);
+  }
+  Status cast_f32_to_bf16(const Segments<const float>& src,
+                          const Segments<uint16_t>& dst) override {
+    return cast_f32_to_bf16_cpu(src, dst);
+  }
+  Status add_f32(const Segments<float>& dst, const Segments<const float>& src) override {
+    return add_f32_cpu(dst, src);
+  }
+  Status adamw(const AdamWArgs& a) override {
+    ++adamw_calls;
+    return adamw_cpu(a);
+  }
+  Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) override {
+    return nvfp4_decode_scales_cpu(amax, decode, groups);
+  }
 
  private:
   static Backend& cpu() { return cpu_backend(); }
@@ -584,8 +615,10 @@ TEST(GroupedLinear, OneQuantizeCallPerPackAndDeviceMemoryPathMatchesCpu) {
           on_cpu.backward_dw();
           EXPECT_TRUE(on_dev.param().main_grad().download() == on_cpu.param().main_grad().download());
           dev.quantize_calls = 0;
+          dev.adamw_calls = 0;
           opt_dev.step();
           EXPECT_EQ(dev.quantize_calls, quantized && !high ? 1 : 0) << "requantize";
+          EXPECT_EQ(dev.adamw_calls, 1) << "one optimizer call over all experts";
           opt_cpu.step();
           EXPECT_TRUE(on_dev.param().master().download() == on_cpu.param().master().download());
           const auto a = on_dev.param().weight_components(), c = on_cpu.param().weight_components();

@@ -70,4 +70,30 @@ Status CpuBackend::swizzle_scales(const void* compact, int64_t rows, int64_t col
 
 Status CpuBackend::grouped_gemm(const GroupedGemmArgs& args) { return grouped_gemm_cpu(args); }
 
+Status CpuBackend::router_topk(const RouterTopkArgs& a) { return router_topk_cpu(a); }
+Status CpuBackend::router_topk_backward(const RouterTopkBackwardArgs& a) {
+  return router_topk_backward_cpu(a);
+}
+Status CpuBackend::aux_loss(const AuxLossArgs& a) { return aux_loss_cpu(a); }
+Status CpuBackend::aux_loss_backward(const AuxLossBackwardArgs& a) { return aux_loss_backward_cpu(a); }
+Status CpuBackend::permute(const PermuteArgs& a) { return permute_cpu(a); }
+Status CpuBackend::permute_backward(const PermuteBackwardArgs& a) { return permute_backward_cpu(a); }
+Status CpuBackend::swiglu(const SwigluArgs& a) { return swiglu_cpu(a); }
+Status CpuBackend::swiglu_backward(const SwigluBackwardArgs& a) { return swiglu_backward_cpu(a); }
+Status CpuBackend::unpermute(const UnpermuteArgs& a) { return unpermute_cpu(a); }
+Status CpuBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
+  return unpermute_backward_cpu(a);
+}
+Status CpuBackend::cast_f32_to_bf16(const Segments<const float>& src,
+                                    const Segments<uint16_t>& dst) {
+  return cast_f32_to_bf16_cpu(src, dst);
+}
+Status CpuBackend::add_f32(const Segments<float>& dst, const Segments<const float>& src) {
+  return add_f32_cpu(dst, src);
+}
+Status CpuBackend::adamw(const AdamWArgs& a) { return adamw_cpu(a); }
+Status CpuBackend::nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) {
+  return nvfp4_decode_scales_cpu(amax, decode, groups);
+}
+
 }  // namespace packmoe

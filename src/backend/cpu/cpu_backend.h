@@ -29,6 +29,20 @@ class CpuBackend final : public Backend {
   Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                         void* swizzled) override;
   Status grouped_gemm(const GroupedGemmArgs& args) override;
+  Status router_topk(const RouterTopkArgs& args) override;
+  Status router_topk_backward(const RouterTopkBackwardArgs& args) override;
+  Status aux_loss(const AuxLossArgs& args) override;
+  Status aux_loss_backward(const AuxLossBackwardArgs& args) override;
+  Status permute(const PermuteArgs& args) override;
+  Status permute_backward(const PermuteBackwardArgs& args) override;
+  Status swiglu(const SwigluArgs& args) override;
+  Status swiglu_backward(const SwigluBackwardArgs& args) override;
+  Status unpermute(const UnpermuteArgs& args) override;
+  Status unpermute_backward(const UnpermuteBackwardArgs& args) override;
+  Status cast_f32_to_bf16(const Segments<const float>& src, const Segments<uint16_t>& dst) override;
+  Status add_f32(const Segments<float>& dst, const Segments<const float>& src) override;
+  Status adamw(const AdamWArgs& args) override;
+  Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) override;
 };
 
 // CPU reference of the grouped GEMM (backend/cpu/grouped_gemm_cpu.cpp): dequantize tile by tile

@@ -1,0 +1,227 @@
+// CUDA elementwise ops over segment lists (backend/elementwise.h): cast F32 -> BF16, add F32,
+// AdamW, NVFP4 decode scales. One launch covers every segment of a call (a pointer table, inline
+// or uploaded). Invariant: each element goes through the same PACKMOE_HD function as the CPU
+// reference (f32_to_bf16, adamw_update, nvfp4_decode_scale; nvcc --fmad=false, IEEE div / sqrt),
+// so the bytes are equal; 16-byte accesses only change how elements move, never their arithmetic.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/elementwise.h"
+#include "core/codecs.h"
+#include "formats/nvfp4_math.h"
+
+namespace packmoe {
+namespace {
+
+struct Config {
+  static constexpr int kThreads = 256;
+  static constexpr int kInline = 8;  // segments per table carried in the kernel parameters
+};
+
+// kTables pointer columns of G segments each. Up to kInline segments travel inline (the kernel
+// parameter is __grid_constant__, so run-time indexing reads parameter memory in place); more are
+// uploaded as one (kTables, G) array.
+template <int kTables>
+struct SegTable {
+  void* const* uploaded;  // (kTables, G) device memory, or null when inline
+  void* local[kTables][Config::kInline];
+  int64_t groups;  // G
+  int64_t n;       // elements per segment
+  __device__ __forceinline__ void* get(int table, int64_t g) const {
+    return uploaded ? uploaded[table * groups + g] : local[table][g];
+  }
+};
+
+template <int kTables>
+SegTable<kTables> make_table(CudaBackend& be, const std::array<std::vector<void*>, kTables>& cols,
+                             int64_t n) {
+  SegTable<kTables> t{};
+  t.groups = static_cast<int64_t>(cols[0].size());
+  t.n = n;
+  if (t.groups <= Config::kInline) {
+    t.uploaded = nullptr;
+    for (int c = 0; c < kTables; ++c)
+      for (int64_t g = 0; g < t.groups; ++g) t.local[c][g] = cols[c][g];
+  } else {
+    std::vector<void*> flat;
+    flat.reserve(kTables * t.groups);
+    for (int c = 0; c < kTables; ++c) flat.insert(flat.end(), cols[c].begin(), cols[c].end());
+    t.uploaded = static_cast<void* const*>(be.upload(flat.data(), flat.size() * sizeof(void*)));
+  }
+  return t;
+}
+
+template <typename T>
+std::vector<void*> as_void(const std::vector<T*>& v) {
+  std::vector<void*> out;
+  out.reserve(v.size());
+  for (T* p : v) out.push_back(const_cast<void*>(static_cast<const void*>(p)));
+  return out;
+}
+
+// Whether every pointer of every column is 16-byte aligned: then each full chunk (which starts at
+// a multiple of kVec elements of a segment) moves as 16-byte accesses.
+template <typename... V>
+bool all_aligned16(const V&... cols) {
+  bool ok = true;
+  auto check = [&](const auto& col) {
+    for (const auto* p : col) ok = ok && (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+  };
+  (check(cols), ...);
+  return ok;
+}
+
+unsigned grid_for(int64_t n, int64_t per) {
+  const int64_t b = (n + per - 1) / per;
+  PACKMOE_CHECK(b > 0 && b < (int64_t{1} << 31), "grid of " << b << " blocks is too large");
+  return static_cast<unsigned>(b);
+}
+
+// Flat thread -> (segment g, first element, valid elements) for chunks of kV elements.
+template <int kV>
+__device__ __forceinline__ bool seg_chunk(int64_t groups, int64_t n, int64_t& g, int64_t& first,
+                                          int& valid) {
+  const int64_t cps = (n + kV - 1) / kV;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= groups * cps) return false;
+  g = i / cps;
+  first = (i - g * cps) * kV;
+  const int64_t left = n - first;
+  valid = left < kV ? static_cast<int>(left) : kV;
+  return true;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
+
+// Tables: 0 src (F32), 1 dst (BF16). 8 elements: two 16-byte loads, one 16-byte store.
+__global__ void __launch_bounds__(Config::kThreads)
+    cast_f32_to_bf16_kernel(const __grid_constant__ SegTable<2> t, bool vec) {
+  int64_t g, first;
+  int valid;
+  if (!seg_chunk<8>(t.groups, t.n, g, first, valid)) return;
+  const float* src = static_cast<const float*>(t.get(0, g)) + first;
+  uint16_t* dst = static_cast<uint16_t*>(t.get(1, g)) + first;
+  if (vec && valid == 8) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(src));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(src) + 1);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w),
+                                                pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+  } else {
+    for (int j = 0; j < valid; ++j) dst[j] = f32_to_bf16(src[j]);
+  }
+}
+
+// Tables: 0 dst (F32, in place), 1 src (F32).
+__global__ void __launch_bounds__(Config::kThreads)
+    add_f32_kernel(const __grid_constant__ SegTable<2> t, bool vec) {
+  int64_t g, first;
+  int valid;
+  if (!seg_chunk<4>(t.groups, t.n, g, first, valid)) return;
+  float* dst = static_cast<float*>(t.get(0, g)) + first;
+  const float* src = static_cast<const float*>(t.get(1, g)) + first;
+  if (vec && valid == 4) {
+    float4 d = *reinterpret_cast<const float4*>(dst);
+    const float4 s = *reinterpret_cast<const float4*>(src);
+    d.x = d.x + s.x, d.y = d.y + s.y, d.z = d.z + s.z, d.w = d.w + s.w;
+    *reinterpret_cast<float4*>(dst) = d;
+  } else {
+    for (int j = 0; j < valid; ++j) dst[j] = dst[j] + src[j];
+  }
+}
+
+// Tables: 0 param, 1 exp_avg, 2 exp_avg_sq (all in place), 3 grad.
+__global__ void __launch_bounds__(Config::kThreads)
+    adamw_kernel(const __grid_constant__ SegTable<4> t, AdamWStepScalars s, bool vec) {
+  int64_t g, first;
+  int valid;
+  if (!seg_chunk<4>(t.groups, t.n, g, first, valid)) return;
+  float* p = static_cast<float*>(t.get(0, g)) + first;
+  float* m = static_cast<float*>(t.get(1, g)) + first;
+  float* v = static_cast<float*>(t.get(2, g)) + first;
+  const float* gr = static_cast<const float*>(t.get(3, g)) + first;
+  if (vec && valid == 4) {
+    float4 p4 = *reinterpret_cast<const float4*>(p);
+    float4 m4 = *reinterpret_cast<const float4*>(m);
+    float4 v4 = *reinterpret_cast<const float4*>(v);
+    const float4 g4 = *reinterpret_cast<const float4*>(gr);
+    adamw_update(p4.x, m4.x, v4.x, g4.x, s);
+    adamw_update(p4.y, m4.y, v4.y, g4.y, s);
+    adamw_update(p4.z, m4.z, v4.z, g4.z, s);
+    adamw_update(p4.w, m4.w, v4.w, g4.w, s);
+    *reinterpret_cast<float4*>(p) = p4;
+    *reinterpret_cast<float4*>(m) = m4;
+    *reinterpret_cast<float4*>(v) = v4;
+  } else {
+    for (int j = 0; j < valid; ++j) adamw_update(p[j], m[j], v[j], gr[j], s);
+  }
+}
+
+__global__ void __launch_bounds__(Config::kThreads)
+    nvfp4_decode_scales_kernel(const float* amax, float* decode, int64_t groups) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < groups) decode[g] = nvfp4_decode_scale(amax[g]);
+}
+
+}  // namespace
+
+Status CudaBackend::cast_f32_to_bf16(const Segments<const float>& src,
+                                     const Segments<uint16_t>& dst) {
+  PACKMOE_RETURN_IF_ERROR(
+      validate_segments(src.ptr.size(), src.n, {dst.ptr.size()}, {dst.n}, "cast_f32_to_bf16"));
+  const int64_t G = static_cast<int64_t>(src.ptr.size());
+  if (G == 0 || src.n == 0) return Status::ok();
+  const SegTable<2> t = make_table<2>(*this, {as_void(src.ptr), as_void(dst.ptr)}, src.n);
+  const bool vec = all_aligned16(src.ptr, dst.ptr);
+  cast_f32_to_bf16_kernel<<<grid_for(G * ((src.n + 7) / 8), Config::kThreads), Config::kThreads,
+                            0, stream()>>>(t, vec);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::add_f32(const Segments<float>& dst, const Segments<const float>& src) {
+  PACKMOE_RETURN_IF_ERROR(
+      validate_segments(dst.ptr.size(), dst.n, {src.ptr.size()}, {src.n}, "add_f32"));
+  const int64_t G = static_cast<int64_t>(dst.ptr.size());
+  if (G == 0 || dst.n == 0) return Status::ok();
+  const SegTable<2> t = make_table<2>(*this, {as_void(dst.ptr), as_void(src.ptr)}, dst.n);
+  const bool vec = all_aligned16(dst.ptr, src.ptr);
+  add_f32_kernel<<<grid_for(G * ((dst.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
+                   stream()>>>(t, vec);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::adamw(const AdamWArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_segments(
+      a.param.ptr.size(), a.param.n,
+      {a.exp_avg.ptr.size(), a.exp_avg_sq.ptr.size(), a.grad.ptr.size()},
+      {a.exp_avg.n, a.exp_avg_sq.n, a.grad.n}, "adamw"));
+  const int64_t G = static_cast<int64_t>(a.param.ptr.size());
+  if (G == 0 || a.param.n == 0) return Status::ok();
+  const SegTable<4> t = make_table<4>(
+      *this,
+      {as_void(a.param.ptr), as_void(a.exp_avg.ptr), as_void(a.exp_avg_sq.ptr), as_void(a.grad.ptr)},
+      a.param.n);
+  const bool vec = all_aligned16(a.param.ptr, a.exp_avg.ptr, a.exp_avg_sq.ptr, a.grad.ptr);
+  adamw_kernel<<<grid_for(G * ((a.param.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
+                 stream()>>>(t, a.scalars, vec);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) {
+  if (groups < 0) return Status::error("nvfp4_decode_scales: negative group count");
+  if (groups == 0) return Status::ok();
+  nvfp4_decode_scales_kernel<<<grid_for(groups, Config::kThreads), Config::kThreads, 0,
+                               stream()>>>(amax, decode, groups);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace packmoe

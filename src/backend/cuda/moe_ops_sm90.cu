@@ -1,0 +1,776 @@
+// CUDA kernels of the MoE non-GEMM ops (backend/moe_ops.h): router softmax / top-k, aux loss,
+// permute, SwiGLU, unpermute + combine, forward and backward. Invariant: every value is the exact
+// FP32 arithmetic of moe_ops.h (moe_exp_f32, R32 = warp-strided lanes + xor butterfly, sequential
+// sums over k, nvcc --fmad=false), so each op writes the CPU reference's bytes. Index arrays that
+// the CPU checks with PACKMOE_CHECK trap the kernel here (the next sync aborts the process).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/moe_ops.h"
+#include "core/codecs.h"
+
+namespace packmoe {
+namespace {
+
+struct Config {
+  static constexpr int kThreads = 256;               // every kernel: 8 warps
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kChunk = 8;                   // elements per thread in the row kernels
+  static constexpr int kAuxExperts = 8;              // experts per CTA in the pbar column sums
+  static constexpr int kAuxSmemBins = 8 * 1024;  // k * E counters privatised in shared memory
+  static_assert(kThreads == kAuxExperts * 32, "pbar CTA: 8 experts x 32 R32 lanes");
+  static_assert(kMoeReduceLanes == 32, "R32 is one warp");
+};
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+unsigned grid_for(int64_t n, int64_t per) {
+  const int64_t b = (n + per - 1) / per;
+  PACKMOE_CHECK(b > 0 && b < (int64_t{1} << 31), "grid of " << b << " blocks is too large");
+  return static_cast<unsigned>(b);
+}
+
+bool aligned_to(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+// Calls f with a null pointer whose type is float (F32) or uint16_t (BF16 bits), so a generic
+// lambda can pick the kernel instantiation of a run-time dtype.
+template <typename F>
+void with_elem(DType t, F&& f) {
+  if (t == DType::kF32)
+    f(static_cast<float*>(nullptr));
+  else
+    f(static_cast<uint16_t*>(nullptr));
+}
+template <typename Tag>
+using elem_t = std::remove_pointer_t<Tag>;
+
+// ---- element codecs: BF16 widens exactly, narrows once with the shared RNE f32_to_bf16 ----------
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return bf16_to_f32(v);
+}
+template <typename T>
+__device__ __forceinline__ T from_f32(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return f32_to_bf16(v);
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return static_cast<uint32_t>(f32_to_bf16(lo)) | (static_cast<uint32_t>(f32_to_bf16(hi)) << 16);
+}
+
+// A chunk is Config::kChunk = 8 consecutive elements of one row (the last chunk of a row may be
+// shorter: `valid`). kVec: the chunk is full and 16-byte aligned, so it moves as one or two
+// 16-byte accesses (8 BF16 = 16 B, 8 F32 = 32 B).
+template <typename T, bool kVec>
+__device__ __forceinline__ void load_chunk(const T* p, float (&v)[Config::kChunk], int valid) {
+  if constexpr (kVec) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    if constexpr (std::is_same_v<T, float>) {
+      const uint4 a = __ldg(q);
+      const uint4 b = __ldg(q + 1);
+      v[0] = __uint_as_float(a.x), v[1] = __uint_as_float(a.y);
+      v[2] = __uint_as_float(a.z), v[3] = __uint_as_float(a.w);
+      v[4] = __uint_as_float(b.x), v[5] = __uint_as_float(b.y);
+      v[6] = __uint_as_float(b.z), v[7] = __uint_as_float(b.w);
+    } else {
+      const uint4 a = __ldg(q);
+      v[0] = bf16_lo(a.x), v[1] = bf16_hi(a.x), v[2] = bf16_lo(a.y), v[3] = bf16_hi(a.y);
+      v[4] = bf16_lo(a.z), v[5] = bf16_hi(a.z), v[6] = bf16_lo(a.w), v[7] = bf16_hi(a.w);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < Config::kChunk; ++j) v[j] = j < valid ? to_f32(p[j]) : 0.0f;
+  }
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_chunk(T* p, const float (&v)[Config::kChunk], int valid) {
+  if constexpr (kVec) {
+    uint4* q = reinterpret_cast<uint4*>(p);
+    if constexpr (std::is_same_v<T, float>) {
+      q[0] = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                        __float_as_uint(v[3]));
+      q[1] = make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+                        __float_as_uint(v[7]));
+    } else {
+      q[0] = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
+                        pack_bf16(v[6], v[7]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < Config::kChunk; ++j)
+      if (j < valid) p[j] = from_f32<T>(v[j]);
+  }
+}
+
+// Flat thread index -> (row, chunk) of a (rows, cols) matrix cut into 8-element chunks.
+struct ChunkPos {
+  int64_t row;
+  int64_t col;  // first element of the chunk
+  int valid;
+};
+__device__ __forceinline__ bool chunk_pos(int64_t rows, int64_t cols, ChunkPos& pos) {
+  const int64_t cpr = (cols + Config::kChunk - 1) / Config::kChunk;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * cpr) return false;
+  pos.row = i / cpr;
+  pos.col = (i - pos.row * cpr) * Config::kChunk;
+  const int64_t left = cols - pos.col;
+  pos.valid = left < Config::kChunk ? static_cast<int>(left) : Config::kChunk;
+  return true;
+}
+
+// R32 second stage on one warp: lane l adds lane l ^ off for off = 16 .. 1. For l < off that is
+// lane[l] + lane[l + off], moe_ops.h's tree; the upper lanes form the same sums with the operands
+// swapped, which IEEE addition makes bit-identical, so every lane ends with lane 0's value.
+__device__ __forceinline__ float r32_butterfly(float acc) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, off);
+  return acc;
+}
+
+// ---- router top-k --------------------------------------------------------------------------------
+
+// Candidate of a warp arg-max: (key, idx), idx < 0 = none. `better` is the CPU's order: key
+// descending, then index ascending; being total on distinct indices, an xor butterfly leaves the
+// same winner in every lane whatever the pairing.
+struct Cand {
+  float key;
+  int idx;
+  float val;  // carried along (the probability of the pick)
+};
+__device__ __forceinline__ bool better(const Cand& a, const Cand& b) {
+  if (a.idx < 0) return false;
+  if (b.idx < 0) return true;
+  return a.key > b.key || (a.key == b.key && a.idx < b.idx);
+}
+__device__ __forceinline__ Cand warp_best(Cand c) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    Cand o;
+    o.key = __shfl_xor_sync(kFullMask, c.key, off);
+    o.idx = __shfl_xor_sync(kFullMask, c.idx, off);
+    o.val = __shfl_xor_sync(kFullMask, c.val, off);
+    if (better(o, c)) c = o;
+  }
+  return c;
+}
+// NaN probabilities sort below every probability (moe_ops_cpu.cpp's topk_key).
+__device__ __forceinline__ float topk_key(float p) { return p == p ? p : -1.0f; }
+
+// One warp per token. kPer > 0: the row lives in registers (E <= 32 kPer, element i of lane l is
+// expert l + 32 i); kPer == 0: any E, the lane's own probs entries in global memory serve as the
+// row (each lane only ever re-reads what it wrote itself).
+template <int kPer>
+__global__ void __launch_bounds__(Config::kThreads)
+    router_topk_kernel(const __grid_constant__ RouterTopkArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (t >= a.tokens) return;  // whole warps leave together
+  const int E = static_cast<int>(a.experts);
+  const int k = static_cast<int>(a.top_k);
+  const float* z = a.logits + t * E;  // (E)
+  float* p = a.probs + t * E;         // (E)
+  constexpr int kRegs = kPer > 0 ? kPer : 1;
+  float v[kRegs];
+
+  // m: the CPU's sequential `m = z[e] > m ? z[e] : m` from z[0] is z[0] when that is NaN, else the
+  // FIRST expert holding the maximum of the non-NaN values (strict >), signed zero included.
+  Cand mc{0.0f, -1, 0.0f};
+  if constexpr (kPer > 0) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane + 32 * i;
+      v[i] = e < E ? z[e] : 0.0f;
+      if (e < E && v[i] == v[i] && (mc.idx < 0 || v[i] > mc.key)) mc = Cand{v[i], e, 0.0f};
+    }
+  } else {
+    for (int e = lane; e < E; e += 32) {
+      const float x = z[e];
+      if (x == x && (mc.idx < 0 || x > mc.key)) mc = Cand{x, e, 0.0f};
+    }
+  }
+  mc = warp_best(mc);
+  const float z0 = z[0];
+  const float m = z0 != z0 ? z0 : mc.key;
+
+  // x = e^(z - m); s = R32 sum (lane l adds experts l, l + 32, ... in order, from +0).
+  float acc = 0.0f;
+  if constexpr (kPer > 0) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (lane + 32 * i < E) {
+        v[i] = moe_exp_f32(v[i] - m);
+        acc = acc + v[i];
+      }
+  } else {
+    for (int e = lane; e < E; e += 32) {
+      const float x = moe_exp_f32(z[e] - m);
+      p[e] = x;
+      acc = acc + x;
+    }
+  }
+  const float s = r32_butterfly(acc);
+  if constexpr (kPer > 0) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E) {
+        v[i] = v[i] / s;
+        p[e] = v[i];
+      }
+    }
+  } else {
+    for (int e = lane; e < E; e += 32) p[e] = p[e] / s;
+  }
+
+  // Pick j = the best expert strictly after pick j - 1 in the total order, like the CPU's
+  // selection sort; all lanes know every pick after the butterfly.
+  int32_t* idx = a.idx + t * k;  // (k)
+  float* w = a.w + t * k;        // (k)
+  Cand prev{0.0f, -1, 0.0f};
+  float sum = 0.0f;  // sequential sum_j p_j, identical in every lane
+  for (int j = 0; j < k; ++j) {
+    Cand c{0.0f, -1, 0.0f};
+    auto consider = [&](int e, float pe) {
+      const float key = topk_key(pe);
+      if (j > 0 && !(key < prev.key || (key == prev.key && e > prev.idx))) return;
+      if (c.idx < 0 || key > c.key) c = Cand{key, e, pe};  // e ascends within a lane
+    };
+    if constexpr (kPer > 0) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i)
+        if (lane + 32 * i < E) consider(lane + 32 * i, v[i]);
+    } else {
+      for (int e = lane; e < E; e += 32) consider(e, p[e]);
+    }
+    c = warp_best(c);
+    prev = c;
+    sum = sum + c.val;
+    if (lane == 0) {
+      idx[j] = c.idx;
+      w[j] = c.val;
+    }
+  }
+  if (a.norm_topk_prob) {
+    __syncwarp();  // orders lane 0's w stores before the other lanes read them
+    for (int j = lane; j < k; j += 32) w[j] = w[j] / sum;
+  }
+}
+
+// One warp per token. The k-term scalars (S, c, d) are sequential over j, so every lane computes
+// them redundantly from broadcast loads; the E outputs are lane-strided.
+__global__ void __launch_bounds__(Config::kThreads)
+    router_topk_backward_kernel(const __grid_constant__ RouterTopkBackwardArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (t >= a.tokens) return;
+  const int E = static_cast<int>(a.experts);
+  const int k = static_cast<int>(a.top_k);
+  const float* p = a.probs + t * E;      // (E)
+  const int32_t* idx = a.idx + t * k;    // (k)
+  const float* dw = a.dw + t * k;        // (k)
+  float* dz = a.dlogits + t * E;         // (E)
+  for (int j = 0; j < k; ++j)
+    if (idx[j] < 0 || idx[j] >= E) __trap();
+  float sum = 0.0f, c = 0.0f, d = 0.0f;
+  if (a.norm_topk_prob) {
+    for (int j = 0; j < k; ++j) sum = sum + p[idx[j]];
+    for (int j = 0; j < k; ++j) c = c + dw[j] * (p[idx[j]] / sum);
+    for (int j = 0; j < k; ++j) d = d + ((dw[j] - c) / sum) * p[idx[j]];
+  } else {
+    for (int j = 0; j < k; ++j) d = d + dw[j] * p[idx[j]];
+  }
+  for (int e = lane; e < E; e += 32) dz[e] = p[e] * -d;
+  __syncwarp();  // the selected experts' values below replace the ones just stored
+  for (int j = lane; j < k; j += 32) {
+    const float g = a.norm_topk_prob ? (dw[j] - c) / sum : dw[j];
+    dz[idx[j]] = p[idx[j]] * (g - d);
+  }
+}
+
+// ---- aux loss ------------------------------------------------------------------------------------
+
+// Workspace of the aux-loss forward: cnt (k, E) and a CTA ticket, zeroed before the launch; pbar
+// (E) written by the CTAs.
+struct AuxWorkspace {
+  uint32_t* cnt;     // (k * E)
+  uint32_t* ticket;  // (1)
+  float* pbar;       // (E)
+};
+
+// Histogram of idx into `cnt`: per (j, e) when per_choice, else per e. Shared-memory bins when
+// they fit (integer sums are order-free, so privatisation changes nothing).
+__device__ void aux_histogram(const int32_t* idx, int64_t T, int64_t E, int64_t k, bool per_choice,
+                              bool smem_bins, uint32_t* bins_smem, uint32_t* cnt) {
+  const int64_t bins = per_choice ? k * E : E;
+  const int64_t slots = T * k;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (smem_bins) {
+    for (int64_t b = threadIdx.x; b < bins; b += blockDim.x) bins_smem[b] = 0;
+    __syncthreads();
+  }
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
+       i += stride) {
+    const int32_t e = idx[i];
+    if (e < 0 || e >= E) __trap();
+    const int64_t b = per_choice ? (i % k) * E + e : e;
+    if (smem_bins)
+      atomicAdd(&bins_smem[b], 1u);
+    else
+      atomicAdd(&cnt[b], 1u);
+  }
+  if (smem_bins) {
+    __syncthreads();
+    for (int64_t b = threadIdx.x; b < bins; b += blockDim.x)
+      if (bins_smem[b]) atomicAdd(&cnt[b], bins_smem[b]);
+  }
+}
+
+// CTA b: histogram share, then pbar of experts [8 b, 8 b + 8): thread (y, x) is R32 lane y of
+// expert 8 b + x, so a warp reads 4 rows x 32 contiguous bytes. The last CTA to finish forms aux.
+__global__ void __launch_bounds__(Config::kThreads)
+    aux_loss_kernel(const __grid_constant__ AuxLossArgs a, AuxWorkspace ws, bool smem_bins) {
+  extern __shared__ uint32_t bins_smem[];
+  __shared__ float red[32][Config::kAuxExperts + 1];
+  __shared__ bool is_last;
+  const int64_t T = a.tokens, E = a.experts, k = a.top_k;
+  aux_histogram(a.idx, T, E, k, /*per_choice=*/true, smem_bins, bins_smem, ws.cnt);
+
+  const int x = threadIdx.x % Config::kAuxExperts;
+  const int y = threadIdx.x / Config::kAuxExperts;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * Config::kAuxExperts + x;
+  float acc = 0.0f;
+  if (e < E) {
+    int64_t t = y;
+    // Four loads in flight ahead of the four dependent adds.
+    for (; t + 96 < T; t += 128) {
+      const float p0 = __ldg(a.probs + t * E + e);
+      const float p1 = __ldg(a.probs + (t + 32) * E + e);
+      const float p2 = __ldg(a.probs + (t + 64) * E + e);
+      const float p3 = __ldg(a.probs + (t + 96) * E + e);
+      acc = acc + p0;
+      acc = acc + p1;
+      acc = acc + p2;
+      acc = acc + p3;
+    }
+    for (; t < T; t += 32) acc = acc + __ldg(a.probs + t * E + e);
+  }
+  red[y][x] = acc;
+  __syncthreads();
+  for (int off = 16; off >= 1; off /= 2) {  // moe_ops.h's tree, lane[y] += lane[y + off]
+    if (y < off) red[y][x] = red[y][x] + red[y + off][x];
+    __syncthreads();
+  }
+  if (y == 0 && e < E) ws.pbar[e] = red[0][x] / static_cast<float>(T);
+
+  // Last-CTA pattern: every thread fences its global writes (pbar, cnt atomics) before the ticket.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(ws.ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last || threadIdx.x >= 32) return;
+  __threadfence();
+  const int lane = threadIdx.x;
+  float sum = 0.0f;
+  for (int64_t i = lane; i < k * E; i += 32) {
+    // L2 reads (ld.cg): other CTAs wrote these, this SM's L1 may not have seen them.
+    const float f = static_cast<float>(__ldcg(ws.cnt + i)) / static_cast<float>(T);
+    sum = sum + f * __ldcg(ws.pbar + i % E);
+  }
+  sum = r32_butterfly(sum);
+  if (lane == 0) *a.aux = static_cast<float>(E) * sum;
+}
+
+// Backward, pass 1: cnt_e over all tokens (a grid-wide dependency of pass 2).
+__global__ void __launch_bounds__(Config::kThreads)
+    aux_count_kernel(const int32_t* idx, int64_t T, int64_t E, int64_t k, bool smem_bins,
+                     uint32_t* cnt) {
+  extern __shared__ uint32_t bins_smem[];
+  aux_histogram(idx, T, E, k, /*per_choice=*/false, smem_bins, bins_smem, cnt);
+}
+
+// Backward, pass 2: one warp per token; q[e] is recomputed from cnt wherever used (same bits).
+__global__ void __launch_bounds__(Config::kThreads)
+    aux_loss_backward_kernel(const __grid_constant__ AuxLossBackwardArgs a, const uint32_t* cnt) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (t >= a.tokens) return;
+  const int64_t E = a.experts;
+  const float fT = static_cast<float>(a.tokens);
+  const float daux_e = a.daux * static_cast<float>(E);
+  auto q = [&](int64_t e) { return (daux_e * (static_cast<float>(cnt[e]) / fT)) / fT; };
+  const float* p = a.probs + t * E;  // (E)
+  float* dz = a.dlogits + t * E;     // (E)
+  float acc = 0.0f;
+  for (int64_t e = lane; e < E; e += 32) acc = acc + p[e] * q(e);
+  const float d = r32_butterfly(acc);
+  for (int64_t e = lane; e < E; e += 32) dz[e] = dz[e] + p[e] * (q(e) - d);
+}
+
+// ---- permute -------------------------------------------------------------------------------------
+
+// Byte copy in units U (16, 4 or 2 bytes: the widest that divides the row and both bases).
+template <typename U>
+__global__ void __launch_bounds__(Config::kThreads)
+    permute_kernel(const int32_t* row_slot, int64_t rows, int64_t units_per_row, int64_t top_k,
+                   int64_t slots, const U* x, U* xp) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * units_per_row) return;
+  const int64_t r = i / units_per_row;
+  const int64_t c = i - r * units_per_row;
+  const int32_t slot = __ldg(row_slot + r);
+  if (slot < -1 || slot >= slots) __trap();
+  U v{};
+  if (slot >= 0) v = x[(slot / top_k) * units_per_row + c];
+  xp[i] = v;
+}
+
+// dx[t] = sequential sum_j dxp[dest[t, j]], from +0.
+template <typename TIn, bool kVec>
+__global__ void __launch_bounds__(Config::kThreads)
+    permute_backward_kernel(const __grid_constant__ PermuteBackwardArgs a) {
+  ChunkPos pos;
+  if (!chunk_pos(a.tokens, a.hidden, pos)) return;
+  const int64_t H = a.hidden, k = a.top_k;
+  const TIn* dxp = static_cast<const TIn*>(a.dxp);
+  float acc[Config::kChunk];
+#pragma unroll
+  for (int q = 0; q < Config::kChunk; ++q) acc[q] = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t r = __ldg(a.dest + pos.row * k + j);
+    if (r < 0 || r >= a.rows) __trap();
+    float v[Config::kChunk];
+    load_chunk<TIn, kVec>(dxp + r * H + pos.col, v, pos.valid);
+#pragma unroll
+    for (int q = 0; q < Config::kChunk; ++q) acc[q] = acc[q] + v[q];
+  }
+  store_chunk<float, kVec>(a.dx + pos.row * H + pos.col, acc, pos.valid);
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------------------
+
+template <typename TIn, typename TOut, bool kVec>
+__global__ void __launch_bounds__(Config::kThreads)
+    swiglu_kernel(const __grid_constant__ SwigluArgs a) {
+  ChunkPos pos;
+  if (!chunk_pos(a.rows, a.ffn, pos)) return;
+  const int64_t F = a.ffn;
+  const TIn* in = static_cast<const TIn*>(a.in) + pos.row * 2 * F + pos.col;  // gate; up at + F
+  float g[Config::kChunk], u[Config::kChunk], o[Config::kChunk];
+  load_chunk<TIn, kVec>(in, g, pos.valid);
+  load_chunk<TIn, kVec>(in + F, u, pos.valid);
+#pragma unroll
+  for (int q = 0; q < Config::kChunk; ++q) {
+    const float s = moe_sigmoid_f32(g[q]);
+    o[q] = (g[q] * s) * u[q];
+  }
+  store_chunk<TOut, kVec>(static_cast<TOut*>(a.out) + pos.row * F + pos.col, o, pos.valid);
+}
+
+template <typename TIn, typename TDout, typename TDin, bool kVec>
+__global__ void __launch_bounds__(Config::kThreads)
+    swiglu_backward_kernel(const __grid_constant__ SwigluBackwardArgs a) {
+  ChunkPos pos;
+  if (!chunk_pos(a.rows, a.ffn, pos)) return;
+  const int64_t F = a.ffn;
+  const TIn* in = static_cast<const TIn*>(a.in) + pos.row * 2 * F + pos.col;
+  float g[Config::kChunk], u[Config::kChunk], o[Config::kChunk];
+  load_chunk<TIn, kVec>(in, g, pos.valid);
+  load_chunk<TIn, kVec>(in + F, u, pos.valid);
+  load_chunk<TDout, kVec>(static_cast<const TDout*>(a.dout) + pos.row * F + pos.col, o, pos.valid);
+  float dg[Config::kChunk], du[Config::kChunk];
+#pragma unroll
+  for (int q = 0; q < Config::kChunk; ++q) {
+    const float s = moe_sigmoid_f32(g[q]);
+    dg[q] = (o[q] * u[q]) * (s * (1.0f + g[q] * (1.0f - s)));
+    du[q] = o[q] * (g[q] * s);
+  }
+  TDin* din = static_cast<TDin*>(a.din) + pos.row * 2 * F + pos.col;
+  store_chunk<TDin, kVec>(din, dg, pos.valid);
+  store_chunk<TDin, kVec>(din + F, du, pos.valid);
+}
+
+// ---- unpermute + combine -------------------------------------------------------------------------
+
+// y[t] = sequential sum_j w[t, j] * yp[dest[t, j]], from +0, rounded once to y's dtype.
+template <typename TYp, typename TY, bool kVec>
+__global__ void __launch_bounds__(Config::kThreads)
+    unpermute_kernel(const __grid_constant__ UnpermuteArgs a) {
+  ChunkPos pos;
+  if (!chunk_pos(a.tokens, a.hidden, pos)) return;
+  const int64_t H = a.hidden, k = a.top_k;
+  const TYp* yp = static_cast<const TYp*>(a.yp);
+  float acc[Config::kChunk];
+#pragma unroll
+  for (int q = 0; q < Config::kChunk; ++q) acc[q] = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t r = __ldg(a.dest + pos.row * k + j);
+    if (r < 0 || r >= a.rows) __trap();
+    const float wj = __ldg(a.w + pos.row * k + j);
+    float v[Config::kChunk];
+    load_chunk<TYp, kVec>(yp + r * H + pos.col, v, pos.valid);
+#pragma unroll
+    for (int q = 0; q < Config::kChunk; ++q) acc[q] = acc[q] + wj * v[q];
+  }
+  store_chunk<TY, kVec>(static_cast<TY*>(a.y) + pos.row * H + pos.col, acc, pos.valid);
+}
+
+// One launch, two independent parts: CTAs [0, dyp_blocks) write dyp row chunks; the rest give one
+// warp to each pair (t, j) for dw[t, j] = R32 sum_h dy[t, h] * yp[dest[t, j], h].
+template <typename TYp, typename TDy, typename TDyp, bool kVec>
+__global__ void __launch_bounds__(Config::kThreads)
+    unpermute_backward_kernel(const __grid_constant__ UnpermuteBackwardArgs a,
+                              unsigned dyp_blocks) {
+  const int64_t H = a.hidden, k = a.top_k;
+  const TDy* dy = static_cast<const TDy*>(a.dy);
+  const TYp* yp = static_cast<const TYp*>(a.yp);
+  if (blockIdx.x < dyp_blocks) {
+    ChunkPos pos;
+    if (!chunk_pos(a.rows, H, pos)) return;
+    const int32_t slot = __ldg(a.row_slot + pos.row);
+    if (slot < -1 || slot >= a.tokens * k) __trap();
+    float v[Config::kChunk];
+    if (slot < 0) {
+#pragma unroll
+      for (int q = 0; q < Config::kChunk; ++q) v[q] = 0.0f;
+    } else {
+      const float wj = __ldg(a.w + slot);
+      load_chunk<TDy, kVec>(dy + (slot / k) * H + pos.col, v, pos.valid);
+#pragma unroll
+      for (int q = 0; q < Config::kChunk; ++q) v[q] = wj * v[q];
+    }
+    store_chunk<TDyp, kVec>(static_cast<TDyp*>(a.dyp) + pos.row * H + pos.col, v, pos.valid);
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  const int64_t pair =
+      static_cast<int64_t>(blockIdx.x - dyp_blocks) * Config::kWarps + (threadIdx.x >> 5);
+  if (pair >= a.tokens * k) return;
+  const int64_t t = pair / k;
+  const int32_t r = __ldg(a.dest + pair);
+  if (r < 0 || r >= a.rows) __trap();
+  const TDy* dy_t = dy + t * H;  // (H)
+  const TYp* yp_r = yp + r * H;  // (H)
+  float acc = 0.0f;
+  for (int64_t h = lane; h < H; h += 32) acc = acc + to_f32(dy_t[h]) * to_f32(yp_r[h]);
+  acc = r32_butterfly(acc);
+  if (lane == 0) a.dw[pair] = acc;
+}
+
+// The row kernels' vector path: every row a whole number of 16-byte-aligned 8-element chunks.
+bool rows_vectorizable(int64_t cols, std::initializer_list<const void*> ptrs) {
+  if (cols % Config::kChunk != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned_to(p, 16)) return false;
+  return true;
+}
+
+}  // namespace
+
+Status CudaBackend::router_topk(const RouterTopkArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_router_topk(a));
+  const unsigned grid = grid_for(a.tokens, Config::kWarps);
+  const int64_t E = a.experts;
+  if (E <= 32)
+    router_topk_kernel<1><<<grid, Config::kThreads, 0, stream()>>>(a);
+  else if (E <= 64)
+    router_topk_kernel<2><<<grid, Config::kThreads, 0, stream()>>>(a);
+  else if (E <= 128)
+    router_topk_kernel<4><<<grid, Config::kThreads, 0, stream()>>>(a);
+  else if (E <= 256)
+    router_topk_kernel<8><<<grid, Config::kThreads, 0, stream()>>>(a);
+  else
+    router_topk_kernel<0><<<grid, Config::kThreads, 0, stream()>>>(a);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::router_topk_backward(const RouterTopkBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_router_topk_backward(a));
+  router_topk_backward_kernel<<<grid_for(a.tokens, Config::kWarps), Config::kThreads, 0,
+                                stream()>>>(a);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::aux_loss(const AuxLossArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss(a));
+  const int64_t E = a.experts, bins = a.top_k * a.experts;
+  // Layout: cnt (k E) | ticket | pad | pbar (E); cnt and ticket start zeroed.
+  const size_t zeroed = static_cast<size_t>(bins + 1) * sizeof(uint32_t);
+  const size_t pbar_at = (zeroed + 15) / 16 * 16;
+  auto* base = static_cast<uint8_t*>(workspace(pbar_at + static_cast<size_t>(E) * sizeof(float)));
+  AuxWorkspace ws{reinterpret_cast<uint32_t*>(base), reinterpret_cast<uint32_t*>(base) + bins,
+                  reinterpret_cast<float*>(base + pbar_at)};
+  PACKMOE_CUDA_CHECK(cudaMemsetAsync(base, 0, zeroed, stream()));
+  const bool smem_bins = bins <= Config::kAuxSmemBins;
+  const size_t smem = smem_bins ? static_cast<size_t>(bins) * sizeof(uint32_t) : 0;
+  aux_loss_kernel<<<grid_for(E, Config::kAuxExperts), Config::kThreads, smem, stream()>>>(
+      a, ws, smem_bins);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::aux_loss_backward(const AuxLossBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_backward(a));
+  const int64_t E = a.experts;
+  auto* cnt = static_cast<uint32_t*>(workspace(static_cast<size_t>(E) * sizeof(uint32_t)));
+  PACKMOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, static_cast<size_t>(E) * sizeof(uint32_t), stream()));
+  const bool smem_bins = E <= Config::kAuxSmemBins;
+  const size_t smem = smem_bins ? static_cast<size_t>(E) * sizeof(uint32_t) : 0;
+  // Enough CTAs to stream idx, few enough that flushing shared bins stays cheap.
+  const int64_t slots = a.tokens * a.top_k;
+  const int64_t want = (slots + 4 * Config::kThreads - 1) / (4 * Config::kThreads);
+  const unsigned count_grid =
+      static_cast<unsigned>(want < 2 * int64_t{sm_count()} ? want : 2 * int64_t{sm_count()});
+  aux_count_kernel<<<count_grid, Config::kThreads, smem, stream()>>>(a.idx, a.tokens, E, a.top_k,
+                                                                     smem_bins, cnt);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  aux_loss_backward_kernel<<<grid_for(a.tokens, Config::kWarps), Config::kThreads, 0, stream()>>>(
+      a, cnt);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::permute(const PermuteArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_permute(a));
+  const int64_t row_bytes = static_cast<int64_t>(dtype_bytes_for(a.dtype, a.hidden));
+  const int64_t slots = a.tokens * a.top_k;
+  auto launch = [&](auto unit) {
+    using U = decltype(unit);
+    const int64_t upr = row_bytes / static_cast<int64_t>(sizeof(U));
+    permute_kernel<U><<<grid_for(a.rows * upr, Config::kThreads), Config::kThreads, 0, stream()>>>(
+        a.row_slot, a.rows, upr, a.top_k, slots, static_cast<const U*>(a.x), static_cast<U*>(a.xp));
+  };
+  auto fits = [&](uintptr_t u) {
+    return row_bytes % static_cast<int64_t>(u) == 0 && aligned_to(a.x, u) && aligned_to(a.xp, u);
+  };
+  if (fits(16))
+    launch(uint4{});
+  else if (fits(4))
+    launch(uint32_t{});
+  else
+    launch(uint16_t{});  // BF16 rows of odd length: 2 bytes always divide
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::permute_backward(const PermuteBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_permute_backward(a));
+  const int64_t chunks = a.tokens * ((a.hidden + Config::kChunk - 1) / Config::kChunk);
+  const unsigned grid = grid_for(chunks, Config::kThreads);
+  const bool vec = rows_vectorizable(a.hidden, {a.dxp, a.dx});
+  with_elem(a.dxp_dtype, [&](auto in) {
+    using TIn = elem_t<decltype(in)>;
+    if (vec)
+      permute_backward_kernel<TIn, true><<<grid, Config::kThreads, 0, stream()>>>(a);
+    else
+      permute_backward_kernel<TIn, false><<<grid, Config::kThreads, 0, stream()>>>(a);
+  });
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::swiglu(const SwigluArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_swiglu(a));
+  const int64_t chunks = a.rows * ((a.ffn + Config::kChunk - 1) / Config::kChunk);
+  const unsigned grid = grid_for(chunks, Config::kThreads);
+  const bool vec = rows_vectorizable(a.ffn, {a.in, a.out});
+  with_elem(a.in_dtype, [&](auto in) {
+    with_elem(a.out_dtype, [&](auto out) {
+      using TIn = elem_t<decltype(in)>;
+      using TOut = elem_t<decltype(out)>;
+      if (vec)
+        swiglu_kernel<TIn, TOut, true><<<grid, Config::kThreads, 0, stream()>>>(a);
+      else
+        swiglu_kernel<TIn, TOut, false><<<grid, Config::kThreads, 0, stream()>>>(a);
+    });
+  });
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::swiglu_backward(const SwigluBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_swiglu_backward(a));
+  const int64_t chunks = a.rows * ((a.ffn + Config::kChunk - 1) / Config::kChunk);
+  const unsigned grid = grid_for(chunks, Config::kThreads);
+  const bool vec = rows_vectorizable(a.ffn, {a.in, a.dout, a.din});
+  with_elem(a.in_dtype, [&](auto in) {
+    with_elem(a.dout_dtype, [&](auto dout) {
+      with_elem(a.din_dtype, [&](auto din) {
+        using TIn = elem_t<decltype(in)>;
+        using TDout = elem_t<decltype(dout)>;
+        using TDin = elem_t<decltype(din)>;
+        if (vec)
+          swiglu_backward_kernel<TIn, TDout, TDin, true>
+              <<<grid, Config::kThreads, 0, stream()>>>(a);
+        else
+          swiglu_backward_kernel<TIn, TDout, TDin, false>
+              <<<grid, Config::kThreads, 0, stream()>>>(a);
+      });
+    });
+  });
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::unpermute(const UnpermuteArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_unpermute(a));
+  const int64_t chunks = a.tokens * ((a.hidden + Config::kChunk - 1) / Config::kChunk);
+  const unsigned grid = grid_for(chunks, Config::kThreads);
+  const bool vec = rows_vectorizable(a.hidden, {a.yp, a.y});
+  with_elem(a.yp_dtype, [&](auto yp) {
+    with_elem(a.y_dtype, [&](auto y) {
+      using TYp = elem_t<decltype(yp)>;
+      using TY = elem_t<decltype(y)>;
+      if (vec)
+        unpermute_kernel<TYp, TY, true><<<grid, Config::kThreads, 0, stream()>>>(a);
+      else
+        unpermute_kernel<TYp, TY, false><<<grid, Config::kThreads, 0, stream()>>>(a);
+    });
+  });
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_unpermute_backward(a));
+  const int64_t chunks = a.rows * ((a.hidden + Config::kChunk - 1) / Config::kChunk);
+  const unsigned dyp_blocks = grid_for(chunks, Config::kThreads);
+  const unsigned dw_blocks = grid_for(a.tokens * a.top_k, Config::kWarps);
+  PACKMOE_CHECK(uint64_t{dyp_blocks} + dw_blocks < (uint64_t{1} << 31), "grid too large");
+  const unsigned grid = dyp_blocks + dw_blocks;
+  const bool vec = rows_vectorizable(a.hidden, {a.dy, a.dyp});
+  with_elem(a.yp_dtype, [&](auto yp) {
+    with_elem(a.dy_dtype, [&](auto dy) {
+      with_elem(a.dyp_dtype, [&](auto dyp) {
+        using TYp = elem_t<decltype(yp)>;
+        using TDy = elem_t<decltype(dy)>;
+        using TDyp = elem_t<decltype(dyp)>;
+        if (vec)
+          unpermute_backward_kernel<TYp, TDy, TDyp, true>
+              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks);
+        else
+          unpermute_backward_kernel<TYp, TDy, TDyp, false>
+              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks);
+      });
+    });
+  });
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace packmoe

@@ -1,0 +1,63 @@
+// Elementwise ops over segment lists: a grouped buffer is one packed allocation or E separate
+// ones, so every op takes G pointers of `n` elements each and runs as one call over all of them.
+// Invariant: each element's result is the exact FP32 arithmetic written here (no FMA), so the CPU
+// and CUDA backends write the same bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/hd.h"
+#include "core/status.h"
+
+namespace packmoe {
+
+// G segments of n elements: ptr[g] .. ptr[g] + n.
+template <typename T>
+struct Segments {
+  std::vector<T*> ptr;
+  int64_t n = 0;
+};
+
+// The scalars of AdamW step t >= 1, each computed in FP64 and rounded once to FP32:
+//   decay = 1 - lr * weight_decay; one_minus_beta{1,2} = 1 - beta{1,2};
+//   step_size = lr / (1 - beta1^t); sqrt_bias_correction2 = sqrt(1 - beta2^t)
+struct AdamWStepScalars {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
+  float decay, step_size, sqrt_bias_correction2;
+};
+
+// One element, PyTorch's AdamW order, every operation one FP32 rounding (no FMA contraction):
+//   p = p * decay
+//   m = beta1 * m + one_minus_beta1 * g
+//   v = beta2 * v + one_minus_beta2 * (g * g)
+//   p = p - step_size * (m / (sqrt(v) / sqrt_bias_correction2 + eps))
+PACKMOE_HD void adamw_update(float& p, float& m, float& v, float g, const AdamWStepScalars& s) {
+  p = p * s.decay;
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
+  const float denom = sqrtf(v) / s.sqrt_bias_correction2 + s.eps;
+  p = p - s.step_size * (m / denom);
+}
+
+struct AdamWArgs {
+  AdamWStepScalars scalars;
+  Segments<float> param;       // FP32 master, updated in place
+  Segments<float> exp_avg;     // m, in place
+  Segments<float> exp_avg_sq;  // v, in place
+  Segments<const float> grad;  // main_grad
+};
+
+// Same segment count and length everywhere; touches no memory.
+Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t> counts,
+                         std::initializer_list<int64_t> lengths, const char* what);
+
+// CPU reference (host pointers).
+Status cast_f32_to_bf16_cpu(const Segments<const float>& src, const Segments<uint16_t>& dst);
+Status add_f32_cpu(const Segments<float>& dst, const Segments<const float>& src);  // dst += src
+Status adamw_cpu(const AdamWArgs& args);
+// decode[g] = nvfp4_decode_scale(amax[g]) for g < groups.
+Status nvfp4_decode_scales_cpu(const float* amax, float* decode, int64_t groups);
+
+}  // namespace packmoe

@@ -1,0 +1,294 @@
+// MoEBlock forward / backward: the router linear, the MoE ops of backend/moe_ops.h and the two
+// grouped expert linears, in the order the header lists; every intermediate is a backend tensor.
+#include "nn/moe_block.h"
+
+namespace packmoe {
+namespace {
+
+GroupedLinearConfig router_config(const MoEBlockConfig& cfg) {
+  GroupedLinearConfig c;
+  c.recipe = QuantRecipe{Recipe::kBF16, false, 0};
+  c.primary = PrimaryWeight::kHighPrecision;
+  c.layout = cfg.layout;
+  c.grad_accum_fusion = cfg.grad_accum_fusion;
+  c.delay_wgrad = false;
+  c.out_dtype = DType::kF32;  // logits, and dx for the F32 sum with the expert path
+  return c;
+}
+
+GroupedLinearConfig expert_config(const MoEBlockConfig& cfg, uint64_t sr_seed) {
+  GroupedLinearConfig c;
+  c.recipe = cfg.recipe;
+  c.recipe.sr_seed = sr_seed;
+  c.primary = cfg.primary;
+  c.layout = cfg.layout;
+  c.grad_accum_fusion = cfg.grad_accum_fusion;
+  c.delay_wgrad = cfg.delay_wgrad;
+  c.out_dtype = cfg.activation_dtype;
+  return c;
+}
+
+Tensor router_init(const Tensor& router) {  // (E, H) -> (1, E, H)
+  PACKMOE_CHECK(router.rank() == 2,
+                "MoEBlock router init must be (E, H), got " << shape_string(router.shape()));
+  return router.reshaped({1, router.dim(0), router.dim(1)});
+}
+
+// The whole tensor as one segment of n elements.
+template <typename T>
+Segments<T> one_segment(const Tensor& t) {
+  return Segments<T>{{static_cast<T*>(t.data())}, t.numel()};
+}
+
+}  // namespace
+
+MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockInit& init)
+    : backend_(&backend),
+      cfg_(cfg),
+      router_(backend, router_config(cfg), router_init(init.router)),
+      fc1_(backend, expert_config(cfg, 2 * cfg.recipe.sr_seed), init.fc1),
+      fc2_(backend, expert_config(cfg, 2 * cfg.recipe.sr_seed + 1), init.fc2) {
+  const int64_t e = init.router.dim(0), h = init.router.dim(1);
+  const int64_t f = fc2_.param().k();
+  PACKMOE_CHECK(
+      fc1_.param().experts() == e && fc1_.param().n() == 2 * f && fc1_.param().k() == h,
+      "MoEBlock fc1 init must be (E, 2F, H) = (" << e << ", " << 2 * f << ", " << h << ")");
+  PACKMOE_CHECK(fc2_.param().experts() == e && fc2_.param().n() == h,
+                "MoEBlock fc2 init must be (E, H, F) with E = " << e << ", H = " << h);
+  PACKMOE_CHECK(cfg.top_k >= 1 && cfg.top_k <= e,
+                "MoEBlock top_k " << cfg.top_k << " for " << e << " experts");
+  PACKMOE_CHECK(cfg.out_dtype == DType::kBF16 || cfg.out_dtype == DType::kF32,
+                "MoEBlock outputs bf16 or f32");
+  PACKMOE_CHECK(cfg.activation_dtype == DType::kBF16 || cfg.activation_dtype == DType::kF32,
+                "MoEBlock activations are bf16 or f32");
+}
+
+std::vector<GroupedParam*> MoEBlock::params() {
+  return {&router_.param(), &fc1_.param(), &fc2_.param()};
+}
+
+void MoEBlock::create_masters() {
+  for (GroupedParam* p : params()) p->create_master();
+}
+
+void MoEBlock::zero_grad() {
+  for (GroupedParam* p : params()) p->zero_grad();
+}
+
+Tensor MoEBlock::forward(const Tensor& x) {
+  PACKMOE_CHECK(state_ != BlockState::kWgradPending,
+                "MoEBlock forward with delayed wgrads pending: run backward_dw first, or their "
+                "gradients are lost");
+  const int64_t E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
+  PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(1) == H && x.dim(0) > 0,
+                "MoEBlock forward: x must be (T, " << H << ") bf16 with T > 0, got "
+                                                   << shape_string(x.shape()));
+  PACKMOE_CHECK(x.device() == backend_->device(),
+                "MoEBlock forward: x is not in the backend's memory");
+  const int64_t T = x.dim(0);
+  Backend& b = *backend_;
+
+  // Router: logits (T, E) F32 = x . W_r^T, one GEMM group of T tokens.
+  const Tensor logits = router_.forward(x, {T});
+  probs_ = Tensor::empty(b, DType::kF32, {T, E});
+  idx_ = Tensor::empty(b, DType::kI32, {T, k});
+  w_ = Tensor::empty(b, DType::kF32, {T, k});
+  RouterTopkArgs ra;
+  ra.tokens = T;
+  ra.experts = E;
+  ra.top_k = k;
+  ra.norm_topk_prob = cfg_.norm_topk_prob;
+  ra.logits = logits.data_as<const float>();
+  ra.probs = probs_.data_as<float>();
+  ra.idx = idx_.data_as<int32_t>();
+  ra.w = w_.data_as<float>();
+  check_op(b.router_topk(ra), "router_topk");
+
+  if (cfg_.aux_loss_coef != 0.0f) {
+    const Tensor aux = Tensor::empty(b, DType::kF32, {1});
+    AuxLossArgs aa;
+    aa.tokens = T;
+    aa.experts = E;
+    aa.top_k = k;
+    aa.probs = probs_.data_as<const float>();
+    aa.idx = idx_.data_as<const int32_t>();
+    aa.aux = aux.data_as<float>();
+    check_op(b.aux_loss(aa), "aux_loss");
+    b.copy(&aux_, aux.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
+  }
+
+  // The plan is host work: the expert counts become the GEMMs' host token counts anyway.
+  std::vector<int32_t> idx_host(T * k);
+  b.copy(idx_host.data(), idx_.data(), idx_.nbytes(), Backend::CopyKind::kDeviceToHost);
+  Result<RoutingPlan> plan =
+      build_routing_plan(idx_host.data(), T, E, k, token_alignment(cfg_.recipe.recipe));
+  PACKMOE_CHECK(plan.is_ok(),
+                "routing plan of the router's own indices: " << plan.status().message());
+  plan_ = std::move(plan).value();
+  has_plan_ = true;
+  const int64_t M = plan_.rows;
+  dest_ = Tensor::empty(b, DType::kI32, {T, k});
+  row_slot_ = Tensor::empty(b, DType::kI32, {M});
+  b.copy(dest_.data(), plan_.dest.data(), dest_.nbytes(), Backend::CopyKind::kHostToDevice);
+  b.copy(row_slot_.data(), plan_.row_slot.data(), row_slot_.nbytes(),
+         Backend::CopyKind::kHostToDevice);
+
+  // xp (M, H) BF16: each expert's tokens, then zero padding rows.
+  const Tensor xp = Tensor::empty(b, DType::kBF16, {M, H});
+  PermuteArgs pa;
+  pa.tokens = T;
+  pa.hidden = H;
+  pa.top_k = k;
+  pa.rows = M;
+  pa.dtype = DType::kBF16;
+  pa.row_slot = row_slot_.data_as<const int32_t>();
+  pa.x = x.data();
+  pa.xp = xp.data();
+  check_op(b.permute(pa), "permute");
+
+  h_ = fc1_.forward(xp, plan_.padded_counts);               // (M, 2F)
+  const Tensor a = Tensor::empty(b, DType::kBF16, {M, F});  // FC2's GEMM operand
+  SwigluArgs sa;
+  sa.rows = M;
+  sa.ffn = F;
+  sa.in_dtype = cfg_.activation_dtype;
+  sa.in = h_.data();
+  sa.out_dtype = DType::kBF16;
+  sa.out = a.data();
+  check_op(b.swiglu(sa), "swiglu");
+  yp_ = fc2_.forward(a, plan_.padded_counts);  // (M, H)
+
+  Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});
+  UnpermuteArgs ua;
+  ua.tokens = T;
+  ua.hidden = H;
+  ua.top_k = k;
+  ua.rows = M;
+  ua.dest = dest_.data_as<const int32_t>();
+  ua.w = w_.data_as<const float>();
+  ua.yp_dtype = cfg_.activation_dtype;
+  ua.yp = yp_.data();
+  ua.y_dtype = cfg_.out_dtype;
+  ua.y = y.data();
+  check_op(b.unpermute(ua), "unpermute");
+  state_ = BlockState::kForwardDone;
+  return y;
+}
+
+Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum) {
+  PACKMOE_CHECK(state_ == BlockState::kForwardDone,
+                "MoEBlock backward needs a forward first (and runs once per forward)");
+  const int64_t T = plan_.tokens, E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
+  const int64_t M = plan_.rows;
+  PACKMOE_CHECK((dy.dtype() == DType::kBF16 || dy.dtype() == DType::kF32) && dy.rank() == 2 &&
+                    dy.dim(0) == T && dy.dim(1) == H,
+                "MoEBlock backward: dy must be (" << T << ", " << H << ") bf16 or f32, got "
+                                                  << shape_string(dy.shape()));
+  PACKMOE_CHECK(dy.device() == backend_->device(),
+                "MoEBlock backward: dy is not in the backend's memory");
+  Backend& b = *backend_;
+
+  // Combine: dyp (M, H) BF16 (FC2's dY operand) and dL/dw (T, k).
+  const Tensor dyp = Tensor::empty(b, DType::kBF16, {M, H});
+  const Tensor dw = Tensor::empty(b, DType::kF32, {T, k});
+  UnpermuteBackwardArgs ub;
+  ub.tokens = T;
+  ub.hidden = H;
+  ub.top_k = k;
+  ub.rows = M;
+  ub.dest = dest_.data_as<const int32_t>();
+  ub.row_slot = row_slot_.data_as<const int32_t>();
+  ub.w = w_.data_as<const float>();
+  ub.yp_dtype = cfg_.activation_dtype;
+  ub.yp = yp_.data();
+  ub.dy_dtype = dy.dtype();
+  ub.dy = dy.data();
+  ub.dyp_dtype = DType::kBF16;
+  ub.dyp = dyp.data();
+  ub.dw = dw.data_as<float>();
+  check_op(b.unpermute_backward(ub), "unpermute_backward");
+
+  const Tensor da = fc2_.backward(dyp, accum);                   // (M, F)
+  const Tensor dh = Tensor::empty(b, DType::kBF16, {M, 2 * F});  // FC1's dY operand
+  SwigluBackwardArgs sb;
+  sb.rows = M;
+  sb.ffn = F;
+  sb.in_dtype = cfg_.activation_dtype;
+  sb.in = h_.data();
+  sb.dout_dtype = cfg_.activation_dtype;
+  sb.dout = da.data();
+  sb.din_dtype = DType::kBF16;
+  sb.din = dh.data();
+  check_op(b.swiglu_backward(sb), "swiglu_backward");
+  const Tensor dxp = fc1_.backward(dh, accum);  // (M, H)
+
+  Tensor dx = Tensor::empty(b, DType::kF32, {T, H});
+  PermuteBackwardArgs pb;
+  pb.tokens = T;
+  pb.hidden = H;
+  pb.top_k = k;
+  pb.rows = M;
+  pb.dest = dest_.data_as<const int32_t>();
+  pb.dxp_dtype = cfg_.activation_dtype;
+  pb.dxp = dxp.data();
+  pb.dx = dx.data_as<float>();
+  check_op(b.permute_backward(pb), "permute_backward");
+
+  // Router path: dlogits (T, E) F32 from the combine weights and the aux loss, rounded to BF16
+  // once because it is the router GEMMs' dY operand.
+  const Tensor dlogits = Tensor::empty(b, DType::kF32, {T, E});
+  RouterTopkBackwardArgs rb;
+  rb.tokens = T;
+  rb.experts = E;
+  rb.top_k = k;
+  rb.norm_topk_prob = cfg_.norm_topk_prob;
+  rb.probs = probs_.data_as<const float>();
+  rb.idx = idx_.data_as<const int32_t>();
+  rb.dw = dw.data_as<const float>();
+  rb.dlogits = dlogits.data_as<float>();
+  check_op(b.router_topk_backward(rb), "router_topk_backward");
+  if (cfg_.aux_loss_coef != 0.0f) {
+    AuxLossBackwardArgs ab;
+    ab.tokens = T;
+    ab.experts = E;
+    ab.top_k = k;
+    ab.daux = cfg_.aux_loss_coef;
+    ab.probs = probs_.data_as<const float>();
+    ab.idx = idx_.data_as<const int32_t>();
+    ab.dlogits = dlogits.data_as<float>();
+    check_op(b.aux_loss_backward(ab), "aux_loss_backward");
+  }
+  const Tensor dlogits_bf16 = Tensor::empty(b, DType::kBF16, {T, E});
+  check_op(
+      b.cast_f32_to_bf16(one_segment<const float>(dlogits), one_segment<uint16_t>(dlogits_bf16)),
+      "cast dlogits");
+  const Tensor dx_router = router_.backward(dlogits_bf16, accum);  // (T, H) F32
+  check_op(b.add_f32(one_segment<float>(dx), one_segment<const float>(dx_router)), "dx sum");
+
+  // The linears keep what their queued wgrads read; the block's own saved tensors are done.
+  probs_ = idx_ = w_ = h_ = yp_ = dest_ = row_slot_ = Tensor{};
+  state_ = cfg_.delay_wgrad ? BlockState::kWgradPending : BlockState::kIdle;
+  return dx;
+}
+
+void MoEBlock::backward_dw() {
+  PACKMOE_CHECK(state_ == BlockState::kWgradPending,
+                "MoEBlock backward_dw without queued wgrads (they run once per backward, and are "
+                "only queued with delay_wgrad)");
+  fc2_.backward_dw();
+  fc1_.backward_dw();
+  state_ = BlockState::kIdle;
+}
+
+const RoutingPlan& MoEBlock::plan() const {
+  PACKMOE_CHECK(has_plan_, "MoEBlock plan before the first forward");
+  return plan_;
+}
+
+float MoEBlock::aux_loss() const {
+  PACKMOE_CHECK(cfg_.aux_loss_coef != 0.0f, "aux_loss: the aux loss is off (aux_loss_coef = 0)");
+  PACKMOE_CHECK(has_plan_, "aux_loss before the first forward");
+  return aux_;
+}
+
+}  // namespace packmoe

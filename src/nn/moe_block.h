@@ -1,0 +1,113 @@
+// MoEBlock: the Qwen3-MoE sparse MLP with explicit forward / backward. Router linear (E, H) ->
+// softmax, top-k (+ load-balancing aux loss) -> permute (each expert padded to the recipe's token
+// alignment) -> FC1 (E, 2F, H) -> SwiGLU -> FC2 (E, H, F) -> unpermute + combine.
+// Invariants: all arithmetic runs as Backend ops (the host only builds the routing plan from the
+// downloaded top-k indices); the block's state machine (Idle -> ForwardDone -> [WgradPending] ->
+// Idle) mirrors its linears'; both layouts issue identical ops, so their results are bitwise equal.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/moe_ops.h"
+#include "core/tensor.h"
+#include "nn/grouped_linear.h"
+#include "nn/grouped_param.h"
+#include "nn/recipe.h"
+
+namespace packmoe {
+
+struct MoEBlockConfig {
+  int64_t top_k = 2;            // k (num_experts_per_tok)
+  bool norm_topk_prob = false;  // renormalise the k router weights to sum to 1
+  // The aux loss enters the loss as aux_loss_coef * aux (router_aux_loss_coef); 0 turns it off
+  // (Hugging Face's output_router_logits = false).
+  float aux_loss_coef = 0.0f;
+  // FC1 / FC2 only: the router is always BF16 with an FP32 master and FP32 logits. FC1 draws its
+  // NVFP4 stochastic rounding from seed 2 * sr_seed, FC2 from 2 * sr_seed + 1, so the two never
+  // share random bits.
+  QuantRecipe recipe;
+  PrimaryWeight primary = PrimaryWeight::kHighPrecision;  // FC1 / FC2
+  Layout layout = Layout::kSingle;                        // all three params
+  bool grad_accum_fusion = true;                          // all three linears
+  bool delay_wgrad = false;  // FC1 / FC2 queue their wgrads for backward_dw; the router never does
+  DType out_dtype = DType::kBF16;  // y: kBF16 or kF32
+  // FC1 / FC2 outputs and their dgrads (h, yp, da, dxp): kBF16 as in TransformerEngine, or kF32
+  // (fewer roundings, for gradient checks). GEMM operands are BF16 (or quantized) either way.
+  DType activation_dtype = DType::kBF16;
+};
+
+// Initial weights, F32, on the host or in the backend's memory (each param keeps its copy until
+// create_masters()).
+struct MoEBlockInit {
+  Tensor router;  // (E, H)   Hugging Face mlp.gate.weight
+  Tensor fc1;     // (E, 2F, H) gate rows [0, F), up rows [F, 2F) (mlp.experts.gate_up_proj)
+  Tensor fc2;     // (E, H, F)  mlp.experts.down_proj
+};
+
+enum class BlockState {
+  kIdle,          // nothing saved
+  kForwardDone,   // routing, router outputs and expert activations saved for backward
+  kWgradPending,  // backward ran; FC1 / FC2 wgrads queued for backward_dw (delay_wgrad)
+};
+
+class MoEBlock {
+ public:
+  MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockInit& init);
+  MoEBlock(const MoEBlock&) = delete;
+  MoEBlock& operator=(const MoEBlock&) = delete;
+
+  const MoEBlockConfig& config() const { return cfg_; }
+  BlockState state() const { return state_; }
+  int64_t experts() const { return fc1_.param().experts(); }  // E
+  int64_t hidden() const { return fc1_.param().k(); }         // H
+  int64_t ffn() const { return fc2_.param().k(); }            // F
+
+  GroupedLinear& router() { return router_; }  // G = 1: weight (1, E, H)
+  GroupedLinear& fc1() { return fc1_; }
+  GroupedLinear& fc2() { return fc2_; }
+  // Router, FC1, FC2: what an optimizer updates.
+  std::vector<GroupedParam*> params();
+  void create_masters();  // GroupedParam::create_master on each param
+  void zero_grad();       // GroupedParam::zero_grad on each param
+
+  // x: (T, H) BF16 in the backend's memory, T > 0. Returns y (T, H) in out_dtype. Allowed from
+  // kIdle and kForwardDone (a forward never followed by backward, e.g. eval, is dropped); with
+  // wgrads pending it would lose them: PACKMOE_CHECK error.
+  Tensor forward(const Tensor& x);
+  // dy: (T, H) BF16 or F32, the gradient of the loss w.r.t. y; the loss also holds
+  // aux_loss_coef * aux when the aux loss is on. Returns dx (T, H) F32: the expert path plus the
+  // router path. Writes (accum) every main_grad, or queues FC1 / FC2's (delay_wgrad). Only from
+  // kForwardDone.
+  Tensor backward(const Tensor& dy, GradAccum accum);
+  // Runs FC2's and FC1's queued wgrads (-> kIdle). Only from kWgradPending.
+  void backward_dw();
+
+  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests.
+  const RoutingPlan& plan() const;
+  // The aux loss of the last forward (without the coefficient). Needs aux_loss_coef != 0.
+  float aux_loss() const;
+
+ private:
+  Backend* backend_;
+  MoEBlockConfig cfg_;
+  GroupedLinear router_;  // (1, E, H) BF16, out F32 (logits, dx)
+  GroupedLinear fc1_;     // (E, 2F, H)
+  GroupedLinear fc2_;     // (E, H, F)
+  BlockState state_ = BlockState::kIdle;
+  bool has_plan_ = false;
+  float aux_ = 0.0f;
+
+  // Saved by forward for backward (backend memory unless noted).
+  RoutingPlan plan_;  // host
+  Tensor dest_;       // (T, k) I32, the plan's
+  Tensor row_slot_;   // (M) I32, the plan's
+  Tensor probs_;      // (T, E) F32
+  Tensor idx_;        // (T, k) I32
+  Tensor w_;          // (T, k) F32
+  Tensor h_;          // (M, 2F) activation_dtype, FC1's output (SwiGLU's input)
+  Tensor yp_;         // (M, H) activation_dtype, FC2's output (the combine's input)
+};
+
+}  // namespace packmoe
