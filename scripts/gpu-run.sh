@@ -43,13 +43,19 @@ if [ $run_tests = 1 ]; then
   fi
 fi
 
-# Peers: the shared quantization/GEMM peer and our torch grouped-GEMM peer (fprop/dgrad/wgrad).
+# Peers: the shared quantization/GEMM and MoE-layer peers, and our torch grouped-GEMM peer
+# (fprop/dgrad/wgrad).
 declare -A peer_json
 if [ $run_peer = 1 ]; then
   if [ -n "$PEERS" ] && OUT="$OUT" python3 "$PEERS/torch_grouped_gemm_and_quant.py" >>"$OUT/peers.log" 2>&1; then
     peer_json[bench_quantize]="$OUT/torch_peers.json"; note "peer torch_grouped_gemm_and_quant: ok"
   else
     note "peer torch_grouped_gemm_and_quant: FAILED or missing (copy ../shared/peers to ./shared/peers)"
+  fi
+  if [ -n "$PEERS" ] && OUT="$OUT" python3 "$PEERS/torch_moe_layer.py" >>"$OUT/peers.log" 2>&1; then
+    peer_json[bench_moe_block]="$OUT/torch_moe_layer.json"; note "peer torch_moe_layer: ok"
+  else
+    note "peer torch_moe_layer: FAILED or missing"
   fi
   if [ -f bench/torch_grouped_gemm.py ]; then
     if python3 bench/torch_grouped_gemm.py --out "$OUT/torch_gemm_peers.json" >>"$OUT/peers.log" 2>&1; then
@@ -73,8 +79,10 @@ fi
   echo "==================== summary ===================="
   printf '%s\n' "${summary[@]}"
   echo "-- cuda vs cpu"
-  grep -ohE '\[(cuda==cpu|gemm cuda)\].*' "$OUT/tests.log" 2>/dev/null | grep -vE 'mismatches=0$' | head -20
-  echo "($(grep -cE 'mismatches=0$' "$OUT/tests.log" 2>/dev/null) cuda==cpu lines with mismatches=0; $(grep -cE 'mismatches=[1-9]' "$OUT/tests.log" 2>/dev/null) with mismatches)"
+  echo "$(grep -cE '\[cuda==cpu\].*mismatches=0$' "$OUT/tests.log") [cuda==cpu] lines with mismatches=0," \
+       "$(grep -cE 'mismatches=[1-9]' "$OUT/tests.log") with mismatches; $(grep -c '\[gemm cuda\]' "$OUT/tests.log") [gemm cuda] lines"
+  grep -E 'mismatches=[1-9]' "$OUT/tests.log" | head -10
+  grep -ohE '\[moe cuda[^]]*\].*' "$OUT/tests.log" | head -40
   grep -E '\*\*\*Failed|FAILED' "$OUT/tests.log" 2>/dev/null | head -20
   echo "-- benchmarks"
   cat "$OUT/bench.log" 2>/dev/null
