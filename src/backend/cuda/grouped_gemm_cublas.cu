@@ -6,7 +6,7 @@
 // (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
 //
 // The dequantize is this file's bandwidth-oriented BF16 kernel (hardware FP8 -> F16 converts,
-// 4 x 32 elements a thread) when the copies are 16-byte aligned, else the backend's
+// a persistent grid, 8 x 8 elements a thread per tile) when the copies are 16-byte aligned, else the backend's
 // dequantize_mxfp8 / dequantize_nvfp4 (any alignment). Both write the same values: f32_to_bf16 of
 // mxfp8_decode, or of nvfp4_decode with S_dec = 1 (NaN payloads aside); a test checks the GEMM
 // results of both paths are the same bytes.
@@ -69,10 +69,13 @@ struct Config {
   static constexpr size_t kGrowQuantum = size_t{2} << 20;
   static constexpr size_t kMaxPlans = 1 << 14;     // cached (shape -> algorithm) entries
   static constexpr int kDequantThreads = 256;       // fast dequantize: CTA size,
-  static constexpr int kChunksPerThread = 4;        // chunks per thread,
-  static constexpr int kChunk = 32;                 // elements per chunk
+  static constexpr int kDequantUnroll = 8;          // independent loads in flight per thread,
+  static constexpr int kDequantVec = 8;             // elements a lane converts per step (16 B out),
+  static constexpr int kDequantCtasPerSm = 8;       // most resident CTAs per SM (persistent grid)
+  static constexpr int64_t kTileElems = int64_t{kDequantThreads} * kDequantUnroll * kDequantVec;
   static_assert(kScratchAlign % kAlignmentBytes == 0, "scratch must satisfy the heuristic");
-  static_assert(kChunk == kMxfp8Block && kChunk == 2 * kNvfp4Block, "a chunk is whole blocks");
+  static_assert(kMxfp8Block % kDequantVec == 0 && kNvfp4Block % kDequantVec == 0,
+                "a lane's elements share one block scale");
 };
 
 // ---- small kernels ---------------------------------------------------------------------------
@@ -94,17 +97,23 @@ __global__ void nvfp4_alpha_kernel(const float* lhs, const float* rhs, float* al
 }
 
 // ---- fast dequantize to BF16 ------------------------------------------------------------------
-// One launch per operand; CTA t belongs to the group with the last tile_begin <= t (empty groups
-// share tile_begin with the next one, so they are never chosen). Values: the FP32 product of the
-// exactly converted element and scale, rounded once to BF16 (cvt.rn.bf16x2.f32, no FTZ), i.e.
-// f32_to_bf16(mxfp8_decode(...)) / f32_to_bf16(nvfp4_decode(..., S_dec = 1)).
+// One persistent launch per operand (a few CTAs per SM). The operand is cut into tiles of
+// Config::kTileElems elements, each within one group; tile t belongs to the group with the last
+// tile_begin <= t (empty groups share tile_begin with the next one, so they are never chosen) and
+// CTA b converts tiles b, b + grid, ... A lane converts kVec = 8 consecutive elements per step, so
+// every warp-level store writes one contiguous 512 B span of BF16 (16 B a lane, streaming) and
+// every load reads one contiguous span (8 B a lane MXFP8, 4 B NVFP4); kUnroll independent loads
+// per thread are in flight before the first conversion, and the next tile's group lookup overlaps
+// them. Values: the FP32 product of the exactly converted element and scale, rounded once to BF16
+// (cvt.rn.bf16x2.f32, no FTZ), i.e. f32_to_bf16(mxfp8_decode(...)) /
+// f32_to_bf16(nvfp4_decode(..., S_dec = 1)).
 
 struct DequantGroup {
   const uint8_t* data;
   const uint8_t* scale;
-  uint32_t* out;       // BF16 pairs
-  int64_t chunks;      // 32-element chunks
-  int64_t cols;        // MXFP8: row length (multiple of 32); NVFP4: number of 16-element blocks
+  uint8_t* out;        // BF16
+  int64_t elems;       // multiple of 32 (MXFP8) / 16 (NVFP4)
+  int64_t cols;        // MXFP8: row length (multiple of 32); NVFP4: unused
   uint32_t tile_begin;
 };
 
@@ -120,12 +129,25 @@ __device__ __forceinline__ int find_group(const DequantGroup* t, int count, uint
   return lo;
 }
 
-__device__ __forceinline__ uint4 load_stream16(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+__device__ __forceinline__ uint2 load_stream8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
                : "l"(p));
   return v;
+}
+
+__device__ __forceinline__ uint32_t load_stream4(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void store_stream16(void* p, uint32_t a, uint32_t b, uint32_t c,
+                                               uint32_t d) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c),
+               "r"(d)
+               : "memory");
 }
 
 // Two FP8 codes (low byte = first element) -> two exact F16 values (low half = first).
@@ -155,123 +177,136 @@ __device__ __forceinline__ uint32_t f32x2_to_bf16x2(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ void store64(uint32_t* out, const uint32_t o[16]) {
-  uint4* p = reinterpret_cast<uint4*>(out);
-  p[0] = make_uint4(o[0], o[1], o[2], o[3]);
-  p[1] = make_uint4(o[4], o[5], o[6], o[7]);
-  p[2] = make_uint4(o[8], o[9], o[10], o[11]);
-  p[3] = make_uint4(o[12], o[13], o[14], o[15]);
-}
-
-// MXFP8 (rows, cols) -> BF16. A thread converts kChunksPerThread 32-element chunks (each one
-// row's block), strided by the CTA size so every load and store of a warp is contiguous; all
-// loads are issued before the first conversion.
+// MXFP8 (rows, cols) -> BF16. Step u of a thread converts elements
+// tile_start + (u * T + threadIdx.x) * 8 + [0, 8): one row's block (cols is a multiple of 32).
 template <bool kE5M2, bool kColumnwise>
 __global__ void __launch_bounds__(Config::kDequantThreads)
-    mxfp8_to_bf16_kernel(const DequantGroup* __restrict__ table, int count) {
-  constexpr int T = Config::kDequantThreads, P = Config::kChunksPerThread;
-  const int g = find_group(table, count, blockIdx.x);
-  const DequantGroup& grp = table[g];
-  const int64_t base = static_cast<int64_t>(blockIdx.x - grp.tile_begin) * (T * P) + threadIdx.x;
-  const int64_t cols = grp.cols;
-  uint4 d[P][2], s[P][2];
-  uint8_t code[P];
+    mxfp8_to_bf16_kernel(const DequantGroup* __restrict__ table, int count, uint32_t tiles) {
+  constexpr int T = Config::kDequantThreads, U = Config::kDequantUnroll, V = Config::kDequantVec;
+  uint32_t tile = blockIdx.x;
+  if (tile >= tiles) return;
+  int g = find_group(table, count, tile);
+  for (;;) {
+    const uint8_t* data = table[g].data;
+    const uint8_t* scale = table[g].scale;
+    uint8_t* out = table[g].out;
+    const int64_t elems = table[g].elems;
+    const int64_t base = static_cast<int64_t>(tile - table[g].tile_begin) * Config::kTileElems +
+                         threadIdx.x * V;
+    uint2 d[U];
+    uint2 s[U];  // columnwise: 8 scale codes; rowwise: s[u].x holds the one code
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int64_t chunk = base + i * T;
-    if (chunk < grp.chunks) {
-      const int64_t first = chunk * Config::kChunk;
-      d[i][0] = load_stream16(grp.data + first);
-      d[i][1] = load_stream16(grp.data + first + 16);
-      if constexpr (kColumnwise) {
-        const int64_t r = first / cols;
-        const uint8_t* sp = grp.scale + (r / kMxfp8Block) * cols + (first - r * cols);
-        s[i][0] = __ldg(reinterpret_cast<const uint4*>(sp));  // (rows / 32, cols)
-        s[i][1] = __ldg(reinterpret_cast<const uint4*>(sp + 16));
+    for (int u = 0; u < U; ++u) {
+      const int64_t e = base + u * (T * V);
+      if (e < elems) {
+        d[u] = load_stream8(data + e);
+        if constexpr (kColumnwise) {
+          const int64_t cols = table[g].cols;
+          int64_t r, c;
+          if (elems <= 0xFFFFFFFFll) {
+            const uint32_t q = static_cast<uint32_t>(e) / static_cast<uint32_t>(cols);
+            r = q;
+            c = static_cast<uint32_t>(e) - q * static_cast<uint32_t>(cols);
+          } else {
+            r = e / cols;
+            c = e - r * cols;
+          }
+          // (rows / 32, cols) codes; 8-byte aligned (scale 16-byte aligned, cols % 16 == 0)
+          s[u] = __ldg(reinterpret_cast<const uint2*>(scale + (r / kMxfp8Block) * cols + c));
+        } else {
+          s[u].x = __ldg(scale + (e >> 5));  // (rows, cols / 32): index e / 32
+        }
+      }
+    }
+    const uint32_t next = tile + gridDim.x;
+    const int ng = next < tiles ? find_group(table, count, next) : g;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t e = base + u * (T * V);
+      if (e >= elems) break;
+      const uint32_t w[2] = {d[u].x, d[u].y};
+      uint32_t o[4];
+      if constexpr (!kColumnwise) {
+        const float sc = e8m0_to_f32(static_cast<uint8_t>(s[u].x));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
+          o[j] = f32x2_to_bf16x2(f.x * sc, f.y * sc);
+        }
       } else {
-        code[i] = __ldg(grp.scale + chunk);  // (rows, cols / 32): index first / 32
+        const uint32_t sw[2] = {s[u].x, s[u].y};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
+          const uint32_t sv = sw[j >> 1] >> (16 * (j & 1));
+          o[j] = f32x2_to_bf16x2(f.x * e8m0_to_f32(static_cast<uint8_t>(sv)),
+                                 f.y * e8m0_to_f32(static_cast<uint8_t>(sv >> 8)));
+        }
       }
+      store_stream16(out + e * 2, o[0], o[1], o[2], o[3]);
     }
-  }
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int64_t chunk = base + i * T;
-    if (chunk >= grp.chunks) break;
-    const uint32_t w[8] = {d[i][0].x, d[i][0].y, d[i][0].z, d[i][0].w,
-                           d[i][1].x, d[i][1].y, d[i][1].z, d[i][1].w};
-    uint32_t o[16];
-    if constexpr (!kColumnwise) {
-      const float sc = e8m0_to_f32(code[i]);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
-        o[j] = f32x2_to_bf16x2(f.x * sc, f.y * sc);
-      }
-    } else {
-      const uint32_t sw[8] = {s[i][0].x, s[i][0].y, s[i][0].z, s[i][0].w,
-                              s[i][1].x, s[i][1].y, s[i][1].z, s[i][1].w};
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
-        const uint32_t sv = sw[j >> 1] >> (16 * (j & 1));
-        o[j] = f32x2_to_bf16x2(f.x * e8m0_to_f32(static_cast<uint8_t>(sv)),
-                               f.y * e8m0_to_f32(static_cast<uint8_t>(sv >> 8)));
-      }
-    }
-    store64(grp.out + chunk * (Config::kChunk / 2), o);
+    if (next >= tiles) break;
+    tile = next;
+    g = ng;
   }
 }
 
 // NVFP4 blocks (16 elements = 8 bytes + one E4M3 scale each, in stored order) -> BF16 e2m1 * s_b.
-// A chunk is two blocks (the group's last chunk may hold one); chunks are laid out as above.
+// Steps as above: 8 elements (4 bytes, half a block) a lane.
 __global__ void __launch_bounds__(Config::kDequantThreads)
-    nvfp4_to_bf16_kernel(const DequantGroup* __restrict__ table, int count) {
-  constexpr int T = Config::kDequantThreads, P = Config::kChunksPerThread;
-  const int g = find_group(table, count, blockIdx.x);
-  const DequantGroup& grp = table[g];
-  const int64_t base = static_cast<int64_t>(blockIdx.x - grp.tile_begin) * (T * P) + threadIdx.x;
-  const int64_t blocks = grp.cols;
-  uint4 d[P];
-  uint8_t c0[P], c1[P];
+    nvfp4_to_bf16_kernel(const DequantGroup* __restrict__ table, int count, uint32_t tiles) {
+  constexpr int T = Config::kDequantThreads, U = Config::kDequantUnroll, V = Config::kDequantVec;
+  uint32_t tile = blockIdx.x;
+  if (tile >= tiles) return;
+  int g = find_group(table, count, tile);
+  for (;;) {
+    const uint8_t* data = table[g].data;
+    const uint8_t* scale = table[g].scale;
+    uint8_t* out = table[g].out;
+    const int64_t elems = table[g].elems;
+    const int64_t base = static_cast<int64_t>(tile - table[g].tile_begin) * Config::kTileElems +
+                         threadIdx.x * V;
+    uint32_t d[U];
+    uint8_t c[U];
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int64_t chunk = base + i * T;
-    if (chunk < grp.chunks) {
-      const int64_t b0 = 2 * chunk;
-      if (b0 + 1 < blocks) {
-        d[i] = load_stream16(grp.data + b0 * 8);
-        c1[i] = __ldg(grp.scale + b0 + 1);
-      } else {
-        const uint2 h = __ldg(reinterpret_cast<const uint2*>(grp.data + b0 * 8));
-        d[i] = make_uint4(h.x, h.y, 0, 0);
-        c1[i] = 0;
+    for (int u = 0; u < U; ++u) {
+      const int64_t e = base + u * (T * V);
+      if (e < elems) {
+        d[u] = load_stream4(data + e / 2);
+        c[u] = __ldg(scale + e / kNvfp4Block);
       }
-      c0[i] = __ldg(grp.scale + b0);
     }
-  }
+    const uint32_t next = tile + gridDim.x;
+    const int ng = next < tiles ? find_group(table, count, next) : g;
 #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int64_t chunk = base + i * T;
-    if (chunk >= grp.chunks) break;
-    const int64_t b0 = 2 * chunk;
-    const bool two = b0 + 1 < blocks;
-    const uint32_t w[4] = {d[i].x, d[i].y, d[i].z, d[i].w};
-    const float s0 = e4m3_to_f32(c0[i]), s1 = e4m3_to_f32(c1[i]);
-    uint32_t o[16];
+    for (int u = 0; u < U; ++u) {
+      const int64_t e = base + u * (T * V);
+      if (e >= elems) break;
+      const float sc = e4m3_to_f32(c[u]);
+      uint32_t o[4];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
-      const uint8_t byte = static_cast<uint8_t>(w[j >> 2] >> (8 * (j & 3)));
-      const float sc = j < 8 ? s0 : s1;
-      o[j] = f32x2_to_bf16x2(e2m1_to_f32(byte & 0xF) * sc, e2m1_to_f32(byte >> 4) * sc);
+      for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
+        const uint8_t byte = static_cast<uint8_t>(d[u] >> (8 * j));
+        o[j] = f32x2_to_bf16x2(e2m1_to_f32(byte & 0xF) * sc, e2m1_to_f32(byte >> 4) * sc);
+      }
+      store_stream16(out + e * 2, o[0], o[1], o[2], o[3]);
     }
-    uint4* p = reinterpret_cast<uint4*>(grp.out + b0 * 8);
-    p[0] = make_uint4(o[0], o[1], o[2], o[3]);
-    p[1] = make_uint4(o[4], o[5], o[6], o[7]);
-    if (two) {
-      p[2] = make_uint4(o[8], o[9], o[10], o[11]);
-      p[3] = make_uint4(o[12], o[13], o[14], o[15]);
-    }
+    if (next >= tiles) break;
+    tile = next;
+    g = ng;
   }
+}
+
+// CTAs of a persistent dequantize launch: as many as fit on the device at once.
+template <typename Kernel>
+unsigned dequant_grid(Kernel kernel, uint64_t tiles) {
+  int dev = 0, sms = 0, per_sm = 0;
+  PACKMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  PACKMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  PACKMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, kernel, Config::kDequantThreads, 0));
+  per_sm = std::max(1, std::min(per_sm, Config::kDequantCtasPerSm));
+  return static_cast<unsigned>(std::min<uint64_t>(tiles, static_cast<uint64_t>(sms) * per_sm));
 }
 
 // ---- per-backend state -------------------------------------------------------------------------
@@ -546,28 +581,29 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
       DequantGroup& d = table[g];
       d.data = static_cast<const uint8_t*>(o.data[g]);
       d.scale = static_cast<const uint8_t*>(o.scale[g]);
-      d.out = static_cast<uint32_t*>(outs[g]);
+      d.out = static_cast<uint8_t*>(outs[g]);
       d.tile_begin = static_cast<uint32_t>(tiles);
-      const int64_t elems = active[g] ? shape[g].rows * shape[g].cols : 0;
-      d.chunks = (elems + Config::kChunk - 1) / Config::kChunk;
-      d.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : elems / kNvfp4Block;
-      const int64_t per_tile = Config::kDequantThreads * Config::kChunksPerThread;
-      tiles += (d.chunks + per_tile - 1) / per_tile;
+      d.elems = active[g] ? shape[g].rows * shape[g].cols : 0;
+      d.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : 0;
+      tiles += (d.elems + Config::kTileElems - 1) / Config::kTileElems;
     }
-    PACKMOE_CHECK(tiles < (1ull << 31), "dequantize grid of " << tiles << " CTAs");
+    PACKMOE_CHECK(tiles < (1ull << 31), "dequantize over " << tiles << " tiles");
     if (tiles == 0) return Status::ok();
     const auto* dt = static_cast<const DequantGroup*>(be.upload(table.data(), G * sizeof(DequantGroup)));
     const int n = static_cast<int>(G);
-    const unsigned grid = static_cast<unsigned>(tiles);
+    const uint32_t nt = static_cast<uint32_t>(tiles);
     constexpr int T = Config::kDequantThreads;
+    auto launch = [&](auto kernel) {
+      kernel<<<dequant_grid(kernel, tiles), T, 0, be.stream()>>>(dt, n, nt);
+    };
     if (o.format == OperandFormat::kNvfp4) {
-      nvfp4_to_bf16_kernel<<<grid, T, 0, be.stream()>>>(dt, n);
+      launch(nvfp4_to_bf16_kernel);
     } else {
       const bool e5 = o.element == DType::kE5M2, col = shape[0].columnwise;
-      if (e5 && col) mxfp8_to_bf16_kernel<true, true><<<grid, T, 0, be.stream()>>>(dt, n);
-      if (e5 && !col) mxfp8_to_bf16_kernel<true, false><<<grid, T, 0, be.stream()>>>(dt, n);
-      if (!e5 && col) mxfp8_to_bf16_kernel<false, true><<<grid, T, 0, be.stream()>>>(dt, n);
-      if (!e5 && !col) mxfp8_to_bf16_kernel<false, false><<<grid, T, 0, be.stream()>>>(dt, n);
+      if (e5 && col) launch(mxfp8_to_bf16_kernel<true, true>);
+      if (e5 && !col) launch(mxfp8_to_bf16_kernel<true, false>);
+      if (!e5 && col) launch(mxfp8_to_bf16_kernel<false, true>);
+      if (!e5 && !col) launch(mxfp8_to_bf16_kernel<false, false>);
     }
     PACKMOE_CUDA_CHECK_LAUNCH();
     return Status::ok();
