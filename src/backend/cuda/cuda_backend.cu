@@ -1,6 +1,6 @@
 // CUDA backend: memory, copies, timing and op dispatch on one stream of one device.
 // Invariant: everything this backend queues goes to stream_, so stream order alone makes buffer
-// reuse (workspace, uploaded group tables) safe; the host waits only in copy-to-host,
+// reuse (workspace, uploaded group tables, pool allocations) safe; the host waits only in copy-to-host,
 // synchronize, time_ms and when a staging slot is recycled.
 #include <algorithm>
 #include <cstring>
@@ -18,6 +18,10 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   // A non-blocking stream: nothing else in the process (legacy default stream users) can
   // serialise with it implicitly.
   PACKMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  cudaMemPool_t pool = nullptr;
+  PACKMOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+  uint64_t keep_all = UINT64_MAX;
+  PACKMOE_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
   slots_.resize(kUploadSlots);
   for (UploadSlot& s : slots_) {
     PACKMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
@@ -37,18 +41,21 @@ CudaBackend::~CudaBackend() {
   cudaStreamDestroy(stream_);
 }
 
+// Stream-ordered allocation from the device's memory pool: freed blocks are reused by later work
+// on stream_ without a device synchronisation (cudaFree would wait for the whole device), and the
+// pool keeps its memory (release threshold: unlimited) so steady-state steps allocate nothing new.
 void* CudaBackend::allocate(size_t bytes) {
   void* p = nullptr;
   if (bytes == 0) return nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes);
-  PACKMOE_CHECK(err == cudaSuccess, "cudaMalloc of " << bytes << " bytes on " << name_ << ": "
-                                                     << cudaGetErrorString(err));
+  cudaError_t err = cudaMallocAsync(&p, bytes, stream_);
+  PACKMOE_CHECK(err == cudaSuccess, "cudaMallocAsync of " << bytes << " bytes on " << name_
+                                                          << ": " << cudaGetErrorString(err));
   return p;
 }
 
 void CudaBackend::deallocate(void* ptr) {
   if (!ptr) return;
-  cudaError_t err = cudaFree(ptr);
+  cudaError_t err = cudaFreeAsync(ptr, stream_);
   // Tensors held by static objects may be freed after the runtime has unloaded at exit.
   if (err == cudaErrorCudartUnloading) return;
   PACKMOE_CUDA_CHECK(err);
