@@ -11,6 +11,7 @@
 #include <fstream>
 #include <random>
 
+#include "backend/backend.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -284,4 +285,35 @@ TEST(Cli, DemoRunsOnCpuAndReportsBitwiseEquality) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(r.output.find("NO"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("nvfp4 16x16"), std::string::npos) << r.output;
+}
+
+// Where a GPU is usable, the CUDA path of quantize and dequantize writes the same file bytes as
+// the CPU path (the quantizers are bitwise equal). Skipped on machines without a GPU.
+TEST(Cli, CudaAndCpuWriteTheSameFiles) {
+  if (!cuda_available()) GTEST_SKIP() << "no usable GPU";
+  fs::path dir = temp_dir();
+  std::mt19937 rng(std::random_device{}());
+  io::SafetensorsWriter in;
+  in.add("a", "BF16", {64, 128}, bf16_bytes(random_values(64 * 128, rng, 0.7f)));
+  in.add("b", "BF16", {32, 64}, bf16_bytes(random_values(32 * 64, rng, 3.f)));
+  write_file(dir / "in.safetensors", in);
+  auto bytes = [](const fs::path& f) {
+    std::ifstream s(f, std::ios::binary);
+    return std::vector<char>((std::istreambuf_iterator<char>(s)), {});
+  };
+  for (const char* format : {"mxfp8 --2d", "mxfp8", "nvfp4 --2d", "nvfp4"}) {
+    SCOPED_TRACE(format);
+    for (const char* device : {"cpu", "cuda"}) {
+      const std::string q = (dir / (std::string("q_") + device)).string();
+      const std::string dq = (dir / (std::string("dq_") + device)).string();
+      RunResult r = run_cli(std::string("quantize --quiet --format ") + format + " --device " +
+                            device + " --in " + (dir / "in.safetensors").string() + " --out " + q);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      r = run_cli(std::string("dequantize --quiet --device ") + device + " --in " + q + " --out " + dq);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+    }
+    EXPECT_EQ(bytes(dir / "q_cpu"), bytes(dir / "q_cuda"));
+    EXPECT_EQ(bytes(dir / "dq_cpu"), bytes(dir / "dq_cuda"));
+  }
+  fs::remove_all(dir);
 }
