@@ -12,6 +12,7 @@ packages=(
   libopenblas-dev       # CPU reference GEMM (cblas)
   libomp-dev            # OpenMP for the CPU backend (g++ uses libgomp; clang needs this)
   python3               # test helpers
+  fortunes              # default text corpus: /usr/share/games/fortunes (io/text_corpus.h)
 )
 
 missing=()

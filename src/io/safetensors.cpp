@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <limits>
@@ -19,6 +18,8 @@
 #include <set>
 #include <system_error>
 #include <utility>
+
+#include "io/atomic_file.h"
 
 namespace packmoe::io {
 namespace {
@@ -33,11 +34,10 @@ struct DtypeInfo {
 // The reference `Dtype` enum in declaration order, which is increasing alignment; the writer sorts
 // by descending position here. Do not reorder.
 constexpr std::array<DtypeInfo, 22> kDtypes = {{
-    {"BOOL", 8},        {"F4", 4},        {"F6_E2M3", 6},     {"F6_E3M2", 6},
-    {"U8", 8},          {"I8", 8},        {"F8_E5M2", 8},     {"F8_E4M3", 8},
-    {"F8_E8M0", 8},     {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8}, {"I16", 16},
-    {"U16", 16},        {"F16", 16},      {"BF16", 16},       {"I32", 32},
-    {"U32", 32},        {"F32", 32},      {"C64", 64},        {"F64", 64},
+    {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+    {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
     {"I64", 64},        {"U64", 64},
 }};
 
@@ -65,8 +65,6 @@ std::string printable(std::string_view s, bool escape_non_ascii = false) {
   }
   return out;
 }
-
-std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -124,20 +122,6 @@ bool json_quote(const std::string& s, std::string* out) {
   } catch (const Json::exception&) {
     return false;  // invalid UTF-8
   }
-}
-
-bool write_all(int fd, const uint8_t* p, size_t n) {
-  while (n > 0) {
-    // Linux caps one write() near 2 GiB; a multi-GB expert tensor needs several.
-    ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t{1} << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
 }
 
 struct ParsedEntry {
@@ -214,14 +198,18 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
 
   // Keys of every open object, to catch duplicates nlohmann would silently merge.
   std::vector<std::set<std::string>> open_keys;
-  std::string top_key;        // the top-level key whose value is being parsed
+  std::string top_key;  // the top-level key whose value is being parsed
   bool has_duplicate = false;
   bool duplicate_is_top = false;
   std::string duplicate, duplicate_parent;
   auto on_event = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
     switch (event) {
-      case Json::parse_event_t::object_start: open_keys.emplace_back(); break;
-      case Json::parse_event_t::object_end: open_keys.pop_back(); break;
+      case Json::parse_event_t::object_start:
+        open_keys.emplace_back();
+        break;
+      case Json::parse_event_t::object_end:
+        open_keys.pop_back();
+        break;
       case Json::parse_event_t::key: {
         const std::string& key = parsed.get_ref<const std::string&>();
         const bool top = open_keys.size() == 1;
@@ -234,7 +222,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
         if (top) top_key = key;
         break;
       }
-      default: break;
+      default:
+        break;
     }
     return true;
   };
@@ -448,8 +437,8 @@ Status SafetensorsWriter::prepare(const std::string& what, std::string* header,
     if (h.size() > 1) h += ",";
     h += q + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
     for (size_t d = 0; d < t.shape.size(); ++d) h += (d ? "," : "") + std::to_string(t.shape[d]);
-    h += "],\"data_offsets\":[" + std::to_string(offset) + "," +
-         std::to_string(offset + sizes[i]) + "]}";
+    h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + sizes[i]) +
+         "]}";
     offset += sizes[i];
   }
   h += "}";
@@ -480,83 +469,47 @@ Result<std::vector<uint8_t>> SafetensorsWriter::serialize() const {
 }
 
 Status SafetensorsWriter::write(const std::string& path) const {
-  namespace fs = std::filesystem;
   std::string header;
   std::vector<size_t> order;
   PACKMOE_RETURN_IF_ERROR(prepare(path, &header, &order));
-
-  const fs::path target(path);
-  if (!target.has_filename()) return Status::error(path + ": cannot write: path names a directory");
-  fs::path dir = target.parent_path();
-  if (dir.empty()) dir = ".";
-
-  // O_EXCL with a per-process counter instead of mkstemp: mkstemp creates mode 0600, and the
-  // result should get the usual 0666 & ~umask like any other file we write.
-  static std::atomic<uint64_t> counter{0};
-  std::string tmp;
-  int fd = -1;
-  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
-    tmp = (dir / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()) + "." +
-                  std::to_string(counter++)))
-              .string();
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) {
-      return Status::error(path + ": cannot create a temporary file in '" + dir.string() +
-                           "': " + errno_text(errno));
-    }
-  }
-  if (fd < 0) return Status::error(path + ": cannot create a temporary file: too many collisions");
-
-  auto abandon = [&](const std::string& step, int err) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    return Status::error(path + ": " + step + " failed: " + errno_text(err) + " (nothing written)");
-  };
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(uint64_t{header.size()} >> (8 * i));
-  bool ok = write_all(fd, len, 8) &&
-            write_all(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size());
-  for (size_t k = 0; ok && k < order.size(); ++k) {
-    const Tensor& t = tensors_[order[k]];
-    ok = write_all(fd, t.bytes.data(), t.bytes.size());
-  }
-  if (!ok) return abandon("write", errno);
-  if (::fsync(fd) != 0) return abandon("fsync", errno);
-  int closed = ::close(fd);
-  fd = -1;
-  if (closed != 0) return abandon("close", errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return abandon("rename over the target", errno);
-
-  // Make the rename itself durable. Best effort: `path` is already replaced, so a failure here
-  // must not be reported as "nothing written" (and some filesystems refuse fsync on directories).
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    (void)::fsync(dfd);
-    ::close(dfd);
-  }
-  return Status::ok();
+  std::vector<std::span<const uint8_t>> parts;
+  parts.emplace_back(len, 8);
+  parts.emplace_back(reinterpret_cast<const uint8_t*>(header.data()), header.size());
+  for (size_t k : order) parts.emplace_back(tensors_[k].bytes);
+  return write_file_atomic(path, parts);
 }
 
 // ---- dtypes -------------------------------------------------------------------------------------
 
 std::string_view dtype_to_safetensors(DType t) {
   switch (t) {
-    case DType::kF32: return "F32";
-    case DType::kBF16: return "BF16";
-    case DType::kE4M3: return "F8_E4M3";
-    case DType::kE5M2: return "F8_E5M2";
-    case DType::kE8M0: return "F8_E8M0";
-    case DType::kE2M1: return "F4";
-    case DType::kU8: return "U8";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
+    case DType::kF32:
+      return "F32";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kE4M3:
+      return "F8_E4M3";
+    case DType::kE5M2:
+      return "F8_E5M2";
+    case DType::kE8M0:
+      return "F8_E8M0";
+    case DType::kE2M1:
+      return "F4";
+    case DType::kU8:
+      return "U8";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
   }
   PACKMOE_CHECK(false, "unknown DType " << static_cast<int>(t));
 }
 
 Result<DType> dtype_from_safetensors(std::string_view dtype) {
-  for (DType t : {DType::kF32, DType::kBF16, DType::kE4M3, DType::kE5M2, DType::kE8M0,
-                  DType::kE2M1, DType::kU8, DType::kI32, DType::kI64}) {
+  for (DType t : {DType::kF32, DType::kBF16, DType::kE4M3, DType::kE5M2, DType::kE8M0, DType::kE2M1,
+                  DType::kU8, DType::kI32, DType::kI64}) {
     if (dtype_to_safetensors(t) == dtype) return t;
   }
   if (safetensors_dtype_bits(dtype) != 0) {

@@ -1,0 +1,339 @@
+// CPU reference of the dense decoder ops (backend/model_ops.h). OpenMP splits work by row, head,
+// column or KV position only; every reduction runs inside one iteration in the order model_ops.h
+// defines, so the bits never depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "backend/model_ops.h"
+
+namespace packmoe {
+namespace {
+
+// The R32 order of moe_ops.h: strided lane partials, then the butterfly tree into lane 0.
+template <typename Term>
+float sum_r32(int64_t n, Term term) {
+  float lane[kMoeReduceLanes] = {};
+  for (int64_t i = 0; i < n; ++i) lane[i % kMoeReduceLanes] = lane[i % kMoeReduceLanes] + term(i);
+  for (int off = kMoeReduceLanes / 2; off >= 1; off /= 2)
+    for (int l = 0; l < off; ++l) lane[l] = lane[l] + lane[l + off];
+  return lane[0];
+}
+
+// R32 sums of D-vectors: term n adds w_n * x_n[d] into lane n % 32 of every d, then the same tree.
+class SumR32Vec {
+ public:
+  explicit SumR32Vec(int64_t dim) : dim_(dim), lane_(kMoeReduceLanes * dim) {}
+  void reset() { std::fill(lane_.begin(), lane_.end(), 0.0f); }
+  void add(int64_t n, float w, const float* x) {  // x (D)
+    float* l = lane_.data() + (n % kMoeReduceLanes) * dim_;
+    for (int64_t d = 0; d < dim_; ++d) l[d] = l[d] + w * x[d];
+  }
+  // The tree over lanes per d; returns the (D) sums (valid until the next reset / add).
+  const float* finish() {
+    for (int off = kMoeReduceLanes / 2; off >= 1; off /= 2)
+      for (int l = 0; l < off; ++l)
+        for (int64_t d = 0; d < dim_; ++d)
+          lane_[l * dim_ + d] = lane_[l * dim_ + d] + lane_[(l + off) * dim_ + d];
+    return lane_.data();
+  }
+
+ private:
+  int64_t dim_;
+  std::vector<float> lane_;  // (32, D)
+};
+
+float dot_r32(const float* a, const float* b, int64_t n) {
+  return sum_r32(n, [&](int64_t i) { return a[i] * b[i]; });
+}
+
+// Offsets into (B, S, H, D) and (B, H, S).
+struct AttnLayout {
+  int64_t S, Hq, Hkv, D, group;
+  int64_t q(int64_t b, int64_t i, int64_t h) const { return ((b * S + i) * Hq + h) * D; }
+  int64_t kv(int64_t b, int64_t j, int64_t g) const { return ((b * S + j) * Hkv + g) * D; }
+  int64_t row(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * S + i; }
+};
+
+Status check_ids(const char* op, const int32_t* ids, int64_t tokens, int64_t vocab) {
+  for (int64_t t = 0; t < tokens; ++t)
+    if (ids[t] < 0 || ids[t] >= vocab)
+      return Status::error(std::string(op) + ": token id " + std::to_string(ids[t]) +
+                           " at position " + std::to_string(t) + " outside [0, " +
+                           std::to_string(vocab) + ")");
+  return Status::ok();
+}
+
+// n = #non-ignored, after checking every other target is in [0, V).
+Result<int64_t> count_targets(const char* op, const int32_t* targets, int64_t tokens,
+                              int64_t vocab, int32_t ignore_index) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (targets[t] == ignore_index) continue;
+    if (targets[t] < 0 || targets[t] >= vocab)
+      return Status::error(std::string(op) + ": target " + std::to_string(targets[t]) +
+                           " at position " + std::to_string(t) + " outside [0, " +
+                           std::to_string(vocab) + ") and not the ignore index " +
+                           std::to_string(ignore_index));
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+Status embedding_cpu(const EmbeddingArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_embedding(a));
+  PACKMOE_RETURN_IF_ERROR(check_ids("embedding", a.ids, a.tokens, a.vocab));
+  const int64_t H = a.hidden;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const float* src = a.table + static_cast<int64_t>(a.ids[t]) * H;  // (H)
+    float* dst = a.out + t * H;                                       // (H)
+    for (int64_t h = 0; h < H; ++h) dst[h] = src[h];
+  }
+  return Status::ok();
+}
+
+Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_embedding_backward(a));
+  PACKMOE_RETURN_IF_ERROR(check_ids("embedding_backward", a.ids, a.tokens, a.vocab));
+  const int64_t H = a.hidden;
+  constexpr int64_t kBlock = 64;  // columns per thread task: t stays ascending inside each column
+  const int64_t blocks = (H + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t h0 = blk * kBlock, h1 = std::min(H, h0 + kBlock);
+    for (int64_t t = 0; t < a.tokens; ++t) {
+      float* dst = a.dtable + static_cast<int64_t>(a.ids[t]) * H;  // (H)
+      const float* src = a.dout + t * H;                             // (H)
+      for (int64_t h = h0; h < h1; ++h) dst[h] = dst[h] + src[h];
+    }
+  }
+  return Status::ok();
+}
+
+Status rms_norm_cpu(const RmsNormArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rms_norm(a));
+  const int64_t D = a.dim;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* x = a.x + r * D;  // (D)
+    float* y = a.y + r * D;        // (D)
+    const float ss = dot_r32(x, x, D);
+    const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(D) + a.eps);
+    a.rstd[r] = rstd;
+    for (int64_t d = 0; d < D; ++d) y[d] = (x[d] * rstd) * a.weight[d];
+  }
+  return Status::ok();
+}
+
+Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rms_norm_backward(a));
+  const int64_t D = a.dim;
+#pragma omp parallel
+  {
+    std::vector<float> g(D), n(D);  // (D) dy * weight and the normalised row
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const float* x = a.x + r * D;    // (D)
+      const float* dy = a.dy + r * D;  // (D)
+      float* dx = a.dx + r * D;        // (D)
+      const float rstd = a.rstd[r];
+      for (int64_t d = 0; d < D; ++d) {
+        n[d] = x[d] * rstd;
+        g[d] = dy[d] * a.weight[d];
+      }
+      const float c = dot_r32(g.data(), n.data(), D) / static_cast<float>(D);
+      for (int64_t d = 0; d < D; ++d) dx[d] = (g[d] - n[d] * c) * rstd;
+    }
+  }
+  // dweight: one column per iteration, rows in the R32 order (strided reads; a reference only).
+#pragma omp parallel for schedule(static)
+  for (int64_t d = 0; d < D; ++d)
+    a.dweight[d] = sum_r32(a.rows, [&](int64_t r) {
+      return a.dy[r * D + d] * (a.x[r * D + d] * a.rstd[r]);
+    });
+  return Status::ok();
+}
+
+namespace {
+// Rotate every (token, head) pair by +angle (sign = 1) or -angle (sign = -1, the backward).
+Status rope_apply(const RopeArgs& a, bool inverse) {
+  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
+  const int64_t D = a.head_dim, half = D / 2, NH = a.heads;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const float* cs = a.cos + t * half;  // (D/2)
+    const float* sn = a.sin + t * half;  // (D/2)
+    for (int64_t h = 0; h < NH; ++h) {
+      const float* in = a.in + (t * NH + h) * D;  // (D)
+      float* out = a.out + (t * NH + h) * D;      // (D)
+      for (int64_t i = 0; i < half; ++i) {
+        const float x0 = in[i], x1 = in[i + half], c = cs[i], s = sn[i];
+        if (!inverse) {
+          out[i] = x0 * c - x1 * s;
+          out[i + half] = x1 * c + x0 * s;
+        } else {
+          out[i] = x0 * c + x1 * s;
+          out[i + half] = x1 * c - x0 * s;
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+}  // namespace
+
+Status rope_cpu(const RopeArgs& a) { return rope_apply(a, false); }
+Status rope_backward_cpu(const RopeArgs& a) { return rope_apply(a, true); }
+
+Status attention_cpu(const AttentionArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention(a));
+  const AttnLayout L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
+  const int64_t S = a.seq, D = a.head_dim, rows = a.batch * a.q_heads * S;
+#pragma omp parallel
+  {
+    std::vector<float> p(S);  // (S) scores, then exponentials, of one query row
+    SumR32Vec acc(D);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / (a.q_heads * S), h = (r / S) % a.q_heads, i = r % S;
+      const int64_t g = h / L.group;
+      const float* q = a.q + L.q(b, i, h);  // (D)
+      for (int64_t j = 0; j <= i; ++j) p[j] = dot_r32(q, a.k + L.kv(b, j, g), D) * a.scale;
+      float m = p[0];
+      for (int64_t j = 1; j <= i; ++j) m = p[j] > m ? p[j] : m;
+      for (int64_t j = 0; j <= i; ++j) p[j] = moe_exp_f32(p[j] - m);
+      const float l = sum_r32(i + 1, [&](int64_t j) { return p[j]; });
+      acc.reset();
+      for (int64_t j = 0; j <= i; ++j) acc.add(j, p[j], a.v + L.kv(b, j, g));
+      const float* sum = acc.finish();
+      float* o = a.o + L.q(b, i, h);  // (D)
+      for (int64_t d = 0; d < D; ++d) o[d] = sum[d] / l;
+      a.row_max[L.row(b, h, i)] = m;
+      a.row_sum[L.row(b, h, i)] = l;
+    }
+  }
+  return Status::ok();
+}
+
+Status attention_backward_cpu(const AttentionBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
+  const AttnLayout L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
+  const int64_t B = a.batch, S = a.seq, D = a.head_dim, Hq = a.q_heads, rows = B * Hq * S;
+
+  // P_ij and dS_ij: pointwise, so the dq loop and the dk/dv loop compute the same bits.
+  std::vector<float> dl(rows);  // (B, Hq, S) Dl_i = do_i . o_i
+  auto prob = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
+    const float s = dot_r32(a.q + L.q(b, i, h), a.k + L.kv(b, j, h / L.group), D) * a.scale;
+    return moe_exp_f32(s - a.row_max[L.row(b, h, i)]) / a.row_sum[L.row(b, h, i)];
+  };
+  auto dscore = [&](int64_t b, int64_t h, int64_t i, int64_t j, float P) {
+    const float dp = dot_r32(a.dout + L.q(b, i, h), a.v + L.kv(b, j, h / L.group), D);
+    return P * (dp - dl[L.row(b, h, i)]);
+  };
+
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t b = r / (Hq * S), h = (r / S) % Hq, i = r % S;
+    dl[r] = dot_r32(a.dout + L.q(b, i, h), a.o + L.q(b, i, h), D);
+  }
+
+  // dq: one query row per iteration, keys j <= i.
+#pragma omp parallel
+  {
+    SumR32Vec acc(D);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / (Hq * S), h = (r / S) % Hq, i = r % S;
+      acc.reset();
+      for (int64_t j = 0; j <= i; ++j)
+        acc.add(j, dscore(b, h, i, j, prob(b, h, i, j)), a.k + L.kv(b, j, h / L.group));
+      const float* sum = acc.finish();
+      float* dq = a.dq + L.q(b, i, h);  // (D)
+      for (int64_t d = 0; d < D; ++d) dq[d] = sum[d] * a.scale;
+    }
+  }
+
+  // dk, dv: one (b, KV head g, key j) per iteration, pairs (h, i) in the header's order.
+  const int64_t kv_rows = B * a.kv_heads * S;
+#pragma omp parallel
+  {
+    SumR32Vec acc_k(D), acc_v(D);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t r = 0; r < kv_rows; ++r) {
+      const int64_t b = r / (a.kv_heads * S), g = (r / S) % a.kv_heads, j = r % S;
+      acc_k.reset();
+      acc_v.reset();
+      int64_t n = 0;
+      for (int64_t h = g * L.group; h < (g + 1) * L.group; ++h)
+        for (int64_t i = j; i < S; ++i, ++n) {
+          const float P = prob(b, h, i, j);
+          acc_k.add(n, dscore(b, h, i, j, P), a.q + L.q(b, i, h));
+          acc_v.add(n, P, a.dout + L.q(b, i, h));
+        }
+      const float* sk = acc_k.finish();
+      const float* sv = acc_v.finish();
+      float* dk = a.dk + L.kv(b, j, g);  // (D)
+      float* dv = a.dv + L.kv(b, j, g);  // (D)
+      for (int64_t d = 0; d < D; ++d) {
+        dk[d] = sk[d] * a.scale;
+        dv[d] = sv[d];
+      }
+    }
+  }
+  return Status::ok();
+}
+
+Status cross_entropy_cpu(const CrossEntropyArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy(a));
+  const Result<int64_t> n = count_targets("cross_entropy", a.targets, a.tokens, a.vocab,
+                                          a.ignore_index);
+  if (!n.is_ok()) return n.status();
+  const int64_t T = a.tokens, V = a.vocab;
+  std::vector<float> loss_t(T);  // (T) +0 for ignored tokens
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* z = a.logits + t * V;  // (V)
+    float m = z[0];
+    for (int64_t e = 1; e < V; ++e) m = z[e] > m ? z[e] : m;
+    const float s = sum_r32(V, [&](int64_t e) { return moe_exp_f32(z[e] - m); });
+    a.row_max[t] = m;
+    a.row_sum[t] = s;
+    const int32_t tgt = a.targets[t];
+    loss_t[t] = tgt == a.ignore_index ? 0.0f : model_log_f32(s) - (z[tgt] - m);
+  }
+  const float sum = sum_r32(T, [&](int64_t t) { return loss_t[t]; });
+  *a.loss = n.value() == 0 ? 0.0f : sum / static_cast<float>(n.value());
+  if (a.valid != nullptr) *a.valid = n.value();
+  return Status::ok();
+}
+
+Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
+  const Result<int64_t> n = count_targets("cross_entropy_backward", a.targets, a.tokens, a.vocab,
+                                          a.ignore_index);
+  if (!n.is_ok()) return n.status();
+  const int64_t V = a.vocab;
+  const float g = n.value() == 0 ? 0.0f : a.dloss / static_cast<float>(n.value());
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const float* z = a.logits + t * V;  // (V)
+    float* dz = a.dlogits + t * V;      // (V)
+    const int32_t tgt = a.targets[t];
+    if (tgt == a.ignore_index || n.value() == 0) {
+      for (int64_t e = 0; e < V; ++e) dz[e] = 0.0f;
+      continue;
+    }
+    const float m = a.row_max[t], s = a.row_sum[t];
+    for (int64_t e = 0; e < V; ++e) {
+      const float p = moe_exp_f32(z[e] - m) / s;
+      dz[e] = (e == tgt ? p - 1.0f : p) * g;
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace packmoe

@@ -1,0 +1,273 @@
+// Dense decoder ops of Qwen3-MoE, forward and backward: embedding lookup, RMSNorm, rotate-half
+// RoPE, causal GQA attention core and shifted-label cross-entropy, their argument checks and the
+// host RoPE table. Invariant: as in moe_ops.h, every result is the exact FP32 arithmetic written
+// here (fixed reduction orders, moe_exp_f32 / model_log_f32, no FMA, no libm on a device path), so
+// any backend can reproduce the CPU reference's bits whatever its thread count. All tensors FP32.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/moe_ops.h"  // moe_exp_f32, kMoeReduceLanes, the R32 order
+#include "core/codecs.h"
+#include "core/hd.h"
+#include "core/status.h"
+
+namespace packmoe {
+
+// ---- exact arithmetic (see moe_ops.h for "sequential" and "R32" sums) --------------------------
+
+// ln x in FP32 from exactly-rounded operations only (libm's logf and CUDA's differ in the last
+// bit). x = 2^e * m with m in (sqrt(1/2), sqrt(2)] (subnormals pre-scaled by 2^23), f = (m - 1) /
+// (m + 1), ln m = 2f + 2f * (f^2 * P(f^2)) with the atanh series P = 1/3 + f^2/5 + ... + f^8/11
+// (truncation < 1e-10 relative since f^2 <= 0.0295), result = e * ln2_hi + (e * ln2_lo + ln m).
+// Over every positive finite FP32 input: <= 2 ulp from ln x rounded to FP32, 99.2% exactly equal
+// (checked exhaustively; the unit test samples it). NaN / x < 0: NaN; +0: -Inf; +Inf: +Inf.
+PACKMOE_HD float model_log_f32(float x) {
+  if (x != x) return x;
+  if (x < 0.0f) return f32_from_bits(0x7FC00000u);
+  if (x == 0.0f) return -f32_from_bits(0x7F800000u);
+  if (x == f32_from_bits(0x7F800000u)) return x;
+  uint32_t b = f32_bits(x);
+  int e = static_cast<int>((b >> 23) & 0xFFu);
+  if (e == 0) {  // subnormal: 2^23 x is normal and exact
+    b = f32_bits(x * 8388608.0f);
+    e = static_cast<int>((b >> 23) & 0xFFu) - 23;
+  }
+  e -= 127;
+  float m = f32_from_bits((b & 0x7FFFFFu) | 0x3F800000u);  // [1, 2)
+  if (m > 1.41421356f) {
+    m = m * 0.5f;  // exact
+    e += 1;
+  }
+  constexpr float kLn2Hi = 6.93145751953125e-1f;  // 15 significant bits: e * kLn2Hi is exact
+  constexpr float kLn2Lo = 1.42860682030941723212e-6f;
+  const float f = (m - 1.0f) / (m + 1.0f);  // m - 1 exact (Sterbenz)
+  const float f2 = f * f;
+  float p = 1.0f / 11.0f;
+  p = 1.0f / 9.0f + f2 * p;
+  p = 1.0f / 7.0f + f2 * p;
+  p = 1.0f / 5.0f + f2 * p;
+  p = 1.0f / 3.0f + f2 * p;
+  const float two_f = 2.0f * f;  // exact
+  const float ln_m = two_f + two_f * (f2 * p);
+  const float ke = static_cast<float>(e);
+  return ke * kLn2Hi + (ke * kLn2Lo + ln_m);
+}
+
+// ---- embedding lookup ---------------------------------------------------------------------------
+//
+// Forward: out[t] = table[ids[t]] (a copy). ids are data, so an id outside [0, V) is a Status error
+// (checked before anything is written), not a crash.
+struct EmbeddingArgs {
+  int64_t tokens = 0;             // T
+  int64_t vocab = 0;              // V
+  int64_t hidden = 0;             // H
+  const int32_t* ids = nullptr;   // (T)
+  const float* table = nullptr;   // (V, H)
+  float* out = nullptr;           // (T, H)
+};
+
+// Backward: dtable is ADDED into (the table's gradient can collect several calls, and zeroing all
+// of (V, H) per call would cost more than the op): for every (v, h), in increasing t over the
+// tokens with ids[t] = v:  dtable[v, h] = dtable[v, h] + dout[t, h]. A scatter in a fixed order, no
+// atomics (a CUDA version sorts the (id, t) pairs and sums each id's segment in t order).
+struct EmbeddingBackwardArgs {
+  int64_t tokens = 0;            // T
+  int64_t vocab = 0;             // V
+  int64_t hidden = 0;            // H
+  const int32_t* ids = nullptr;  // (T)
+  const float* dout = nullptr;   // (T, H)
+  float* dtable = nullptr;       // (V, H) accumulated into
+};
+
+// ---- RMSNorm over the last dim ------------------------------------------------------------------
+//
+// Forward, per row r, x = x[r] (D):
+//   ss      = R32 sum_d x[d] * x[d]
+//   rstd[r] = 1 / sqrt(ss / float(D) + eps)          (sqrt and / correctly rounded; HF's rsqrt
+//                                                     is an approximation on CUDA, so not used)
+//   n[d]    = x[d] * rstd[r]
+//   y[d]    = n[d] * weight[d]
+// HF casts n to the activation dtype before the weight; in FP32 that cast is the identity.
+// Used for input/post-attention/final norms (rows = T, D = H) and q/k norms (rows = T * heads,
+// D = head_dim).
+struct RmsNormArgs {
+  int64_t rows = 0;               // N
+  int64_t dim = 0;                // D
+  float eps = 1e-6f;
+  const float* x = nullptr;       // (N, D)
+  const float* weight = nullptr;  // (D)
+  float* y = nullptr;             // (N, D)
+  float* rstd = nullptr;          // (N) kept for the backward
+};
+
+// Backward, both outputs overwritten; n[d] = x[d] * rstd[r] recomputed (the forward's bits):
+//   g[d]     = dy[d] * weight[d]
+//   c        = (R32 sum_d g[d] * n[d]) / float(D)
+//   dx[d]    = (g[d] - n[d] * c) * rstd[r]
+//   dweight[d] = R32 sum over rows r of dy[r, d] * n[r, d]
+struct RmsNormBackwardArgs {
+  int64_t rows = 0;               // N
+  int64_t dim = 0;                // D
+  const float* x = nullptr;       // (N, D) the forward's input
+  const float* weight = nullptr;  // (D)
+  const float* rstd = nullptr;    // (N) from the forward
+  const float* dy = nullptr;      // (N, D)
+  float* dx = nullptr;            // (N, D)
+  float* dweight = nullptr;       // (D)
+};
+
+// ---- RoPE, rotate-half (GPT-NeoX / HF default) --------------------------------------------------
+//
+// Table (host, once per batch of positions), for i < D/2, following HF's FP32 angle:
+//   inv_freq[i] = float(1 / theta^(2i / D))               (FP64, rounded once)
+//   angle       = float(pos[t]) * inv_freq[i]             (one FP32 product, as HF's matmul)
+//   cos[t, i]   = float(cos(double(angle))),  sin[t, i] = float(sin(double(angle)))
+// Computed on the host in FP64 so that the device only uploads it (no device libm).
+struct RopeTableArgs {
+  int64_t tokens = 0;                  // T
+  int64_t head_dim = 0;                // D, even
+  double theta = 1e6;                  // rope_theta
+  const int32_t* positions = nullptr;  // (T) in [0, 2^24)
+  float* cos = nullptr;                // (T, D/2)
+  float* sin = nullptr;                // (T, D/2)
+};
+
+// Apply, per token t, head h, i < D/2, with c = cos[t, i], s = sin[t, i], a = in[i], b = in[i+D/2]:
+//   forward:  out[i] = a * c - b * s,   out[i + D/2] = b * c + a * s
+//   backward: the inverse (= transposed) rotation applied to dout:
+//             din[i] = a * c + b * s,   din[i + D/2] = b * c - a * s   (a, b read from dout)
+// in and out may be the same buffer (each pair is read before it is written).
+struct RopeArgs {
+  int64_t tokens = 0;         // T (= B * S)
+  int64_t heads = 0;          // number of heads in the layout (Hq for q, Hkv for k)
+  int64_t head_dim = 0;       // D, even
+  const float* cos = nullptr;  // (T, D/2) from rope_table
+  const float* sin = nullptr;  // (T, D/2)
+  const float* in = nullptr;   // (T, heads, D): x forward, dout backward
+  float* out = nullptr;        // (T, heads, D): y forward, din backward
+};
+
+// ---- causal GQA attention core ------------------------------------------------------------------
+//
+// q (B, S, Hq, D), k / v (B, S, Hkv, D) -> o (B, S, Hq, D); query head h reads KV head
+// g = h / (Hq / Hkv) (HF repeat_kv). scale is the caller's (HF: float(hd^-0.5)). Per (b, h, i),
+// over the causal keys j = 0..i only (no -Inf arithmetic):
+//   s_j        = (R32 sum_d q_i[d] * k_j[d]) * scale
+//   m          = max_j s_j                        (sequential, j ascending)
+//   p_j        = moe_exp_f32(s_j - m)
+//   l          = R32 sum_j p_j
+//   o_i[d]     = (R32 sum_j p_j * v_j[d]) / l
+//   row_max    = m, row_sum = l                   kept for the backward
+// Memory: O(S + 32 D) scratch per thread, never (S, S).
+struct AttentionArgs {
+  int64_t batch = 0;     // B
+  int64_t seq = 0;       // S
+  int64_t q_heads = 0;   // Hq
+  int64_t kv_heads = 0;  // Hkv, divides Hq
+  int64_t head_dim = 0;  // D
+  float scale = 0.0f;
+  const float* q = nullptr;  // (B, S, Hq, D)
+  const float* k = nullptr;  // (B, S, Hkv, D)
+  const float* v = nullptr;  // (B, S, Hkv, D)
+  float* o = nullptr;        // (B, S, Hq, D)
+  float* row_max = nullptr;  // (B, Hq, S)
+  float* row_sum = nullptr;  // (B, Hq, S)
+};
+
+// Backward, dq / dk / dv overwritten. Every per-pair value is a pointwise function of saved or
+// input tensors (so each loop recomputes the same bits), for j <= i:
+//   P_ij   = moe_exp_f32(s_ij - row_max_i) / row_sum_i          (s_ij as in the forward)
+//   dP_ij  = R32 sum_d do_i[d] * v_j[d]
+//   Dl_i   = R32 sum_d do_i[d] * o_i[d]                          (= sum_j P_ij dP_ij)
+//   dS_ij  = P_ij * (dP_ij - Dl_i)
+//   dq_i[d] = (R32 sum_{j <= i} dS_ij * k_j[d]) * scale
+//   dk_j[d] = (R32 sum_n dS_n * q_n[d]) * scale,  dv_j[d] = R32 sum_n P_n * do_n[d]
+// where n runs over the pairs (h, i) of KV head g's query heads h ascending, then i = j..S-1
+// ascending. Memory: O(B Hq S) for Dl plus O(S + 32 D) per thread.
+struct AttentionBackwardArgs {
+  int64_t batch = 0;     // B
+  int64_t seq = 0;       // S
+  int64_t q_heads = 0;   // Hq
+  int64_t kv_heads = 0;  // Hkv
+  int64_t head_dim = 0;  // D
+  float scale = 0.0f;
+  const float* q = nullptr;        // (B, S, Hq, D)
+  const float* k = nullptr;        // (B, S, Hkv, D)
+  const float* v = nullptr;        // (B, S, Hkv, D)
+  const float* o = nullptr;        // (B, S, Hq, D) the forward's output
+  const float* row_max = nullptr;  // (B, Hq, S)
+  const float* row_sum = nullptr;  // (B, Hq, S)
+  const float* dout = nullptr;     // (B, S, Hq, D)
+  float* dq = nullptr;             // (B, S, Hq, D)
+  float* dk = nullptr;             // (B, S, Hkv, D)
+  float* dv = nullptr;             // (B, S, Hkv, D)
+};
+
+// ---- cross-entropy over logits, mean over non-ignored targets -----------------------------------
+//
+// targets[t] is the label of the NEXT position (the caller shifts: targets[t] = labels[t + 1], the
+// last position -100). A target equal to ignore_index is skipped; any other outside [0, V) is a
+// Status error. Per token t with z = logits[t] (every row, ignored or not, gets row_max/row_sum):
+//   m        = max_e z[e] (sequential);  s = R32 sum_e moe_exp_f32(z[e] - m)
+//   loss_t   = model_log_f32(s) - (z[target] - m)       (+0 for an ignored token)
+//   n        = #non-ignored tokens
+//   loss     = (R32 sum_t loss_t) / float(n),  or +0 when n = 0 (an all-padding batch gives no
+//              gradient instead of NaN)
+struct CrossEntropyArgs {
+  int64_t tokens = 0;                // T
+  int64_t vocab = 0;                 // V
+  int32_t ignore_index = -100;
+  const float* logits = nullptr;     // (T, V)
+  const int32_t* targets = nullptr;  // (T)
+  float* loss = nullptr;             // (1,)
+  int64_t* valid = nullptr;          // (1,) n; optional (may be null)
+  float* row_max = nullptr;          // (T) kept for the backward
+  float* row_sum = nullptr;          // (T)
+};
+
+// Backward, dlogits overwritten: with g = dloss / float(n) (0 when n = 0),
+//   dlogits[t, e] = (moe_exp_f32(z[e] - m_t) / s_t - [e == target_t]) * g,   zeros for ignored t.
+struct CrossEntropyBackwardArgs {
+  int64_t tokens = 0;  // T
+  int64_t vocab = 0;   // V
+  int32_t ignore_index = -100;
+  float dloss = 1.0f;                // dL/dloss, e.g. the loss scale
+  const float* logits = nullptr;     // (T, V)
+  const int32_t* targets = nullptr;  // (T)
+  const float* row_max = nullptr;    // (T) from the forward
+  const float* row_sum = nullptr;    // (T)
+  float* dlogits = nullptr;          // (T, V)
+};
+
+// ---- argument checks (shapes, pointers; touch no memory) ---------------------------------------
+Status validate_embedding(const EmbeddingArgs& a);
+Status validate_embedding_backward(const EmbeddingBackwardArgs& a);
+Status validate_rms_norm(const RmsNormArgs& a);
+Status validate_rms_norm_backward(const RmsNormBackwardArgs& a);
+Status validate_rope_table(const RopeTableArgs& a);
+Status validate_rope(const RopeArgs& a);
+Status validate_attention(const AttentionArgs& a);
+Status validate_attention_backward(const AttentionBackwardArgs& a);
+Status validate_cross_entropy(const CrossEntropyArgs& a);
+Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a);
+
+// The host RoPE table (backend/model_ops.cpp): validates, then errors for a position outside
+// [0, 2^24).
+Status rope_table(const RopeTableArgs& a);
+
+// ---- CPU reference (backend/cpu/model_ops_cpu.cpp): host pointers, OpenMP over rows / heads -----
+// Each validates its arguments first; ids and targets (data) are range-checked with a Status error
+// before any output is written.
+Status embedding_cpu(const EmbeddingArgs& a);
+Status embedding_backward_cpu(const EmbeddingBackwardArgs& a);
+Status rms_norm_cpu(const RmsNormArgs& a);
+Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a);
+Status rope_cpu(const RopeArgs& a);
+Status rope_backward_cpu(const RopeArgs& a);  // in = dout, out = din
+Status attention_cpu(const AttentionArgs& a);
+Status attention_backward_cpu(const AttentionBackwardArgs& a);
+Status cross_entropy_cpu(const CrossEntropyArgs& a);
+Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a);
+
+}  // namespace packmoe

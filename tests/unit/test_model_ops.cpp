@@ -1,0 +1,317 @@
+// Forward of the dense decoder CPU ops (backend/model_ops.h) against hand-derived values:
+// model_log_f32 against libm, RMSNorm of known vectors, RoPE (position 0 = identity, a 90-degree
+// table, inverse = backward), attention (S = 1 returns v, causal mask, equal keys average v),
+// cross-entropy (uniform logits = ln V, ignore index), thread-count independence and argument
+// errors.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/model_ops.h"
+#include "core/codecs.h"
+
+namespace packmoe {
+namespace {
+
+uint32_t fresh_seed() { return std::random_device{}(); }
+
+int64_t ulp_distance(float a, float b) {
+  return std::llabs(static_cast<int64_t>(f32_bits(a)) - static_cast<int64_t>(f32_bits(b)));
+}
+
+std::vector<float> randn(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void expect_error(const Status& s, const std::string& part) {
+  ASSERT_FALSE(s.is_ok()) << "expected an error containing '" << part << "'";
+  EXPECT_NE(s.message().find(part), std::string::npos) << s.message();
+}
+
+// ---- model_log_f32 ------------------------------------------------------------------------------
+
+TEST(ModelLog, CloseToLibmAndSpecialValues) {
+  // Every 97th float in [2^-149, FLT_MAX]: <= 2 ulp from log rounded to FP32 (from FP64 log).
+  int64_t worst = 0;
+  for (uint32_t b = 1; b < 0x7F800000u; b += 97 * 1024 + 1) {
+    const float x = f32_from_bits(b);
+    const float want = static_cast<float>(std::log(static_cast<double>(x)));
+    const float got = model_log_f32(x);
+    if (want == 0.0f) {
+      EXPECT_LE(std::fabs(got), 1e-7f);
+      continue;
+    }
+    worst = std::max(worst, ulp_distance(got, want));
+  }
+  EXPECT_LE(worst, 2);
+  EXPECT_EQ(model_log_f32(1.0f), 0.0f);
+  EXPECT_EQ(ulp_distance(model_log_f32(2.0f), static_cast<float>(std::log(2.0))), 0);
+  EXPECT_TRUE(std::isnan(model_log_f32(-1.0f)));
+  EXPECT_TRUE(std::isnan(model_log_f32(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(model_log_f32(0.0f), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(model_log_f32(std::numeric_limits<float>::infinity()),
+            std::numeric_limits<float>::infinity());
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+TEST(ModelOps, RmsNormKnownVectors) {
+  // Row 0: (2, 2, 2, 2): mean square 4, rstd = 1/2 exactly, y = weight.
+  // Row 1: (1, 2, 3, 4): mean square 30/4 = 7.5, y = x / sqrt(7.5) * weight.
+  const std::vector<float> x = {2, 2, 2, 2, 1, 2, 3, 4}, w = {1, 1, 1, 2};
+  std::vector<float> y(8), rstd(2);
+  ASSERT_TRUE(rms_norm_cpu({2, 4, 0.0f, x.data(), w.data(), y.data(), rstd.data()}).is_ok());
+  EXPECT_EQ(rstd[0], 0.5f);
+  for (int d = 0; d < 4; ++d) EXPECT_EQ(y[d], w[d]);
+  const double r = 1.0 / std::sqrt(7.5);
+  EXPECT_NEAR(rstd[1], r, 1e-7);
+  for (int d = 0; d < 4; ++d) EXPECT_NEAR(y[4 + d], x[4 + d] * r * w[d], 1e-6);
+  // eps enters under the root: x = 0 gives rstd = 1 / sqrt(eps), y = 0.
+  const std::vector<float> z(4, 0.0f);
+  ASSERT_TRUE(rms_norm_cpu({1, 4, 0.25f, z.data(), w.data(), y.data(), rstd.data()}).is_ok());
+  EXPECT_EQ(rstd[0], 2.0f);
+  EXPECT_EQ(y[0], 0.0f);
+}
+
+// ---- RoPE ---------------------------------------------------------------------------------------
+
+TEST(ModelOps, RopeTableAndRotations) {
+  const int64_t D = 8, half = 4;
+  const std::vector<int32_t> pos = {0, 1, 5};
+  std::vector<float> cs(3 * half), sn(3 * half);
+  ASSERT_TRUE(rope_table({3, D, 10000.0, pos.data(), cs.data(), sn.data()}).is_ok());
+  for (int i = 0; i < half; ++i) {
+    EXPECT_EQ(cs[i], 1.0f);  // position 0: angle 0
+    EXPECT_EQ(sn[i], 0.0f);
+  }
+  // i = 0: inv_freq = 1, so the angle is the position; i = 1: 10000^(-1/4) = 0.1.
+  EXPECT_EQ(cs[half], static_cast<float>(std::cos(1.0)));
+  EXPECT_EQ(sn[2 * half], static_cast<float>(std::sin(5.0)));
+  EXPECT_NEAR(sn[half + 1], std::sin(0.1), 1e-7);
+
+  std::mt19937 rng(fresh_seed());
+  const std::vector<float> x = randn(3 * 2 * D, rng);  // (T = 3, heads = 2, D)
+  std::vector<float> y(x.size()), back(x.size());
+  ASSERT_TRUE(rope_cpu({3, 2, D, cs.data(), sn.data(), x.data(), y.data()}).is_ok());
+  for (int i = 0; i < 2 * D; ++i) EXPECT_EQ(y[i], x[i]) << "position 0 is the identity";
+  // Backward = inverse rotation: rope then rope_backward returns x up to rounding.
+  ASSERT_TRUE(rope_backward_cpu({3, 2, D, cs.data(), sn.data(), y.data(), back.data()}).is_ok());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(back[i], x[i], 1e-6);
+
+  // 90 degrees (cos 0, sin 1): dimension i takes -x[i + D/2], dimension i + D/2 takes x[i].
+  const std::vector<float> c90(half, 0.0f), s90(half, 1.0f);
+  const std::vector<float> v = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::vector<float> r(8);
+  ASSERT_TRUE(rope_cpu({1, 1, D, c90.data(), s90.data(), v.data(), r.data()}).is_ok());
+  EXPECT_EQ(r, (std::vector<float>{-5, -6, -7, -8, 1, 2, 3, 4}));
+  // In place is allowed.
+  std::vector<float> inplace = v;
+  ASSERT_TRUE(rope_cpu({1, 1, D, c90.data(), s90.data(), inplace.data(), inplace.data()}).is_ok());
+  EXPECT_EQ(inplace, r);
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+
+struct AttnOut {
+  std::vector<float> o, mx, sm;
+};
+
+AttnOut run_attention(const std::vector<float>& q, const std::vector<float>& k,
+                      const std::vector<float>& v, int64_t B, int64_t S, int64_t Hq, int64_t Hkv,
+                      int64_t D) {
+  AttnOut r{std::vector<float>(B * S * Hq * D), std::vector<float>(B * Hq * S),
+            std::vector<float>(B * Hq * S)};
+  AttentionArgs a{B,        S,        Hq,       Hkv,        D,           0.5f,
+                  q.data(), k.data(), v.data(), r.o.data(), r.mx.data(), r.sm.data()};
+  EXPECT_TRUE(attention_cpu(a).is_ok());
+  return r;
+}
+
+TEST(ModelOps, AttentionSingleTokenReturnsV) {
+  std::mt19937 rng(fresh_seed());
+  const int64_t B = 2, S = 1, Hq = 4, Hkv = 2, D = 5;
+  const auto q = randn(B * Hq * D, rng), k = randn(B * Hkv * D, rng), v = randn(B * Hkv * D, rng);
+  const AttnOut r = run_attention(q, k, v, B, S, Hq, Hkv, D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t d = 0; d < D; ++d)  // query head h reads KV head h / 2, exactly
+        EXPECT_EQ(r.o[(b * Hq + h) * D + d], v[(b * Hkv + h / 2) * D + d]);
+}
+
+TEST(ModelOps, AttentionEqualKeysAverageV) {
+  // All keys equal: every causal score ties, so o_i = mean of v_0..v_i.
+  const int64_t S = 4, D = 2;
+  std::mt19937 rng(fresh_seed());
+  const auto q = randn(S * D, rng), v = randn(S * D, rng);
+  const std::vector<float> k(S * D, 0.3f);
+  const AttnOut r = run_attention(q, k, v, 1, S, 1, 1, D);
+  for (int64_t i = 0; i < S; ++i)
+    for (int64_t d = 0; d < D; ++d) {
+      double mean = 0;
+      for (int64_t j = 0; j <= i; ++j) mean += v[j * D + d] / (i + 1.0);
+      EXPECT_NEAR(r.o[i * D + d], mean, 1e-6);
+    }
+}
+
+TEST(ModelOps, AttentionCausalMaskAndThreadCount) {
+  std::mt19937 rng(fresh_seed());
+  const int64_t B = 1, S = 6, Hq = 4, Hkv = 2, D = 3;
+  auto q = randn(B * S * Hq * D, rng), k = randn(B * S * Hkv * D, rng),
+       v = randn(B * S * Hkv * D, rng);
+  const AttnOut base = run_attention(q, k, v, B, S, Hq, Hkv, D);
+  // Change q, k and v of the last position: rows 0..S-2 keep their bits, the last row moves.
+  for (int64_t x = 0; x < Hq * D; ++x) q[(S - 1) * Hq * D + x] += 1.0f;
+  for (int64_t x = 0; x < Hkv * D; ++x) {
+    k[(S - 1) * Hkv * D + x] -= 2.0f;
+    v[(S - 1) * Hkv * D + x] += 3.0f;
+  }
+  const AttnOut moved = run_attention(q, k, v, B, S, Hq, Hkv, D);
+  EXPECT_EQ(std::memcmp(base.o.data(), moved.o.data(), (S - 1) * Hq * D * sizeof(float)), 0);
+  EXPECT_NE(std::memcmp(base.o.data() + (S - 1) * Hq * D, moved.o.data() + (S - 1) * Hq * D,
+                        Hq * D * sizeof(float)),
+            0);
+
+  // Forward and backward bits do not depend on the thread count.
+  const auto dout = randn(q.size(), rng);
+  auto run = [&](int threads) {
+    omp_set_num_threads(threads);
+    AttnOut f = run_attention(q, k, v, B, S, Hq, Hkv, D);
+    std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
+    AttentionBackwardArgs b{B,        S,        Hq,       Hkv,      D,         0.5f,
+                            q.data(), k.data(), v.data(), f.o.data(), f.mx.data(), f.sm.data(),
+                            dout.data(), dq.data(), dk.data(), dv.data()};
+    EXPECT_TRUE(attention_backward_cpu(b).is_ok());
+    return std::vector<std::vector<float>>{f.o, dq, dk, dv};
+  };
+  const int saved = omp_get_max_threads();
+  const auto one = run(1), many = run(5);
+  omp_set_num_threads(saved);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(same_bits(one[i], many[i])) << i;
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+TEST(ModelOps, CrossEntropyUniformAndIgnore) {
+  const int64_t T = 3, V = 50;
+  std::vector<float> z(T * V, 2.5f);  // uniform rows: loss ln V whatever the target
+  std::vector<int32_t> tgt = {7, -100, 49};
+  float loss = 0;
+  int64_t valid = 0;
+  std::vector<float> mx(T), sm(T), dz(T * V);
+  CrossEntropyArgs f{T, V, -100, z.data(), tgt.data(), &loss, &valid, mx.data(), sm.data()};
+  ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
+  EXPECT_EQ(valid, 2);
+  EXPECT_LE(ulp_distance(loss, static_cast<float>(std::log(50.0))), 2);
+  // The ignored row's logits do not matter.
+  for (int64_t e = 0; e < V; ++e) z[V + e] = static_cast<float>(e);
+  float loss2 = 0;
+  f.loss = &loss2;
+  ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
+  EXPECT_EQ(loss2, loss);
+  // dlogits of a uniform row: 1/V everywhere, 1/V - 1 at the target, times dloss / n.
+  CrossEntropyBackwardArgs b{T, V, -100, 2.0f, z.data(), tgt.data(), mx.data(), sm.data(),
+                             dz.data()};
+  ASSERT_TRUE(cross_entropy_backward_cpu(b).is_ok());
+  EXPECT_NEAR(dz[0], 1.0 / V, 1e-7);
+  EXPECT_NEAR(dz[7], 1.0 / V - 1.0, 1e-6);
+  for (int64_t e = 0; e < V; ++e) EXPECT_EQ(dz[V + e], 0.0f);
+
+  // Every target ignored: loss 0, no gradient (not NaN).
+  std::vector<int32_t> none(T, -100);
+  f.targets = none.data();
+  ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
+  EXPECT_EQ(loss2, 0.0f);
+  EXPECT_EQ(valid, 0);
+  b.targets = none.data();
+  ASSERT_TRUE(cross_entropy_backward_cpu(b).is_ok());
+  for (float g : dz) EXPECT_EQ(g, 0.0f);
+}
+
+// ---- argument errors ----------------------------------------------------------------------------
+
+TEST(ModelOps, Errors) {
+  const std::vector<float> buf(64, 1.0f);
+  std::vector<float> out(64, -1.0f), out2(64);
+  const float* in = buf.data();
+
+  // Token ids and targets are data: a Status error, nothing written.
+  const std::vector<int32_t> ids = {0, 4};
+  expect_error(embedding_cpu({2, 4, 2, ids.data(), in, out.data()}), "token id 4 at position 1");
+  EXPECT_EQ(out[0], -1.0f);
+  expect_error(embedding_backward_cpu({2, 4, 2, ids.data(), in, out.data()}), "outside [0, 4)");
+  expect_error(validate_embedding({0, 4, 2, ids.data(), in, out.data()}), "T (tokens)");
+  expect_error(validate_embedding({2, 4, 2, ids.data(), nullptr, out.data()}), "table is null");
+
+  expect_error(validate_rms_norm({2, 0, 1e-6f, in, in, out.data(), out2.data()}), "D (dim)");
+  expect_error(validate_rms_norm({2, 4, -1.0f, in, in, out.data(), out2.data()}), "eps");
+  expect_error(validate_rms_norm({2, 4, 1e-6f, in, in, out.data(), nullptr}), "rstd is null");
+  expect_error(validate_rms_norm_backward({2, 4, in, in, in, in, out.data(), nullptr}),
+               "dweight is null");
+
+  const std::vector<int32_t> pos = {0, -3};
+  expect_error(rope_table({2, 4, 1e4, pos.data(), out.data(), out2.data()}), "position -3");
+  expect_error(validate_rope_table({2, 5, 1e4, pos.data(), out.data(), out2.data()}),
+               "must be even");
+  expect_error(validate_rope_table({2, 4, 0.5, pos.data(), out.data(), out2.data()}), "theta");
+  expect_error(validate_rope({2, 1, 6, in, in, nullptr, out.data()}), "in is null");
+
+  AttentionArgs a{1, 2, 3, 2, 4, 0.5f, in, in, in, out.data(), out2.data(), out2.data()};
+  expect_error(validate_attention(a), "not a multiple of Hkv");
+  a.kv_heads = 1;
+  EXPECT_TRUE(validate_attention(a).is_ok());
+  a.scale = 0.0f;
+  expect_error(validate_attention(a), "scale");
+  AttentionBackwardArgs ab{1, 2, 3, 1, 4, 0.5f, in, in, in, in, in, in, in, out.data(),
+                           out.data(), nullptr};
+  expect_error(validate_attention_backward(ab), "dv is null");
+
+  const std::vector<int32_t> tgt = {1, 9};
+  float loss = 0;
+  CrossEntropyArgs c{2, 8, -100, in, tgt.data(), &loss, nullptr, out.data(), out2.data()};
+  expect_error(cross_entropy_cpu(c), "target 9 at position 1");
+  CrossEntropyBackwardArgs cb{2, 8, -100, 1.0f, in, tgt.data(), in, in, out.data()};
+  expect_error(cross_entropy_backward_cpu(cb), "not the ignore index");
+  cb.dloss = std::numeric_limits<float>::infinity();
+  expect_error(validate_cross_entropy_backward(cb), "dloss");
+  c.loss = nullptr;
+  expect_error(validate_cross_entropy(c), "loss is null");
+}
+
+TEST(ModelOps, BackwardThreadCountIndependence) {
+  std::mt19937 rng(fresh_seed());
+  const int64_t N = 70, D = 40, T = 50, V = 6, H = 130;
+  const auto x = randn(N * D, rng), w = randn(D, rng), dy = randn(N * D, rng),
+             dout = randn(T * H, rng);
+  std::vector<int32_t> ids(T);
+  for (int64_t t = 0; t < T; ++t) ids[t] = static_cast<int32_t>((t * 7) % V);
+  auto run = [&](int threads) {
+    omp_set_num_threads(threads);
+    std::vector<float> y(N * D), rstd(N), dx(N * D), dw(D), dtable(V * H, 0.25f);
+    EXPECT_TRUE(rms_norm_cpu({N, D, 1e-6f, x.data(), w.data(), y.data(), rstd.data()}).is_ok());
+    RmsNormBackwardArgs b{N, D, x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data()};
+    EXPECT_TRUE(rms_norm_backward_cpu(b).is_ok());
+    EXPECT_TRUE(embedding_backward_cpu({T, V, H, ids.data(), dout.data(), dtable.data()}).is_ok());
+    return std::vector<std::vector<float>>{y, dx, dw, dtable};
+  };
+  const int saved = omp_get_max_threads();
+  const auto one = run(1), many = run(6);
+  omp_set_num_threads(saved);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(same_bits(one[i], many[i])) << i;
+}
+
+}  // namespace
+}  // namespace packmoe
