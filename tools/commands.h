@@ -35,4 +35,11 @@ struct DequantizeArgs {
 void add_dequantize_command(CLI::App& app, DequantizeArgs& args);
 Status run_dequantize(const DequantizeArgs& args);
 
+struct PlotArgs {
+  std::string metrics, out = "plot.svg";
+  bool quiet = false;
+};
+void add_plot_command(CLI::App& app, PlotArgs& args);
+Status run_plot(const PlotArgs& args);
+
 }  // namespace packmoe::tools

@@ -1,6 +1,7 @@
 // The `packmoe` executable: subcommands `demo` (the main job until the trainer exists),
-// `quantize` and `dequantize` (safetensors conversion). Bad input prints one line starting with
-// "packmoe: error:" and exits 1; --help on every subcommand explains the flags.
+// `quantize` and `dequantize` (safetensors conversion), `plot` (training curves to SVG). Bad input
+// prints one line starting with "packmoe: error:" and exits 1; --help on every subcommand explains
+// the flags.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
@@ -17,6 +18,8 @@ int main(int argc, char** argv) {
   packmoe::tools::add_demo_command(app, demo);
   packmoe::tools::add_quantize_command(app, quantize);
   packmoe::tools::add_dequantize_command(app, dequantize);
+  packmoe::tools::PlotArgs plot;
+  packmoe::tools::add_plot_command(app, plot);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -26,6 +29,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("demo")) status = packmoe::tools::run_demo(demo);
   if (app.got_subcommand("quantize")) status = packmoe::tools::run_quantize(quantize);
   if (app.got_subcommand("dequantize")) status = packmoe::tools::run_dequantize(dequantize);
+  if (app.got_subcommand("plot")) status = packmoe::tools::run_plot(plot);
   if (!status.is_ok()) {
     std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
     return 1;

@@ -1,0 +1,328 @@
+// ModelConfig presets, validation, parameter count and config.json I/O. Every path that produces
+// a ModelConfig ends in validate(), so callers never see a config that would fail later in a
+// shape check deep inside a layer.
+#include "train/model_config.h"
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "train/metrics.h"  // write_file_atomically
+
+namespace packmoe::train {
+
+using nlohmann::json;
+
+bool ModelConfig::is_moe_layer(int64_t i) const {
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end())
+    return false;
+  return num_experts > 0 && (i + 1) % decoder_sparse_step == 0;
+}
+
+ParameterCount parameter_count(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
+  const int64_t E = c.num_experts, k = c.num_experts_per_tok, F = c.moe_intermediate_size;
+  const int64_t attention = H * c.num_attention_heads * hd        // q_proj
+                            + 2 * H * c.num_key_value_heads * hd  // k_proj, v_proj
+                            + c.num_attention_heads * hd * H      // o_proj
+                            + 2 * hd                              // q_norm, k_norm
+                            + 2 * H;                              // input / post-attention norms
+  ParameterCount n;
+  n.total = n.active = V * H + H + (c.tie_word_embeddings ? 0 : V * H);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    n.total += attention;
+    n.active += attention;
+    if (c.is_moe_layer(i)) {
+      n.total += E * H + E * 3 * F * H;  // router + experts (gate, up, down)
+      n.active += E * H + k * 3 * F * H;
+    } else {
+      n.total += 3 * c.intermediate_size * H;
+      n.active += 3 * c.intermediate_size * H;
+    }
+  }
+  return n;
+}
+
+namespace {
+
+std::string str(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+Status positive(const char* name, int64_t v) {
+  if (v > 0) return Status::ok();
+  return Status::error(std::string(name) + " = " + std::to_string(v) + " must be positive");
+}
+
+Status positive(const char* name, double v) {
+  if (v > 0) return Status::ok();  // also rejects NaN
+  return Status::error(std::string(name) + " = " + str(v) + " must be positive");
+}
+
+}  // namespace
+
+Status validate(const ModelConfig& c) {
+  if (c.model_type != "qwen3_moe")
+    return Status::error("model_type = \"" + c.model_type +
+                         "\" is not supported (expected \"qwen3_moe\")");
+  PACKMOE_RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
+  PACKMOE_RETURN_IF_ERROR(positive("hidden_size", c.hidden_size));
+  PACKMOE_RETURN_IF_ERROR(positive("intermediate_size", c.intermediate_size));
+  PACKMOE_RETURN_IF_ERROR(positive("num_hidden_layers", c.num_hidden_layers));
+  PACKMOE_RETURN_IF_ERROR(positive("num_attention_heads", c.num_attention_heads));
+  PACKMOE_RETURN_IF_ERROR(positive("num_key_value_heads", c.num_key_value_heads));
+  PACKMOE_RETURN_IF_ERROR(positive("head_dim", c.head_dim));
+  PACKMOE_RETURN_IF_ERROR(positive("max_position_embeddings", c.max_position_embeddings));
+  PACKMOE_RETURN_IF_ERROR(positive("rms_norm_eps", c.rms_norm_eps));
+  PACKMOE_RETURN_IF_ERROR(positive("rope_theta", c.rope_theta));
+  PACKMOE_RETURN_IF_ERROR(positive("initializer_range", c.initializer_range));
+  PACKMOE_RETURN_IF_ERROR(positive("decoder_sparse_step", c.decoder_sparse_step));
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    return Status::error(
+        "num_key_value_heads = " + std::to_string(c.num_key_value_heads) +
+        " must divide num_attention_heads = " + std::to_string(c.num_attention_heads));
+  // RoPE rotates pairs of channels.
+  if (c.head_dim % 2 != 0)
+    return Status::error("head_dim = " + std::to_string(c.head_dim) + " must be even (RoPE)");
+  if (c.num_experts < 0)
+    return Status::error("num_experts = " + std::to_string(c.num_experts) +
+                         " must not be negative");
+  if (c.num_experts > 0) {
+    PACKMOE_RETURN_IF_ERROR(positive("moe_intermediate_size", c.moe_intermediate_size));
+    PACKMOE_RETURN_IF_ERROR(positive("num_experts_per_tok", c.num_experts_per_tok));
+    if (c.num_experts_per_tok > c.num_experts)
+      return Status::error("num_experts_per_tok = " + std::to_string(c.num_experts_per_tok) +
+                           " must not exceed num_experts = " + std::to_string(c.num_experts));
+  }
+  if (!(c.router_aux_loss_coef >= 0))
+    return Status::error("router_aux_loss_coef = " + str(c.router_aux_loss_coef) +
+                         " must not be negative");
+  for (int64_t layer : c.mlp_only_layers)
+    if (layer < 0 || layer >= c.num_hidden_layers)
+      return Status::error("mlp_only_layers entry " + std::to_string(layer) +
+                           " is not a layer index in [0, " + std::to_string(c.num_hidden_layers) +
+                           ")");
+  return Status::ok();
+}
+
+std::vector<std::string> model_config_preset_names() {
+  return {"tiny", "small", "qwen3_30b_a3b_layers"};
+}
+
+Result<ModelConfig> model_config_preset(const std::string& name) {
+  ModelConfig c;
+  if (name == "tiny") {
+    // Byte-level vocabulary so it trains on raw text with no tokenizer.
+    c.vocab_size = 256;
+    c.hidden_size = 64;
+    c.intermediate_size = 128;
+    c.moe_intermediate_size = 32;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 16;
+    c.max_position_embeddings = 512;
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.norm_topk_prob = true;
+    c.rope_theta = 10000.0;
+  } else if (name == "small") {
+    // About 100M parameters in total (parameter_count: 101,787,136), 54,601,216 active.
+    c.vocab_size = 32768;
+    c.hidden_size = 512;
+    c.intermediate_size = 1536;
+    c.moe_intermediate_size = 320;
+    c.num_hidden_layers = 8;
+    c.num_attention_heads = 8;
+    c.num_key_value_heads = 2;
+    c.head_dim = 64;
+    c.max_position_embeddings = 4096;
+    c.num_experts = 16;
+    c.num_experts_per_tok = 4;
+    c.norm_topk_prob = true;
+    c.rope_theta = 1e6;
+  } else if (name == "qwen3_30b_a3b_layers") {
+    // Qwen3-30B-A3B's layer shapes (head_dim * heads = 4096 != hidden 2048), 4 of its 48 layers.
+    c.vocab_size = 151936;
+    c.hidden_size = 2048;
+    c.intermediate_size = 6144;
+    c.moe_intermediate_size = 768;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 4;
+    c.head_dim = 128;
+    c.max_position_embeddings = 40960;
+    c.num_experts = 128;
+    c.num_experts_per_tok = 8;
+    c.norm_topk_prob = true;
+    c.rope_theta = 1e6;
+    c.rms_norm_eps = 1e-6;
+  } else {
+    std::string known;
+    for (const std::string& n : model_config_preset_names())
+      known += (known.empty() ? "" : ", ") + n;
+    return Status::error("unknown model preset '" + name + "' (known: " + known + ")");
+  }
+  PACKMOE_RETURN_IF_ERROR(validate(c));
+  return c;
+}
+
+json model_config_to_json(const ModelConfig& c) {
+  json j;
+  j["architectures"] = json::array({"Qwen3MoeForCausalLM"});
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["moe_intermediate_size"] = c.moe_intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.head_dim;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["decoder_sparse_step"] = c.decoder_sparse_step;
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["num_experts"] = c.num_experts;
+  j["norm_topk_prob"] = c.norm_topk_prob;
+  j["router_aux_loss_coef"] = c.router_aux_loss_coef;
+  j["mlp_only_layers"] = c.mlp_only_layers;
+  j["initializer_range"] = c.initializer_range;
+  // Fields transformers needs to build the model that packmoe does not vary.
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["use_sliding_window"] = false;
+  return j;
+}
+
+namespace {
+
+std::string describe(const json& v) {
+  std::string text = v.dump();
+  if (text.size() > 40) text = text.substr(0, 37) + "...";
+  return std::string(v.type_name()) + " " + text;
+}
+
+// Absent and null both leave the default: HF writes null for unset optional fields.
+Status read_int(const json& j, const char* key, int64_t& out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return Status::ok();
+  if (!it->is_number_integer())
+    return Status::error(std::string(key) + " must be an integer (got " + describe(*it) + ")");
+  out = it->get<int64_t>();
+  return Status::ok();
+}
+
+Status read_double(const json& j, const char* key, double& out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return Status::ok();
+  if (!it->is_number())
+    return Status::error(std::string(key) + " must be a number (got " + describe(*it) + ")");
+  out = it->get<double>();
+  return Status::ok();
+}
+
+Status read_bool(const json& j, const char* key, bool& out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return Status::ok();
+  if (!it->is_boolean())
+    return Status::error(std::string(key) + " must be true or false (got " + describe(*it) + ")");
+  out = it->get<bool>();
+  return Status::ok();
+}
+
+bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
+
+}  // namespace
+
+Result<ModelConfig> model_config_from_json(const json& j) {
+  if (!j.is_object())
+    return Status::error("config.json must be a JSON object (got " + describe(j) + ")");
+  ModelConfig c;
+  if (present(j, "model_type")) {
+    if (!j["model_type"].is_string())
+      return Status::error("model_type must be a string (got " + describe(j["model_type"]) + ")");
+    c.model_type = j["model_type"].get<std::string>();
+  }
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "vocab_size", c.vocab_size));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "hidden_size", c.hidden_size));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "intermediate_size", c.intermediate_size));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "moe_intermediate_size", c.moe_intermediate_size));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "num_hidden_layers", c.num_hidden_layers));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "num_attention_heads", c.num_attention_heads));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "num_key_value_heads", c.num_key_value_heads));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "max_position_embeddings", c.max_position_embeddings));
+  PACKMOE_RETURN_IF_ERROR(read_double(j, "rms_norm_eps", c.rms_norm_eps));
+  // v5 moved rope_theta into rope_parameters; a top-level value wins when both exist.
+  if (present(j, "rope_parameters")) {
+    if (!j["rope_parameters"].is_object())
+      return Status::error("rope_parameters must be an object (got " +
+                           describe(j["rope_parameters"]) + ")");
+    PACKMOE_RETURN_IF_ERROR(read_double(j["rope_parameters"], "rope_theta", c.rope_theta));
+  }
+  PACKMOE_RETURN_IF_ERROR(read_double(j, "rope_theta", c.rope_theta));
+  PACKMOE_RETURN_IF_ERROR(read_bool(j, "tie_word_embeddings", c.tie_word_embeddings));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "decoder_sparse_step", c.decoder_sparse_step));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "num_experts_per_tok", c.num_experts_per_tok));
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "num_local_experts", c.num_experts));  // HF attribute_map
+  PACKMOE_RETURN_IF_ERROR(read_int(j, "num_experts", c.num_experts));
+  PACKMOE_RETURN_IF_ERROR(read_bool(j, "norm_topk_prob", c.norm_topk_prob));
+  PACKMOE_RETURN_IF_ERROR(read_double(j, "router_aux_loss_coef", c.router_aux_loss_coef));
+  PACKMOE_RETURN_IF_ERROR(read_double(j, "initializer_range", c.initializer_range));
+  if (present(j, "mlp_only_layers")) {
+    const json& layers = j["mlp_only_layers"];
+    if (!layers.is_array())
+      return Status::error("mlp_only_layers must be an array of integers (got " + describe(layers) +
+                           ")");
+    for (const json& v : layers) {
+      if (!v.is_number_integer())
+        return Status::error("mlp_only_layers must be an array of integers (got an entry " +
+                             describe(v) + ")");
+      c.mlp_only_layers.push_back(v.get<int64_t>());
+    }
+  }
+  // HF falls back to hidden / heads only when head_dim is absent (§2b: real checkpoints set it).
+  if (present(j, "head_dim")) {
+    PACKMOE_RETURN_IF_ERROR(read_int(j, "head_dim", c.head_dim));
+  } else if (c.num_attention_heads > 0) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      return Status::error("head_dim is absent and hidden_size = " + std::to_string(c.hidden_size) +
+                           " is not a multiple of " +
+                           "num_attention_heads = " + std::to_string(c.num_attention_heads));
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  PACKMOE_RETURN_IF_ERROR(validate(c));
+  return c;
+}
+
+Result<ModelConfig> parse_model_config(const std::string& text) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    return Status::error(std::string("config.json is not valid JSON: ") + e.what());
+  }
+  return model_config_from_json(j);
+}
+
+Result<ModelConfig> load_model_config(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error("cannot open model config '" + path + "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  Result<ModelConfig> config = parse_model_config(text.str());
+  if (!config) return Status::error(path + ": " + config.status().message());
+  return config;
+}
+
+Status save_model_config(const ModelConfig& config, const std::string& path) {
+  PACKMOE_RETURN_IF_ERROR(validate(config));
+  return write_file_atomically(path, model_config_to_json(config).dump(2) + "\n");
+}
+
+}  // namespace packmoe::train
