@@ -7,6 +7,8 @@
 #include <cmath>
 #include <string>
 
+#include "backend/arg_checks.h"
+
 namespace packmoe {
 namespace {
 
@@ -15,11 +17,6 @@ std::string num(int64_t v) { return std::to_string(v); }
 Status check_pos(const char* op, int64_t v, const char* name) {
   if (v <= 0)
     return Status::error(std::string(op) + ": " + name + " must be positive, got " + num(v));
-  return Status::ok();
-}
-
-Status check_ptr(const char* op, const void* p, const char* name) {
-  if (p == nullptr) return Status::error(std::string(op) + ": " + name + " is null");
   return Status::ok();
 }
 
@@ -69,9 +66,7 @@ Status validate_embedding(const EmbeddingArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
   PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
   PACKMOE_RETURN_IF_ERROR(check_pos(op, a.hidden, "H (hidden)"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.ids, "ids"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.table, "table"));
-  return check_ptr(op, a.out, "out");
+  return require_non_null(op, {{a.ids, "ids"}, {a.table, "table"}, {a.out, "out"}});
 }
 
 Status validate_embedding_backward(const EmbeddingBackwardArgs& a) {
@@ -79,9 +74,7 @@ Status validate_embedding_backward(const EmbeddingBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
   PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
   PACKMOE_RETURN_IF_ERROR(check_pos(op, a.hidden, "H (hidden)"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.ids, "ids"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dout, "dout"));
-  return check_ptr(op, a.dtable, "dtable");
+  return require_non_null(op, {{a.ids, "ids"}, {a.dout, "dout"}, {a.dtable, "dtable"}});
 }
 
 Status validate_rms_norm(const RmsNormArgs& a) {
@@ -91,22 +84,19 @@ Status validate_rms_norm(const RmsNormArgs& a) {
   if (!std::isfinite(a.eps) || a.eps < 0.0f)
     return Status::error(std::string(op) + ": eps must be finite and >= 0, got " +
                          std::to_string(a.eps));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.x, "x"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.weight, "weight"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.y, "y"));
-  return check_ptr(op, a.rstd, "rstd");
+  return require_non_null(op, {{a.x, "x"}, {a.weight, "weight"}, {a.y, "y"}, {a.rstd, "rstd"}});
 }
 
 Status validate_rms_norm_backward(const RmsNormBackwardArgs& a) {
   constexpr const char* op = "rms_norm_backward";
   PACKMOE_RETURN_IF_ERROR(check_pos(op, a.rows, "N (rows)"));
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.dim, "D (dim)"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.x, "x"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.weight, "weight"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.rstd, "rstd"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dy, "dy"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dx, "dx"));
-  return check_ptr(op, a.dweight, "dweight");
+  return require_non_null(op, {{a.x, "x"},
+                               {a.weight, "weight"},
+                               {a.rstd, "rstd"},
+                               {a.dy, "dy"},
+                               {a.dx, "dx"},
+                               {a.dweight, "dweight"}});
 }
 
 Status validate_rope_table(const RopeTableArgs& a) {
@@ -116,9 +106,7 @@ Status validate_rope_table(const RopeTableArgs& a) {
   if (!std::isfinite(a.theta) || a.theta <= 1.0)
     return Status::error(std::string(op) + ": theta must be finite and > 1, got " +
                          std::to_string(a.theta));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.positions, "positions"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.cos, "cos"));
-  return check_ptr(op, a.sin, "sin");
+  return require_non_null(op, {{a.positions, "positions"}, {a.cos, "cos"}, {a.sin, "sin"}});
 }
 
 Status validate_rope(const RopeArgs& a) {
@@ -126,49 +114,46 @@ Status validate_rope(const RopeArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_pos(op, a.tokens, "T (tokens)"));
   PACKMOE_RETURN_IF_ERROR(check_pos(op, a.heads, "heads"));
   PACKMOE_RETURN_IF_ERROR(check_head_dim_even(op, a.head_dim));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.cos, "cos"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.sin, "sin"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.in, "in"));
-  return check_ptr(op, a.out, "out");
+  return require_non_null(op, {{a.cos, "cos"}, {a.sin, "sin"}, {a.in, "in"}, {a.out, "out"}});
 }
 
 Status validate_attention(const AttentionArgs& a) {
   constexpr const char* op = "attention";
   PACKMOE_RETURN_IF_ERROR(
       check_attention_dims(op, a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim, a.scale));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.q, "q"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.k, "k"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.v, "v"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.o, "o"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_max, "row_max"));
-  return check_ptr(op, a.row_sum, "row_sum");
+  return require_non_null(op, {{a.q, "q"},
+                               {a.k, "k"},
+                               {a.v, "v"},
+                               {a.o, "o"},
+                               {a.row_max, "row_max"},
+                               {a.row_sum, "row_sum"}});
 }
 
 Status validate_attention_backward(const AttentionBackwardArgs& a) {
   constexpr const char* op = "attention_backward";
   PACKMOE_RETURN_IF_ERROR(
       check_attention_dims(op, a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim, a.scale));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.q, "q"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.k, "k"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.v, "v"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.o, "o"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_max, "row_max"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_sum, "row_sum"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dout, "dout"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dq, "dq"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dk, "dk"));
-  return check_ptr(op, a.dv, "dv");
+  return require_non_null(op, {{a.q, "q"},
+                               {a.k, "k"},
+                               {a.v, "v"},
+                               {a.o, "o"},
+                               {a.row_max, "row_max"},
+                               {a.row_sum, "row_sum"},
+                               {a.dout, "dout"},
+                               {a.dq, "dq"},
+                               {a.dk, "dk"},
+                               {a.dv, "dv"}});
 }
 
 Status validate_cross_entropy(const CrossEntropyArgs& a) {
   constexpr const char* op = "cross_entropy";
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
   PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.logits, "logits"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.targets, "targets"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.loss, "loss"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_max, "row_max"));
-  return check_ptr(op, a.row_sum, "row_sum");
+  return require_non_null(op, {{a.logits, "logits"},
+                               {a.targets, "targets"},
+                               {a.loss, "loss"},
+                               {a.row_max, "row_max"},
+                               {a.row_sum, "row_sum"}});
 }
 
 Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a) {
@@ -178,11 +163,11 @@ Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a) {
   if (!std::isfinite(a.dloss))
     return Status::error(std::string(op) + ": dloss must be finite, got " +
                          std::to_string(a.dloss));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.logits, "logits"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.targets, "targets"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_max, "row_max"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_sum, "row_sum"));
-  return check_ptr(op, a.dlogits, "dlogits");
+  return require_non_null(op, {{a.logits, "logits"},
+                               {a.targets, "targets"},
+                               {a.row_max, "row_max"},
+                               {a.row_sum, "row_sum"},
+                               {a.dlogits, "dlogits"}});
 }
 
 Status rope_table(const RopeTableArgs& a) {

@@ -5,6 +5,8 @@
 #include <climits>
 #include <string>
 
+#include "backend/arg_checks.h"
+
 namespace packmoe {
 namespace {
 
@@ -41,11 +43,6 @@ Status check_row_dims(const char* op, int64_t tokens, int64_t hidden, int64_t to
   return Status::ok();
 }
 
-Status check_ptr(const char* op, const void* p, const char* name) {
-  if (p == nullptr) return Status::error(std::string(op) + ": " + name + " is null");
-  return Status::ok();
-}
-
 Status check_dtype(const char* op, DType t, const char* name) {
   if (!is_f32_or_bf16(t))
     return Status::error(std::string(op) + ": " + name + " must be f32 or bf16, got " +
@@ -58,53 +55,41 @@ Status check_dtype(const char* op, DType t, const char* name) {
 Status validate_router_topk(const RouterTopkArgs& a) {
   constexpr const char* op = "router_topk";
   PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.logits, "logits"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
-  return check_ptr(op, a.w, "w");
+  return require_non_null(op,
+                          {{a.logits, "logits"}, {a.probs, "probs"}, {a.idx, "idx"}, {a.w, "w"}});
 }
 
 Status validate_router_topk_backward(const RouterTopkBackwardArgs& a) {
   constexpr const char* op = "router_topk_backward";
   PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dw, "dw"));
-  return check_ptr(op, a.dlogits, "dlogits");
+  return require_non_null(
+      op, {{a.probs, "probs"}, {a.idx, "idx"}, {a.dw, "dw"}, {a.dlogits, "dlogits"}});
 }
 
 Status validate_aux_loss(const AuxLossArgs& a) {
   constexpr const char* op = "aux_loss";
   PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
-  return check_ptr(op, a.aux, "aux");
+  return require_non_null(op, {{a.probs, "probs"}, {a.idx, "idx"}, {a.aux, "aux"}});
 }
 
 Status validate_aux_loss_backward(const AuxLossBackwardArgs& a) {
   constexpr const char* op = "aux_loss_backward";
   PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.probs, "probs"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.idx, "idx"));
-  return check_ptr(op, a.dlogits, "dlogits");
+  return require_non_null(op, {{a.probs, "probs"}, {a.idx, "idx"}, {a.dlogits, "dlogits"}});
 }
 
 Status validate_permute(const PermuteArgs& a) {
   constexpr const char* op = "permute";
   PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dtype, "x / xp"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_slot, "row_slot"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.x, "x"));
-  return check_ptr(op, a.xp, "xp");
+  return require_non_null(op, {{a.row_slot, "row_slot"}, {a.x, "x"}, {a.xp, "xp"}});
 }
 
 Status validate_permute_backward(const PermuteBackwardArgs& a) {
   constexpr const char* op = "permute_backward";
   PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dxp_dtype, "dxp"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dest, "dest"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dxp, "dxp"));
-  return check_ptr(op, a.dx, "dx");
+  return require_non_null(op, {{a.dest, "dest"}, {a.dxp, "dxp"}, {a.dx, "dx"}});
 }
 
 Status validate_swiglu(const SwigluArgs& a) {
@@ -114,8 +99,7 @@ Status validate_swiglu(const SwigluArgs& a) {
                          ", F = " + num(a.ffn));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.in_dtype, "in"));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.out_dtype, "out"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.in, "in"));
-  return check_ptr(op, a.out, "out");
+  return require_non_null(op, {{a.in, "in"}, {a.out, "out"}});
 }
 
 Status validate_swiglu_backward(const SwigluBackwardArgs& a) {
@@ -126,9 +110,7 @@ Status validate_swiglu_backward(const SwigluBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.in_dtype, "in"));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dout_dtype, "dout"));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.din_dtype, "din"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.in, "in"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dout, "dout"));
-  return check_ptr(op, a.din, "din");
+  return require_non_null(op, {{a.in, "in"}, {a.dout, "dout"}, {a.din, "din"}});
 }
 
 Status validate_unpermute(const UnpermuteArgs& a) {
@@ -136,10 +118,7 @@ Status validate_unpermute(const UnpermuteArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.yp_dtype, "yp"));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.y_dtype, "y"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dest, "dest"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.w, "w"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.yp, "yp"));
-  return check_ptr(op, a.y, "y");
+  return require_non_null(op, {{a.dest, "dest"}, {a.w, "w"}, {a.yp, "yp"}, {a.y, "y"}});
 }
 
 Status validate_unpermute_backward(const UnpermuteBackwardArgs& a) {
@@ -148,20 +127,20 @@ Status validate_unpermute_backward(const UnpermuteBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.yp_dtype, "yp"));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dy_dtype, "dy"));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dyp_dtype, "dyp"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dest, "dest"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.row_slot, "row_slot"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.w, "w"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.yp, "yp"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dy, "dy"));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, a.dyp, "dyp"));
-  return check_ptr(op, a.dw, "dw");
+  return require_non_null(op, {{a.dest, "dest"},
+                               {a.row_slot, "row_slot"},
+                               {a.w, "w"},
+                               {a.yp, "yp"},
+                               {a.dy, "dy"},
+                               {a.dyp, "dyp"},
+                               {a.dw, "dw"}});
 }
 
 Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64_t experts,
                                        int64_t top_k, int64_t align) {
   constexpr const char* op = "routing_plan";
   PACKMOE_RETURN_IF_ERROR(check_router_dims(op, tokens, experts, top_k));
-  PACKMOE_RETURN_IF_ERROR(check_ptr(op, idx, "idx"));
+  PACKMOE_RETURN_IF_ERROR(require_non_null(op, {{idx, "idx"}}));
   if (align <= 0 || align > INT32_MAX)
     return Status::error(std::string(op) + ": align must be in [1, 2^31) (1 for bf16, 32 for " +
                          "mxfp8, 16 for nvfp4), got " + num(align));
