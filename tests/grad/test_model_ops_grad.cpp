@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/model_ops.h"
+#include "common/finite_difference.h"
 
 namespace packmoe {
 namespace {
@@ -29,38 +30,13 @@ constexpr double kStep = 1e-4;
 // O(1) of max |grad|.
 constexpr double kTol = 1e-4;
 
+// FD step and comparison: tests/common/finite_difference.h.
+std::vector<double> finite_diff(std::vector<double>& x, const std::function<double()>& loss) {
+  return grad_check::finite_diff(x, loss, kStep);
+}
 void expect_grad_near(const char* what, const std::vector<float>& analytic,
                       const std::vector<double>& fd) {
-  ASSERT_EQ(analytic.size(), fd.size()) << what;
-  double max_err = 0, max_fd = 0;
-  size_t worst = 0;
-  for (size_t i = 0; i < fd.size(); ++i) {
-    const double err = std::fabs(analytic[i] - fd[i]);
-    if (err > max_err) {
-      max_err = err;
-      worst = i;
-    }
-    max_fd = std::max(max_fd, std::fabs(fd[i]));
-  }
-  ASSERT_GT(max_fd, 0.0) << what << ": the loss does not depend on these inputs";
-  EXPECT_LE(max_err, kTol * max_fd)
-      << what << ": max |analytic - fd| = " << max_err << " at " << worst << " (analytic "
-      << analytic[worst] << ", fd " << fd[worst] << "), max |fd| = " << max_fd;
-}
-
-// Central differences of loss() w.r.t. every element of x (perturbed in place, then restored).
-std::vector<double> finite_diff(std::vector<double>& x, const std::function<double()>& loss) {
-  std::vector<double> g(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double x0 = x[i];
-    x[i] = x0 + kStep;
-    const double up = loss();
-    x[i] = x0 - kStep;
-    const double down = loss();
-    x[i] = x0;
-    g[i] = (up - down) / (2 * kStep);
-  }
-  return g;
+  grad_check::expect_grad_near(what, analytic, fd, kTol);
 }
 
 std::vector<float> randn(size_t n, float stddev, std::mt19937& rng) {
@@ -256,15 +232,15 @@ TEST(ModelOpsGrad, Attention) {
                  fd_v = finite_diff(v64, loss);
 
       std::vector<float> o(nq), mx(sh.B * sh.Hq * sh.S), sm(sh.B * sh.Hq * sh.S);
-      AttentionArgs f{sh.B, sh.S,   sh.Hq,    sh.Hkv,    sh.D,     scale,
+      AttentionArgs f{sh.B,     sh.S,     sh.Hq,    sh.Hkv,   sh.D,      scale,
                       q.data(), k.data(), v.data(), o.data(), mx.data(), sm.data()};
       ASSERT_TRUE(attention_cpu(f).is_ok());
-      const auto o64 = attention64(widen(q), widen(k), widen(v), sh.B, sh.S, sh.Hq, sh.Hkv, sh.D,
-                                   scale);
+      const auto o64 =
+          attention64(widen(q), widen(k), widen(v), sh.B, sh.S, sh.Hq, sh.Hkv, sh.D, scale);
       for (int64_t i = 0; i < nq; ++i) EXPECT_NEAR(o[i], o64[i], 1e-5);
       std::vector<float> dq(nq), dk(nkv), dv(nkv);
-      AttentionBackwardArgs b{sh.B,     sh.S,     sh.Hq,    sh.Hkv,    sh.D,      scale,
-                              q.data(), k.data(), v.data(), o.data(),  mx.data(), sm.data(),
+      AttentionBackwardArgs b{sh.B,     sh.S,      sh.Hq,     sh.Hkv,   sh.D,      scale,
+                              q.data(), k.data(),  v.data(),  o.data(), mx.data(), sm.data(),
                               r.data(), dq.data(), dk.data(), dv.data()};
       ASSERT_TRUE(attention_backward_cpu(b).is_ok());
       expect_grad_near("dq", dq, fd_q);
@@ -293,8 +269,8 @@ TEST(ModelOpsGrad, CrossEntropy) {
     ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
     EXPECT_EQ(valid, 4);
     EXPECT_NEAR(loss, cross_entropy64(widen(z), tgt, V), 1e-5);
-    CrossEntropyBackwardArgs b{T, V, -100, 1.0f, z.data(), tgt.data(), mx.data(), sm.data(),
-                               dz.data()};
+    CrossEntropyBackwardArgs b{T,          V,         -100,      1.0f,     z.data(),
+                               tgt.data(), mx.data(), sm.data(), dz.data()};
     ASSERT_TRUE(cross_entropy_backward_cpu(b).is_ok());
     expect_grad_near("dlogits", dz, fd);
     for (int64_t e = 0; e < V; ++e) EXPECT_EQ(dz[1 * V + e], 0.0f) << "ignored row";

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend/moe_ops.h"
+#include "common/finite_difference.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -36,40 +37,11 @@ constexpr double kTol = 1e-4;
 // BF16, at most 2^-8 relative (unit roundoff of an 8-bit significand; measured 3.3e-3): 2^-7.
 constexpr double kTolBf16 = 1.0 / 128;
 
-// max |a - fd| / max |fd|, with both maxima printed on failure.
-void expect_grad_near(const char* what, const std::vector<float>& analytic,
-                      const std::vector<double>& fd, double tol) {
-  ASSERT_EQ(analytic.size(), fd.size()) << what;
-  double max_err = 0, max_fd = 0;
-  size_t worst = 0;
-  for (size_t i = 0; i < fd.size(); ++i) {
-    const double err = std::fabs(analytic[i] - fd[i]);
-    if (err > max_err) {
-      max_err = err;
-      worst = i;
-    }
-    max_fd = std::max(max_fd, std::fabs(fd[i]));
-  }
-  ASSERT_GT(max_fd, 0.0) << what << ": the loss does not depend on these inputs";
-  EXPECT_LE(max_err, tol * max_fd)
-      << what << ": max |analytic - fd| = " << max_err << " at " << worst << " (analytic "
-      << analytic[worst] << ", fd " << fd[worst] << "), max |fd| = " << max_fd;
-}
-
-// Central differences of loss() w.r.t. every element of x (perturbed in place, then restored).
+// FD step and comparison: tests/common/finite_difference.h.
 std::vector<double> finite_diff(std::vector<double>& x, const std::function<double()>& loss) {
-  std::vector<double> g(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double x0 = x[i];
-    x[i] = x0 + kStep;
-    const double up = loss();
-    x[i] = x0 - kStep;
-    const double down = loss();
-    x[i] = x0;
-    g[i] = (up - down) / (2 * kStep);
-  }
-  return g;
+  return grad_check::finite_diff(x, loss, kStep);
 }
+using grad_check::expect_grad_near;
 
 std::vector<double> widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
