@@ -25,6 +25,17 @@ std::string_view op_name(Op op) {
     case Op::kAddF32: return "add_f32";
     case Op::kAdamW: return "adamw";
     case Op::kNvfp4DecodeScales: return "nvfp4_decode_scales";
+    case Op::kSumSquares: return "sum_squares";
+    case Op::kEmbedding: return "embedding";
+    case Op::kEmbeddingBackward: return "embedding_backward";
+    case Op::kRmsNorm: return "rms_norm";
+    case Op::kRmsNormBackward: return "rms_norm_backward";
+    case Op::kRope: return "rope";
+    case Op::kRopeBackward: return "rope_backward";
+    case Op::kAttention: return "attention";
+    case Op::kAttentionBackward: return "attention_backward";
+    case Op::kCrossEntropy: return "cross_entropy";
+    case Op::kCrossEntropyBackward: return "cross_entropy_backward";
   }
   return "unknown";
 }

@@ -12,6 +12,7 @@
 #include "core/tensor.h"
 #include "backend/elementwise.h"
 #include "backend/grouped_gemm.h"
+#include "backend/model_ops.h"
 #include "backend/moe_ops.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -39,6 +40,17 @@ enum class Op {
   kAddF32,
   kAdamW,
   kNvfp4DecodeScales,
+  kSumSquares,
+  kEmbedding,
+  kEmbeddingBackward,
+  kRmsNorm,
+  kRmsNormBackward,
+  kRope,
+  kRopeBackward,
+  kAttention,
+  kAttentionBackward,
+  kCrossEntropy,
+  kCrossEntropyBackward,
 };
 std::string_view op_name(Op op);
 
@@ -93,6 +105,22 @@ class Backend : public Allocator {
   virtual Status add_f32(const Segments<float>& dst, const Segments<const float>& src) = 0;
   virtual Status adamw(const AdamWArgs& args) = 0;
   virtual Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) = 0;
+  // out[0] (this backend's memory) = sum of x^2 in the order of elementwise.h's sum_squares.
+  virtual Status sum_squares(const Segments<const float>& x, double* out) = 0;
+
+  // Dense decoder ops (backend/model_ops.h): exact FP32 arithmetic, the same bits on every
+  // backend. ids / targets are range-checked on the host side of the call where the backend
+  // can (CPU) and by the kernel otherwise (CUDA returns the error Status after a sync).
+  virtual Status embedding(const EmbeddingArgs& args) = 0;
+  virtual Status embedding_backward(const EmbeddingBackwardArgs& args) = 0;
+  virtual Status rms_norm(const RmsNormArgs& args) = 0;
+  virtual Status rms_norm_backward(const RmsNormBackwardArgs& args) = 0;
+  virtual Status rope(const RopeArgs& args) = 0;
+  virtual Status rope_backward(const RopeArgs& args) = 0;  // in = dout, out = din
+  virtual Status attention(const AttentionArgs& args) = 0;
+  virtual Status attention_backward(const AttentionBackwardArgs& args) = 0;
+  virtual Status cross_entropy(const CrossEntropyArgs& args) = 0;
+  virtual Status cross_entropy_backward(const CrossEntropyBackwardArgs& args) = 0;
 
   // ---- helpers over the primitives above ---------------------------------------------------
   Tensor to_device(const Tensor& host);  // copy of a CPU tensor into this backend's memory

@@ -23,17 +23,22 @@ struct Segments {
 // The scalars of AdamW step t >= 1, each computed in FP64 and rounded once to FP32:
 //   decay = 1 - lr * weight_decay; one_minus_beta{1,2} = 1 - beta{1,2};
 //   step_size = lr / (1 - beta1^t); sqrt_bias_correction2 = sqrt(1 - beta2^t)
+// grad_scale multiplies the gradient first (global grad-norm clipping: min(1, max_norm / (norm +
+// 1e-6)), 1 when not clipping, which leaves every bit unchanged).
 struct AdamWStepScalars {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
   float decay, step_size, sqrt_bias_correction2;
+  float grad_scale = 1.0f;
 };
 
 // One element, PyTorch's AdamW order, every operation one FP32 rounding (no FMA contraction):
+//   g = g * grad_scale
 //   p = p * decay
 //   m = beta1 * m + one_minus_beta1 * g
 //   v = beta2 * v + one_minus_beta2 * (g * g)
 //   p = p - step_size * (m / (sqrt(v) / sqrt_bias_correction2 + eps))
 PACKMOE_HD void adamw_update(float& p, float& m, float& v, float g, const AdamWStepScalars& s) {
+  g = g * s.grad_scale;
   p = p * s.decay;
   m = s.beta1 * m + s.one_minus_beta1 * g;
   v = s.beta2 * v + s.one_minus_beta2 * (g * g);
@@ -49,6 +54,13 @@ struct AdamWArgs {
   Segments<const float> grad;  // main_grad
 };
 
+// Sum of squares for the global gradient norm, in FP64 (each x * x is exact in FP64: 24-bit
+// significands multiply into 48 bits). Each segment is cut into chunks of kSumSquaresChunk
+// elements (the last may be shorter); a chunk's sum is the R32 sum of moe_ops.h over its
+// elements' squares, in FP64; the result is the sequential FP64 sum (from +0) of the chunk sums in
+// (segment, chunk) order. Zero segments or n = 0 give +0.
+inline constexpr int64_t kSumSquaresChunk = 65536;
+
 // Same segment count and length everywhere; touches no memory.
 Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t> counts,
                          std::initializer_list<int64_t> lengths, const char* what);
@@ -57,6 +69,8 @@ Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t>
 Status cast_f32_to_bf16_cpu(const Segments<const float>& src, const Segments<uint16_t>& dst);
 Status add_f32_cpu(const Segments<float>& dst, const Segments<const float>& src);  // dst += src
 Status adamw_cpu(const AdamWArgs& args);
+// out[0] = the sum of squares above (out is host memory here).
+Status sum_squares_cpu(const Segments<const float>& x, double* out);
 // decode[g] = nvfp4_decode_scale(amax[g]) for g < groups.
 Status nvfp4_decode_scales_cpu(const float* amax, float* decode, int64_t groups);
 

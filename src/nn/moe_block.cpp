@@ -175,7 +175,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   return y;
 }
 
-Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum) {
+Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   PACKMOE_CHECK(state_ == BlockState::kForwardDone,
                 "MoEBlock backward needs a forward first (and runs once per forward)");
   const int64_t T = plan_.tokens, E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
@@ -252,7 +252,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum) {
     ab.tokens = T;
     ab.experts = E;
     ab.top_k = k;
-    ab.daux = cfg_.aux_loss_coef;
+    ab.daux = cfg_.aux_loss_coef * loss_scale;
     ab.probs = probs_.data_as<const float>();
     ab.idx = idx_.data_as<const int32_t>();
     ab.dlogits = dlogits.data_as<float>();

@@ -77,10 +77,11 @@ class MoEBlock {
   // wgrads pending it would lose them: PACKMOE_CHECK error.
   Tensor forward(const Tensor& x);
   // dy: (T, H) BF16 or F32, the gradient of the loss w.r.t. y; the loss also holds
-  // aux_loss_coef * aux when the aux loss is on. Returns dx (T, H) F32: the expert path plus the
-  // router path. Writes (accum) every main_grad, or queues FC1 / FC2's (delay_wgrad). Only from
-  // kForwardDone.
-  Tensor backward(const Tensor& dy, GradAccum accum);
+  // loss_scale * aux_loss_coef * aux when the aux loss is on (loss_scale: the factor the caller's
+  // loss carries, e.g. 1 / micro-batches, already inside dy). Returns dx (T, H) F32: the expert
+  // path plus the router path. Writes (accum) every main_grad, or queues FC1 / FC2's
+  // (delay_wgrad). Only from kForwardDone.
+  Tensor backward(const Tensor& dy, GradAccum accum, float loss_scale = 1.0f);
   // Runs FC2's and FC1's queued wgrads (-> kIdle). Only from kWgradPending.
   void backward_dw();
 

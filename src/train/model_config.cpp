@@ -14,12 +14,6 @@ namespace packmoe::train {
 
 using nlohmann::json;
 
-bool ModelConfig::is_moe_layer(int64_t i) const {
-  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) != mlp_only_layers.end())
-    return false;
-  return num_experts > 0 && (i + 1) % decoder_sparse_step == 0;
-}
-
 ParameterCount parameter_count(const ModelConfig& c) {
   const int64_t H = c.hidden_size, V = c.vocab_size, hd = c.head_dim;
   const int64_t E = c.num_experts, k = c.num_experts_per_tok, F = c.moe_intermediate_size;

@@ -10,37 +10,13 @@
 #include <vector>
 
 #include "core/status.h"
+#include "nn/model_config.h"
 
 namespace packmoe::train {
 
-struct ModelConfig {
-  // Defaults are the HF class defaults (v4 for rope_theta and head_dim, see
-  // reference/style-and-ecosystem.md §2b), so a config.json that omits a field means the same here.
-  std::string model_type = "qwen3_moe";
-  int64_t vocab_size = 151936;          // V
-  int64_t hidden_size = 2048;           // H
-  int64_t intermediate_size = 6144;     // dense MLP width, only for mlp_only_layers
-  int64_t moe_intermediate_size = 768;  // F, per-expert FFN width
-  int64_t num_hidden_layers = 24;
-  int64_t num_attention_heads = 32;
-  int64_t num_key_value_heads = 4;  // GQA
-  int64_t head_dim = 64;            // absent in JSON: hidden_size / num_attention_heads
-  int64_t max_position_embeddings = 32768;
-  double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
-  bool tie_word_embeddings = false;
-  int64_t decoder_sparse_step = 1;
-  int64_t num_experts_per_tok = 8;  // k
-  int64_t num_experts = 128;        // E (alias in JSON: num_local_experts)
-  bool norm_topk_prob = false;
-  double router_aux_loss_coef = 0.001;
-  std::vector<int64_t> mlp_only_layers;
-  double initializer_range = 0.02;
+// The struct lives in nn/ (the model is built from it); train/ adds presets, counts and JSON.
+using packmoe::ModelConfig;
 
-  // HF's rule (Qwen3MoeDecoderLayer): layer i is MoE iff i is not in mlp_only_layers, there are
-  // experts, and (i + 1) is a multiple of decoder_sparse_step.
-  bool is_moe_layer(int64_t i) const;
-};
 
 struct ParameterCount {
   int64_t total = 0;   // every parameter, as stored in the HF checkpoint

@@ -567,6 +567,27 @@ class FakeDeviceBackend final : public Backend {
   Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) override {
     return nvfp4_decode_scales_cpu(amax, decode, groups);
   }
+  Status sum_squares(const Segments<const float>& x, double* out) override {
+    return cpu().sum_squares(x, out);
+  }
+  Status embedding(const EmbeddingArgs& a) override { return cpu().embedding(a); }
+  Status embedding_backward(const EmbeddingBackwardArgs& a) override {
+    return cpu().embedding_backward(a);
+  }
+  Status rms_norm(const RmsNormArgs& a) override { return cpu().rms_norm(a); }
+  Status rms_norm_backward(const RmsNormBackwardArgs& a) override {
+    return cpu().rms_norm_backward(a);
+  }
+  Status rope(const RopeArgs& a) override { return cpu().rope(a); }
+  Status rope_backward(const RopeArgs& a) override { return cpu().rope_backward(a); }
+  Status attention(const AttentionArgs& a) override { return cpu().attention(a); }
+  Status attention_backward(const AttentionBackwardArgs& a) override {
+    return cpu().attention_backward(a);
+  }
+  Status cross_entropy(const CrossEntropyArgs& a) override { return cpu().cross_entropy(a); }
+  Status cross_entropy_backward(const CrossEntropyBackwardArgs& a) override {
+    return cpu().cross_entropy_backward(a);
+  }
 
  private:
   static Backend& cpu() { return cpu_backend(); }

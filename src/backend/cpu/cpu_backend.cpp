@@ -95,5 +95,26 @@ Status CpuBackend::adamw(const AdamWArgs& a) { return adamw_cpu(a); }
 Status CpuBackend::nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) {
   return nvfp4_decode_scales_cpu(amax, decode, groups);
 }
+Status CpuBackend::sum_squares(const Segments<const float>& x, double* out) {
+  return sum_squares_cpu(x, out);
+}
+Status CpuBackend::embedding(const EmbeddingArgs& a) { return embedding_cpu(a); }
+Status CpuBackend::embedding_backward(const EmbeddingBackwardArgs& a) {
+  return embedding_backward_cpu(a);
+}
+Status CpuBackend::rms_norm(const RmsNormArgs& a) { return rms_norm_cpu(a); }
+Status CpuBackend::rms_norm_backward(const RmsNormBackwardArgs& a) {
+  return rms_norm_backward_cpu(a);
+}
+Status CpuBackend::rope(const RopeArgs& a) { return rope_cpu(a); }
+Status CpuBackend::rope_backward(const RopeArgs& a) { return rope_backward_cpu(a); }
+Status CpuBackend::attention(const AttentionArgs& a) { return attention_cpu(a); }
+Status CpuBackend::attention_backward(const AttentionBackwardArgs& a) {
+  return attention_backward_cpu(a);
+}
+Status CpuBackend::cross_entropy(const CrossEntropyArgs& a) { return cross_entropy_cpu(a); }
+Status CpuBackend::cross_entropy_backward(const CrossEntropyBackwardArgs& a) {
+  return cross_entropy_backward_cpu(a);
+}
 
 }  // namespace packmoe

@@ -1,7 +1,10 @@
 // CPU reference of the elementwise ops (backend/elementwise.h), OpenMP over segments and elements.
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "backend/elementwise.h"
+#include "backend/moe_ops.h"
 #include "core/codecs.h"
 #include "formats/nvfp4_math.h"
 
@@ -51,6 +54,30 @@ Status adamw_cpu(const AdamWArgs& a) {
     for (int64_t i = 0; i < a.param.n; ++i)
       adamw_update(a.param.ptr[g][i], a.exp_avg.ptr[g][i], a.exp_avg_sq.ptr[g][i], a.grad.ptr[g][i],
                    a.scalars);
+  return Status::ok();
+}
+
+Status sum_squares_cpu(const Segments<const float>& x, double* out) {
+  PACKMOE_RETURN_IF_ERROR(validate_segments(x.ptr.size(), x.n, {}, {}, "sum_squares"));
+  const int64_t chunks_per_segment = (x.n + kSumSquaresChunk - 1) / kSumSquaresChunk;
+  const int64_t chunks = static_cast<int64_t>(x.ptr.size()) * chunks_per_segment;
+  std::vector<double> partial(chunks);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = x.ptr[c / chunks_per_segment] + (c % chunks_per_segment) * kSumSquaresChunk;
+    const int64_t n = std::min(kSumSquaresChunk, x.n - (c % chunks_per_segment) * kSumSquaresChunk);
+    double lane[kMoeReduceLanes] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = p[i];
+      lane[i % kMoeReduceLanes] = lane[i % kMoeReduceLanes] + v * v;
+    }
+    for (int off = kMoeReduceLanes / 2; off >= 1; off /= 2)
+      for (int l = 0; l < off; ++l) lane[l] = lane[l] + lane[l + off];
+    partial[c] = lane[0];
+  }
+  double total = 0.0;
+  for (double v : partial) total = total + v;
+  *out = total;
   return Status::ok();
 }
 

@@ -69,6 +69,17 @@ class CudaBackend final : public Backend {
   Status add_f32(const Segments<float>& dst, const Segments<const float>& src) override;
   Status adamw(const AdamWArgs& args) override;
   Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) override;
+  Status sum_squares(const Segments<const float>& x, double* out) override;
+  Status embedding(const EmbeddingArgs& args) override;
+  Status embedding_backward(const EmbeddingBackwardArgs& args) override;
+  Status rms_norm(const RmsNormArgs& args) override;
+  Status rms_norm_backward(const RmsNormBackwardArgs& args) override;
+  Status rope(const RopeArgs& args) override;
+  Status rope_backward(const RopeArgs& args) override;
+  Status attention(const AttentionArgs& args) override;
+  Status attention_backward(const AttentionBackwardArgs& args) override;
+  Status cross_entropy(const CrossEntropyArgs& args) override;
+  Status cross_entropy_backward(const CrossEntropyBackwardArgs& args) override;
 
   // ---- for the kernel files -----------------------------------------------------------------
   cudaStream_t stream() const { return stream_; }

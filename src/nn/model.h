@@ -1,0 +1,139 @@
+// Model: the Qwen3-MoE decoder (HF Qwen3MoeForCausalLM) with explicit forward / backward over
+// Backend ops. Every parameter is a GroupedParam (dense ones with E = 1) with an FP32 master;
+// MoE experts use the precision recipe, everything else BF16 GEMM operands and FP32 activations.
+// Invariants: weights come from a ModelWeights map (random init or a checkpoint), so the master is
+// always the high-precision value; both expert layouts issue identical ops (bitwise equal
+// results); gradients are ACCUMULATED into main_grad (the trainer zeroes them once per step).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/tensor.h"
+#include "nn/grouped_param.h"
+#include "nn/model_config.h"
+#include "nn/recipe.h"
+
+namespace packmoe {
+
+// Precision and layout of the MoE experts (FC1 / FC2 of every MoE layer). Attention, norms,
+// router, dense MLPs, embedding and LM head always use BF16 GEMM operands with FP32 masters.
+struct ModelPrecision {
+  QuantRecipe recipe;                                    // sr_seed seeds every layer's SR
+  PrimaryWeight primary = PrimaryWeight::kLowPrecision;  // experts' primary weight
+  Layout layout = Layout::kSingle;                       // every parameter's layout
+  bool grad_accum_fusion = true;
+};
+
+// Host F32 weights by name. Dense weights use their HF names and shapes, e.g.
+//   "model.embed_tokens.weight" (V, H), "model.layers.N.input_layernorm.weight" (H),
+//   "model.layers.N.self_attn.q_proj.weight" (Hq*D, H), ".k_proj" / ".v_proj" (Hkv*D, H),
+//   ".o_proj" (H, Hq*D), ".q_norm" / ".k_norm" (D), "model.layers.N.post_attention_layernorm.weight"
+//   (H), "model.layers.N.mlp.gate.weight" (E, H) (router), dense MLP layers
+//   "model.layers.N.mlp.{gate,up}_proj.weight" (I, H) and ".down_proj.weight" (H, I),
+//   "model.norm.weight" (H), "lm_head.weight" (V, H) (absent when tie_word_embeddings).
+// Experts are packed (one entry per layer and linear; HF splits them per expert on disk):
+//   "model.layers.N.mlp.experts.gate_up_proj" (E, 2F, H): gate rows [0, F), up rows [F, 2F)
+//   "model.layers.N.mlp.experts.down_proj"    (E, H, F)
+using ModelWeights = std::map<std::string, Tensor>;
+
+enum class ParamInit { kNormal, kOnes };  // N(0, initializer_range) for matrices, 1 for norms
+
+struct ParamSpec {
+  std::string name;   // a ModelWeights key
+  Shape shape;        // as in ModelWeights
+  ParamInit init;
+  bool weight_decay;  // false for norms (AdamW applies no decay to them)
+};
+
+// Every parameter of the config, in the model's fixed order: embedding, per layer (input norm,
+// q, k, v, o, q_norm, k_norm, post-attention norm, then router, gate_up, down or the dense
+// gate, up, down), final norm, lm_head.
+std::vector<ParamSpec> model_param_specs(const ModelConfig& config);
+
+// Deterministic init: parameter i of model_param_specs draws from Philox stream (seed, i); normal
+// values by Box-Muller in FP64, rounded once to FP32; norms are 1. Same seed, same weights, on
+// every machine.
+ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
+
+// Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, on the
+// host; the error names the first offending tensor.
+Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights);
+
+// One micro-batch of B rows of S tokens (host). Each row is its own causal sequence with positions
+// 0..S-1. targets[t] is the next token of inputs[t] or -100 (ignored).
+struct Batch {
+  int64_t batch = 0;             // B
+  int64_t seq = 0;               // S
+  std::vector<int32_t> inputs;   // (B * S)
+  std::vector<int32_t> targets;  // (B * S)
+};
+
+struct ForwardLosses {
+  float lm_loss = 0;          // cross-entropy, mean over the non-ignored targets
+  float aux_loss = 0;         // sum over MoE layers of the load-balancing aux (without the coef)
+  int64_t target_tokens = 0;  // non-ignored targets
+  // What backward differentiates: lm_loss + router_aux_loss_coef * aux_loss.
+  float total() const;
+  float aux_coef = 0;  // router_aux_loss_coef of the config
+};
+
+class DecoderLayer;  // nn/decoder_layer.h
+
+// A parameter with its name (a ModelWeights key) and whether AdamW decays it.
+struct NamedParam {
+  std::string name;
+  GroupedParam* param;  // (1, N, K) for dense weights (norms: (1, 1, D)), (E, N, K) for experts
+  bool weight_decay;
+};
+
+enum class ModelState {
+  kIdle,         // nothing saved
+  kForwardDone,  // activations of the last forward are saved; backward may run
+};
+
+class Model {
+ public:
+  // Builds every layer from `init` (validated: a bad map is a PACKMOE_CHECK error, callers check
+  // validate_model_weights first for user data) and creates the FP32 masters from it.
+  Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
+        const ModelWeights& init);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  const ModelPrecision& precision() const { return precision_; }
+  Backend& backend() const { return *backend_; }
+  ModelState state() const { return state_; }
+
+  // Every parameter, in model_param_specs order (the tied LM head is not listed twice).
+  const std::vector<NamedParam>& params() const { return params_; }
+  // FP32 masters copied to the host, in the ModelWeights layout (for checkpoints and tests).
+  ModelWeights master_weights() const;
+
+  // Forward of one micro-batch; returns its losses (one host sync). Allowed from any state: a
+  // forward never followed by backward (eval) is dropped by the next forward. Bad ids / targets
+  // are a Status error before anything is computed.
+  Result<ForwardLosses> forward(const Batch& batch);
+  // Backward of the last forward for the loss loss_scale * (lm_loss + coef * aux_loss): every
+  // gradient is ADDED into its main_grad. Only from kForwardDone (-> kIdle).
+  void backward(float loss_scale);
+  void zero_grad();  // every main_grad = 0
+
+ private:
+  Backend* backend_;
+  ModelConfig config_;
+  ModelPrecision precision_;
+  ModelState state_ = ModelState::kIdle;
+  std::vector<NamedParam> params_;
+
+  struct Impl;  // layers and saved activations (nn/model.cpp)
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace packmoe
