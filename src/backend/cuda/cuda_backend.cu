@@ -169,6 +169,36 @@ Status CudaBackend::grouped_gemm(const GroupedGemmArgs& args) {
   return grouped_gemm_cublas(*this, args);
 }
 
+Status CudaBackend::embedding(const EmbeddingArgs& args) { return embedding_sm90(*this, args); }
+
+Status CudaBackend::embedding_backward(const EmbeddingBackwardArgs& args) {
+  return embedding_backward_sm90(*this, args);
+}
+
+Status CudaBackend::rms_norm(const RmsNormArgs& args) { return rms_norm_sm90(*this, args); }
+
+Status CudaBackend::rms_norm_backward(const RmsNormBackwardArgs& args) {
+  return rms_norm_backward_sm90(*this, args);
+}
+
+Status CudaBackend::rope(const RopeArgs& args) { return rope_sm90(*this, args, false); }
+
+Status CudaBackend::rope_backward(const RopeArgs& args) { return rope_sm90(*this, args, true); }
+
+Status CudaBackend::attention(const AttentionArgs& args) { return attention_sm90(*this, args); }
+
+Status CudaBackend::attention_backward(const AttentionBackwardArgs& args) {
+  return attention_backward_sm90(*this, args);
+}
+
+Status CudaBackend::cross_entropy(const CrossEntropyArgs& args) {
+  return cross_entropy_sm90(*this, args);
+}
+
+Status CudaBackend::cross_entropy_backward(const CrossEntropyBackwardArgs& args) {
+  return cross_entropy_backward_sm90(*this, args);
+}
+
 Result<Backend*> cuda_backend_instance() {
   // Decided once: the device set of a process does not change.
   static Result<Backend*> instance = []() -> Result<Backend*> {

@@ -159,4 +159,17 @@ uint64_t cuda_count_e2m1_codec_mismatches(uint32_t* first_mismatch = nullptr);
 bool cuda_mxfp8_fast_scale_ok(CudaBackend& be);
 uint64_t cuda_count_e8m0_scale_mismatches(uint32_t* first_mismatch = nullptr);
 
+// Dense decoder ops (model_ops_sm90.cu), the CPU reference's bytes. Embedding ids and cross-entropy
+// targets are range-checked by a kernel whose flag is read back (one stream sync per call) before
+// any output is written. Attention supports head_dim <= 512 (an error Status beyond).
+Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a);
+Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a);
+Status rms_norm_sm90(CudaBackend& be, const RmsNormArgs& a);
+Status rms_norm_backward_sm90(CudaBackend& be, const RmsNormBackwardArgs& a);
+Status rope_sm90(CudaBackend& be, const RopeArgs& a, bool inverse);  // inverse: the backward
+Status attention_sm90(CudaBackend& be, const AttentionArgs& a);
+Status attention_backward_sm90(CudaBackend& be, const AttentionBackwardArgs& a);
+Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a);
+Status cross_entropy_backward_sm90(CudaBackend& be, const CrossEntropyBackwardArgs& a);
+
 }  // namespace packmoe

@@ -1,8 +1,8 @@
 // CUDA elementwise ops over segment lists (backend/elementwise.h): cast F32 -> BF16, add F32,
-// AdamW, NVFP4 decode scales. One launch covers every segment of a call (a pointer table, inline
-// or uploaded). Invariant: each element goes through the same PACKMOE_HD function as the CPU
-// reference (f32_to_bf16, adamw_update, nvfp4_decode_scale; nvcc --fmad=false, IEEE div / sqrt),
-// so the bytes are equal; 16-byte accesses only change how elements move, never their arithmetic.
+// AdamW, NVFP4 decode scales, sum of squares. One launch covers every segment of a call (a pointer
+// table, inline or uploaded). Invariant: the CPU reference's bytes: each element goes through the
+// same PACKMOE_HD function (nvcc --fmad=false, IEEE div / sqrt) and sum_squares keeps its chunk /
+// R32 / sequential order; 16-byte accesses only change how elements move, never their arithmetic.
 #include <cuda_runtime.h>
 
 #include <array>
@@ -11,6 +11,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/elementwise.h"
+#include "backend/moe_ops.h"
 #include "core/codecs.h"
 #include "formats/nvfp4_math.h"
 
@@ -19,7 +20,9 @@ namespace {
 
 struct Config {
   static constexpr int kThreads = 256;
+  static constexpr int kWarps = kThreads / 32;
   static constexpr int kInline = 8;  // segments per table carried in the kernel parameters
+  static_assert(kMoeReduceLanes == 32, "sum_squares: R32 is one warp");
 };
 
 // kTables pointer columns of G segments each. Up to kInline segments travel inline (the kernel
@@ -168,6 +171,45 @@ __global__ void __launch_bounds__(Config::kThreads)
   if (g < groups) decode[g] = nvfp4_decode_scale(amax[g]);
 }
 
+// sum_squares, stage 1: one warp per chunk c (segment c / cps, kSumSquaresChunk elements from
+// (c % cps) * kSumSquaresChunk): lane l adds x[i]^2 in FP64 for i = l, l + 32, ... of the chunk,
+// then the butterfly (lane 0 ends with the R32 tree's value) into partial[c].
+__global__ void __launch_bounds__(Config::kThreads)
+    sum_squares_chunks_kernel(const __grid_constant__ SegTable<1> t, int64_t chunks_per_segment,
+                              int64_t chunks, double* partial) {
+  const int lane = threadIdx.x & 31;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (c >= chunks) return;
+  const int64_t g = c / chunks_per_segment;
+  const int64_t first = (c - g * chunks_per_segment) * kSumSquaresChunk;
+  const int64_t n = t.n - first < kSumSquaresChunk ? t.n - first : kSumSquaresChunk;
+  const float* x = static_cast<const float*>(t.get(0, g)) + first;  // (n)
+  double acc = 0.0;
+  int64_t i = lane;
+  for (; i + 96 < n; i += 128) {  // four coalesced loads in flight ahead of the ordered adds
+    const double v0 = __ldg(x + i), v1 = __ldg(x + i + 32), v2 = __ldg(x + i + 64),
+                 v3 = __ldg(x + i + 96);
+    acc = acc + v0 * v0;
+    acc = acc + v1 * v1;
+    acc = acc + v2 * v2;
+    acc = acc + v3 * v3;
+  }
+  for (; i < n; i += 32) {
+    const double v = __ldg(x + i);
+    acc = acc + v * v;
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  if (lane == 0) partial[c] = acc;
+}
+
+// sum_squares, stage 2: the sequential sum from +0 of the partials in (segment, chunk) order.
+__global__ void sum_squares_total_kernel(const double* partial, int64_t chunks, double* out) {
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total = total + partial[c];
+  *out = total;
+}
+
 }  // namespace
 
 Status CudaBackend::cast_f32_to_bf16(const Segments<const float>& src,
@@ -211,6 +253,25 @@ Status CudaBackend::adamw(const AdamWArgs& a) {
   const bool vec = all_aligned16(a.param.ptr, a.exp_avg.ptr, a.exp_avg_sq.ptr, a.grad.ptr);
   adamw_kernel<<<grid_for(G * ((a.param.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
                  stream()>>>(t, a.scalars, vec);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status CudaBackend::sum_squares(const Segments<const float>& x, double* out) {
+  PACKMOE_RETURN_IF_ERROR(validate_segments(x.ptr.size(), x.n, {}, {}, "sum_squares"));
+  const int64_t G = static_cast<int64_t>(x.ptr.size());
+  if (G == 0 || x.n == 0) {
+    PACKMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream()));  // +0
+    return Status::ok();
+  }
+  const int64_t cps = (x.n + kSumSquaresChunk - 1) / kSumSquaresChunk;
+  const int64_t chunks = G * cps;
+  const SegTable<1> t = make_table<1>(*this, {as_void(x.ptr)}, x.n);
+  auto* partial = static_cast<double*>(workspace(static_cast<size_t>(chunks) * sizeof(double)));
+  sum_squares_chunks_kernel<<<grid_for(chunks, Config::kWarps), Config::kThreads, 0, stream()>>>(
+      t, cps, chunks, partial);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  sum_squares_total_kernel<<<1, 1, 0, stream()>>>(partial, chunks, out);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

@@ -1,0 +1,746 @@
+// CUDA kernels of the dense decoder ops (backend/model_ops.h), forward and backward. Invariant:
+// each value is model_ops.h's exact FP32 arithmetic (R32 = strided lanes + xor butterfly or 32
+// explicit partials, maxima in index order, moe_exp_f32 / model_log_f32, --fmad=false), so every
+// op writes the CPU reference's bytes. Bad ids / targets: a check kernel's flag is read back (one
+// sync) and the CPU's error Status is returned before anything is written.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
+#include <string>
+#include <type_traits>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernels_common.cuh"
+#include "backend/model_ops.h"
+
+namespace packmoe {
+namespace {
+
+struct Config {
+  static constexpr int kThreads = 256;  // row kernels: 8 warps, one row each
+  static constexpr int kWarps = kThreads / 32;
+  // Attention keeps 32 R32 partial vectors of D floats per warp in shared memory (the R32 sums
+  // over keys / query pairs), and q / k rows as kPer = ceil(D / 32) registers per lane.
+  static constexpr int kMaxHeadDim = 512;
+  static constexpr int kAttnSmemTarget = 64 * 1024;  // per CTA; one warp may exceed it
+  static constexpr int kAttnMaxWarps = 8;
+  static constexpr int kColThreads = 1024;  // RMSNorm dweight: 32 R32 lanes x 32 columns
+  static_assert(kMoeReduceLanes == 32, "R32 is one warp");
+  static_assert(kMaxHeadDim % 32 == 0 && kMaxHeadDim / 32 <= 16, "kPer stays in registers");
+};
+
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+using cuda::blocks_for;
+
+// R32 second stage on one warp (lane l adds lane l ^ off, off = 16 .. 1): lanes below off form
+// moe_ops.h's tree, the others the same sums with swapped operands, so every lane ends with the
+// tree's value.
+__device__ __forceinline__ float r32_butterfly(float acc) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, off);
+  return acc;
+}
+
+// Two independent butterflies interleaved (their shuffles overlap).
+__device__ __forceinline__ void r32_butterfly2(float& a, float& b) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    const float oa = __shfl_xor_sync(kFullMask, a, off);
+    const float ob = __shfl_xor_sync(kFullMask, b, off);
+    a = a + oa;
+    b = b + ob;
+  }
+}
+
+// ---- id / target range check --------------------------------------------------------------------
+
+// Result of the check kernel, zeroed to {none, 0} before it runs.
+struct IdCheck {
+  uint32_t first_bad;  // smallest bad position, UINT32_MAX when none (T < 2^24)
+  uint32_t valid;      // targets not equal to ignore_index (cross-entropy only)
+};
+
+// Integer atomics only: min and count do not depend on the order of the threads. `positions`
+// (optional) receives t at t, the values of embedding_backward's sort.
+__global__ void __launch_bounds__(Config::kThreads)
+    check_ids_kernel(const int32_t* ids, int64_t tokens, int64_t vocab, bool has_ignore,
+                     int32_t ignore_index, IdCheck* out, int32_t* positions) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  const int32_t id = ids[t];
+  if (positions) positions[t] = static_cast<int32_t>(t);
+  if (has_ignore && id == ignore_index) return;
+  if (id < 0 || id >= vocab)
+    atomicMin(&out->first_bad, static_cast<uint32_t>(t));
+  else if (has_ignore)
+    atomicAdd(&out->valid, 1u);
+}
+
+// Runs the check and waits for it. Returns #non-ignored targets (tokens for ids), or the CPU
+// reference's error Status (same words) for the first bad position. `ignore` is null for ids.
+Result<int64_t> check_ids(CudaBackend& be, IdCheck* flag, const char* op, const int32_t* ids,
+                          int64_t tokens, int64_t vocab, const int32_t* ignore,
+                          int32_t* positions = nullptr) {
+  PACKMOE_CUDA_CHECK(cudaMemsetAsync(&flag->first_bad, 0xFF, sizeof(uint32_t), be.stream()));
+  PACKMOE_CUDA_CHECK(cudaMemsetAsync(&flag->valid, 0, sizeof(uint32_t), be.stream()));
+  check_ids_kernel<<<blocks_for(tokens, Config::kThreads), Config::kThreads, 0, be.stream()>>>(
+      ids, tokens, vocab, ignore != nullptr, ignore ? *ignore : 0, flag, positions);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  IdCheck h{};
+  be.copy(&h, flag, sizeof h, Backend::CopyKind::kDeviceToHost);  // synchronizes
+  if (h.first_bad == UINT32_MAX) return ignore ? static_cast<int64_t>(h.valid) : tokens;
+  int32_t bad = 0;
+  be.copy(&bad, ids + h.first_bad, sizeof bad, Backend::CopyKind::kDeviceToHost);
+  const std::string where =
+      " at position " + std::to_string(h.first_bad) + " outside [0, " + std::to_string(vocab) + ")";
+  if (!ignore) return Status::error(std::string(op) + ": token id " + std::to_string(bad) + where);
+  return Status::error(std::string(op) + ": target " + std::to_string(bad) + where +
+                       " and not the ignore index " + std::to_string(*ignore));
+}
+
+// Workspace carving: each piece 256-byte aligned.
+class Carve {
+ public:
+  template <typename T>
+  size_t add(int64_t count) {
+    const size_t at = bytes_;
+    bytes_ = (bytes_ + static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
+    return at;
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  size_t bytes_ = 0;
+};
+
+template <typename T>
+T* at(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
+}
+
+// ---- embedding ----------------------------------------------------------------------------------
+
+// out[t] = table[ids[t]] in units U (float4 when H % 4 == 0 and both bases are 16-byte aligned).
+template <typename U>
+__global__ void __launch_bounds__(Config::kThreads)
+    embedding_kernel(const int32_t* ids, int64_t tokens, int64_t units_per_row, const U* table,
+                     U* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tokens * units_per_row) return;
+  const int64_t t = i / units_per_row;
+  out[i] = table[static_cast<int64_t>(ids[t]) * units_per_row + (i - t * units_per_row)];
+}
+
+// After the stable sort of (id, t) by id: the thread of a segment's first position p sums column h
+// of its tokens in sorted (= increasing t) order onto dtable; the others return.
+__global__ void __launch_bounds__(Config::kThreads)
+    embedding_backward_kernel(const uint32_t* sorted_ids, const int32_t* sorted_t, int64_t tokens,
+                              int64_t hidden, const float* dout, float* dtable) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= tokens * hidden) return;
+  const int64_t p = i / hidden, h = i - p * hidden;
+  const uint32_t v = sorted_ids[p];
+  if (p > 0 && sorted_ids[p - 1] == v) return;
+  float* dst = dtable + static_cast<int64_t>(v) * hidden + h;
+  float acc = *dst;
+  for (int64_t q = p; q < tokens && sorted_ids[q] == v; ++q)
+    acc = acc + dout[static_cast<int64_t>(sorted_t[q]) * hidden + h];
+  *dst = acc;
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+// One warp per row.
+__global__ void __launch_bounds__(Config::kThreads)
+    rms_norm_kernel(const __grid_constant__ RmsNormArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (r >= a.rows) return;
+  const int64_t D = a.dim;
+  const float* x = a.x + r * D;  // (D)
+  float* y = a.y + r * D;        // (D)
+  float acc = 0.0f;
+  for (int64_t d = lane; d < D; d += 32) acc = acc + x[d] * x[d];
+  const float ss = r32_butterfly(acc);
+  const float rstd = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
+  if (lane == 0) a.rstd[r] = rstd;
+  for (int64_t d = lane; d < D; d += 32) y[d] = (x[d] * rstd) * a.weight[d];
+}
+
+// dx: one warp per row; n and g recomputed in each pass (pointwise, same bits).
+__global__ void __launch_bounds__(Config::kThreads)
+    rms_norm_backward_dx_kernel(const __grid_constant__ RmsNormBackwardArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (r >= a.rows) return;
+  const int64_t D = a.dim;
+  const float* x = a.x + r * D;    // (D)
+  const float* dy = a.dy + r * D;  // (D)
+  float* dx = a.dx + r * D;        // (D)
+  const float rstd = a.rstd[r];
+  float acc = 0.0f;
+  for (int64_t d = lane; d < D; d += 32) acc = acc + (dy[d] * a.weight[d]) * (x[d] * rstd);
+  const float c = r32_butterfly(acc) / static_cast<float>(D);
+  for (int64_t d = lane; d < D; d += 32) {
+    const float n = x[d] * rstd, g = dy[d] * a.weight[d];
+    dx[d] = (g - n * c) * rstd;
+  }
+}
+
+// dweight: CTA = 32 columns; warp w is R32 lane w over the rows (r = w, w + 32, ...), lane x its
+// column, so each warp load is 32 contiguous floats. The tree runs in shared memory.
+__global__ void __launch_bounds__(Config::kColThreads)
+    rms_norm_backward_dweight_kernel(const __grid_constant__ RmsNormBackwardArgs a) {
+  __shared__ float red[32][33];
+  const int x = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t D = a.dim, N = a.rows;
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * 32 + x;
+  auto term = [&](int64_t r) { return a.dy[r * D + d] * (a.x[r * D + d] * a.rstd[r]); };
+  float acc = 0.0f;
+  if (d < D) {
+    int64_t r = w;
+    for (; r + 96 < N; r += 128) {  // four rows' loads in flight ahead of the ordered adds
+      const float t0 = term(r), t1 = term(r + 32), t2 = term(r + 64), t3 = term(r + 96);
+      acc = acc + t0;
+      acc = acc + t1;
+      acc = acc + t2;
+      acc = acc + t3;
+    }
+    for (; r < N; r += 32) acc = acc + term(r);
+  }
+  red[w][x] = acc;
+  __syncthreads();
+  for (int off = 16; off >= 1; off /= 2) {
+    if (w < off) red[w][x] = red[w][x] + red[w + off][x];
+    __syncthreads();
+  }
+  if (w == 0 && d < D) a.dweight[d] = red[0][x];
+}
+
+// ---- RoPE ---------------------------------------------------------------------------------------
+
+// One thread per (t, head, i < D/2); the pair is read before it is written, so in may equal out.
+template <bool kInverse>
+__global__ void __launch_bounds__(Config::kThreads)
+    rope_kernel(const __grid_constant__ RopeArgs a) {
+  const int64_t half = a.head_dim / 2;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= a.tokens * a.heads * half) return;
+  const int64_t i = idx % half, th = idx / half, t = th / a.heads;
+  const float c = a.cos[t * half + i], s = a.sin[t * half + i];
+  const float* in = a.in + th * a.head_dim;  // (D)
+  float* out = a.out + th * a.head_dim;      // (D)
+  const float x0 = in[i], x1 = in[i + half];
+  if (!kInverse) {
+    out[i] = x0 * c - x1 * s;
+    out[i + half] = x1 * c + x0 * s;
+  } else {
+    out[i] = x0 * c + x1 * s;
+    out[i + half] = x1 * c - x0 * s;
+  }
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+//
+// One warp per output row. Lane l owns dims d = l + 32 t (t < kPer): dot products over d are R32
+// by construction (strided partial, butterfly), and every lane then holds the same score, so the
+// sequential max and the exponentials are computed redundantly in each lane. The R32 sums over
+// keys (or query pairs) n of vectors keep 32 partial vectors acc[n % 32][d] in shared memory
+// (each lane touches only its own d: no synchronisation), reduced by the tree at the end.
+
+struct AttnDims {
+  int64_t S, Hq, Hkv, D, group;
+  __device__ int64_t q(int64_t b, int64_t i, int64_t h) const { return ((b * S + i) * Hq + h) * D; }
+  __device__ int64_t kv(int64_t b, int64_t j, int64_t g) const {
+    return ((b * S + j) * Hkv + g) * D;
+  }
+  __device__ int64_t row(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * S + i; }
+};
+
+template <int kPer>
+__device__ __forceinline__ void load_row(const float* p, int D, int lane, float (&v)[kPer]) {
+#pragma unroll
+  for (int t = 0; t < kPer; ++t) {
+    const int d = lane + 32 * t;
+    v[t] = d < D ? __ldg(p + d) : 0.0f;
+  }
+}
+
+// Lane partial of R32 sum_d a[d] * b[d] (b from global memory).
+template <int kPer>
+__device__ __forceinline__ float dot_partial(const float (&a)[kPer], const float* b, int D,
+                                             int lane) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kPer; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) acc = acc + a[t] * __ldg(b + d);
+  }
+  return acc;
+}
+
+template <int kPer>
+__device__ __forceinline__ void acc_zero(float* acc, int D, int lane) {
+  for (int c = 0; c < 32; ++c)
+#pragma unroll
+    for (int t = 0; t < kPer; ++t)
+      if (lane + 32 * t < D) acc[c * D + lane + 32 * t] = 0.0f;
+}
+
+// acc[n % 32][d] += w * x[d]; x given per lane as registers.
+template <int kPer>
+__device__ __forceinline__ void acc_add(float* acc, int64_t n, float w, const float (&x)[kPer],
+                                        int D, int lane) {
+  float* row = acc + (n & 31) * D;
+#pragma unroll
+  for (int t = 0; t < kPer; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) row[d] = row[d] + w * x[t];
+  }
+}
+
+// The tree over the 32 partial vectors (acc[c] += acc[c + off] for c < off); the sum lands in
+// acc[0].
+template <int kPer>
+__device__ __forceinline__ void acc_tree(float* acc, int D, int lane) {
+  for (int off = 16; off >= 1; off /= 2)
+    for (int c = 0; c < off; ++c)
+#pragma unroll
+      for (int t = 0; t < kPer; ++t) {
+        const int d = lane + 32 * t;
+        if (d < D) acc[c * D + d] = acc[c * D + d] + acc[(c + off) * D + d];
+      }
+}
+
+// Global warp -> query row, longest rows (largest i) first; consecutive warps take consecutive
+// heads of one (b, i), so a GQA group's warps read the same keys.
+struct QueryRow {
+  int64_t b, h, i;
+};
+__device__ __forceinline__ bool query_row(int64_t warp, int64_t B, int64_t Hq, int64_t S,
+                                          QueryRow& r) {
+  if (warp >= B * Hq * S) return false;
+  const int64_t bh = warp % (B * Hq);
+  r = QueryRow{bh / Hq, bh % Hq, S - 1 - warp / (B * Hq)};
+  return true;
+}
+
+__device__ __forceinline__ int64_t global_warp() {
+  return static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+}
+
+template <int kPer>
+__global__ void __launch_bounds__(Config::kAttnMaxWarps * 32)
+    attention_kernel(const __grid_constant__ AttentionArgs a) {
+  extern __shared__ float smem[];
+  const int lane = threadIdx.x & 31;
+  QueryRow r;
+  if (!query_row(global_warp(), a.batch, a.q_heads, a.seq, r)) return;
+  const AttnDims L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
+  const int D = static_cast<int>(a.head_dim);
+  const int64_t g = r.h / L.group;
+  float* acc = smem + (threadIdx.x >> 5) * 32 * D;  // (32, D) R32 partials over keys
+  float q[kPer];
+  load_row(a.q + L.q(r.b, r.i, r.h), D, lane, q);
+  auto score = [&](int64_t j) {
+    return r32_butterfly(dot_partial(q, a.k + L.kv(r.b, j, g), D, lane)) * a.scale;
+  };
+  float m = 0.0f;
+  for (int64_t j = 0; j <= r.i; ++j) {
+    const float s = score(j);
+    m = (j == 0 || s > m) ? s : m;
+  }
+  acc_zero<kPer>(acc, D, lane);
+  float lsum = 0.0f;  // R32 lane `lane` of l: the keys j with j % 32 == lane
+  for (int64_t j = 0; j <= r.i; ++j) {
+    const float p = moe_exp_f32(score(j) - m);
+    if ((j & 31) == lane) lsum = lsum + p;
+    float v[kPer];
+    load_row(a.v + L.kv(r.b, j, g), D, lane, v);
+    acc_add(acc, j, p, v, D, lane);
+  }
+  const float l = r32_butterfly(lsum);
+  acc_tree<kPer>(acc, D, lane);
+  float* o = a.o + L.q(r.b, r.i, r.h);  // (D)
+#pragma unroll
+  for (int t = 0; t < kPer; ++t)
+    if (lane + 32 * t < D) o[lane + 32 * t] = acc[lane + 32 * t] / l;
+  if (lane == 0) {
+    a.row_max[L.row(r.b, r.h, r.i)] = m;
+    a.row_sum[L.row(r.b, r.h, r.i)] = l;
+  }
+}
+
+// Dl_i = R32 sum_d do_i[d] * o_i[d], one warp per row, stored in (B, Hq, S) order.
+__global__ void __launch_bounds__(Config::kThreads)
+    attention_dl_kernel(const __grid_constant__ AttentionBackwardArgs a, float* dl) {
+  const int lane = threadIdx.x & 31;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  const int64_t S = a.seq, Hq = a.q_heads, D = a.head_dim;
+  if (w >= a.batch * Hq * S) return;
+  const int64_t b = w / (Hq * S), h = (w / S) % Hq, i = w % S;
+  const int64_t off = ((b * S + i) * Hq + h) * D;
+  float acc = 0.0f;
+  for (int64_t d = lane; d < D; d += 32) acc = acc + a.dout[off + d] * a.o[off + d];
+  acc = r32_butterfly(acc);
+  if (lane == 0) dl[w] = acc;
+}
+
+// P_ij and dS_ij (model_ops.h) from the lane partials of q_i . k_j and do_i . v_j.
+struct PairTerms {
+  float P, dS;
+};
+__device__ __forceinline__ PairTerms pair_terms(float qk, float dov, float scale, float row_max,
+                                                float row_sum, float dl) {
+  r32_butterfly2(qk, dov);
+  const float P = moe_exp_f32(qk * scale - row_max) / row_sum;
+  return PairTerms{P, P * (dov - dl)};
+}
+
+// dq_i = (R32 sum_{j <= i} dS_ij k_j) * scale, one warp per query row.
+template <int kPer>
+__global__ void __launch_bounds__(Config::kAttnMaxWarps * 32)
+    attention_dq_kernel(const __grid_constant__ AttentionBackwardArgs a, const float* dl) {
+  extern __shared__ float smem[];
+  const int lane = threadIdx.x & 31;
+  QueryRow r;
+  if (!query_row(global_warp(), a.batch, a.q_heads, a.seq, r)) return;
+  const AttnDims L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
+  const int D = static_cast<int>(a.head_dim);
+  const int64_t g = r.h / L.group, row = L.row(r.b, r.h, r.i);
+  float* acc = smem + (threadIdx.x >> 5) * 32 * D;  // (32, D)
+  float q[kPer], dout[kPer];
+  load_row(a.q + L.q(r.b, r.i, r.h), D, lane, q);
+  load_row(a.dout + L.q(r.b, r.i, r.h), D, lane, dout);
+  const float row_max = a.row_max[row], row_sum = a.row_sum[row], dl_i = dl[row];
+  acc_zero<kPer>(acc, D, lane);
+  for (int64_t j = 0; j <= r.i; ++j) {
+    const float* k = a.k + L.kv(r.b, j, g);
+    const PairTerms pt =
+        pair_terms(dot_partial(q, k, D, lane), dot_partial(dout, a.v + L.kv(r.b, j, g), D, lane),
+                   a.scale, row_max, row_sum, dl_i);
+    float kr[kPer];
+    load_row(k, D, lane, kr);
+    acc_add(acc, j, pt.dS, kr, D, lane);
+  }
+  acc_tree<kPer>(acc, D, lane);
+  float* dq = a.dq + L.q(r.b, r.i, r.h);  // (D)
+#pragma unroll
+  for (int t = 0; t < kPer; ++t)
+    if (lane + 32 * t < D) dq[lane + 32 * t] = acc[lane + 32 * t] * a.scale;
+}
+
+// dk_j, dv_j: one warp per (b, KV head g, key j), longest (smallest j) first; the pairs n = (h, i)
+// run h ascending over g's query heads, then i = j .. S-1, R32 over n.
+template <int kPer>
+__global__ void __launch_bounds__(Config::kAttnMaxWarps * 32)
+    attention_dkv_kernel(const __grid_constant__ AttentionBackwardArgs a, const float* dl) {
+  extern __shared__ float smem[];
+  const int lane = threadIdx.x & 31;
+  const int64_t w = global_warp();
+  const int64_t BG = a.batch * a.kv_heads, S = a.seq;
+  if (w >= BG * S) return;
+  const int64_t j = w / BG, b = (w % BG) / a.kv_heads, g = w % a.kv_heads;
+  const AttnDims L{S, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
+  const int D = static_cast<int>(a.head_dim);
+  float* acc_k = smem + (threadIdx.x >> 5) * 64 * D;  // (32, D)
+  float* acc_v = acc_k + 32 * D;                      // (32, D)
+  float k[kPer], v[kPer];
+  load_row(a.k + L.kv(b, j, g), D, lane, k);
+  load_row(a.v + L.kv(b, j, g), D, lane, v);
+  acc_zero<kPer>(acc_k, D, lane);
+  acc_zero<kPer>(acc_v, D, lane);
+  int64_t n = 0;
+  for (int64_t h = g * L.group; h < (g + 1) * L.group; ++h)
+    for (int64_t i = j; i < S; ++i, ++n) {
+      float q[kPer], dout[kPer];
+      load_row(a.q + L.q(b, i, h), D, lane, q);
+      load_row(a.dout + L.q(b, i, h), D, lane, dout);
+      float qk = 0.0f, dov = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kPer; ++t)
+        if (lane + 32 * t < D) {
+          qk = qk + q[t] * k[t];
+          dov = dov + dout[t] * v[t];
+        }
+      const int64_t row = L.row(b, h, i);
+      const PairTerms pt = pair_terms(qk, dov, a.scale, a.row_max[row], a.row_sum[row], dl[row]);
+      acc_add(acc_k, n, pt.dS, q, D, lane);
+      acc_add(acc_v, n, pt.P, dout, D, lane);
+    }
+  acc_tree<kPer>(acc_k, D, lane);
+  acc_tree<kPer>(acc_v, D, lane);
+  float* dk = a.dk + L.kv(b, j, g);  // (D)
+  float* dv = a.dv + L.kv(b, j, g);  // (D)
+#pragma unroll
+  for (int t = 0; t < kPer; ++t) {
+    const int d = lane + 32 * t;
+    if (d < D) {
+      dk[d] = acc_k[d] * a.scale;
+      dv[d] = acc_v[d];
+    }
+  }
+}
+
+// Calls f(std::integral_constant<int, kPer>) with the smallest kPer in {1, 2, 4, 8, 16} such that
+// 32 kPer >= D (D <= kMaxHeadDim, checked by the caller).
+template <typename F>
+void with_per_lane(int64_t D, F&& f) {
+  if (D <= 32)
+    f(std::integral_constant<int, 1>{});
+  else if (D <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (D <= 128)
+    f(std::integral_constant<int, 4>{});
+  else if (D <= 256)
+    f(std::integral_constant<int, 8>{});
+  else
+    f(std::integral_constant<int, 16>{});
+}
+
+Status check_head_dim(const char* op, int64_t D) {
+  if (D > Config::kMaxHeadDim)
+    return Status::error(std::string(op) + ": D (head_dim) = " + std::to_string(D) +
+                         " exceeds the CUDA kernel's limit of " +
+                         std::to_string(Config::kMaxHeadDim));
+  return Status::ok();
+}
+
+// Launches `kernel` with one warp per row and `vectors` (32, D) partial arrays per warp in dynamic
+// shared memory, as many warps per CTA as fit the target.
+template <typename Kernel, typename Args>
+void launch_attn(CudaBackend& be, Kernel kernel, int64_t rows, int64_t D, int vectors,
+                 const Args& a, const float* dl) {
+  const size_t per_warp =
+      static_cast<size_t>(vectors) * 32 * static_cast<size_t>(D) * sizeof(float);
+  int warps = static_cast<int>(Config::kAttnSmemTarget / per_warp);
+  warps = warps < 1 ? 1 : warps > Config::kAttnMaxWarps ? Config::kAttnMaxWarps : warps;
+  const size_t smem = per_warp * warps;
+  if (smem > 48 * 1024)
+    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+  if constexpr (std::is_same_v<Args, AttentionArgs>)
+    kernel<<<blocks_for(rows, warps), warps * 32, smem, be.stream()>>>(a);
+  else
+    kernel<<<blocks_for(rows, warps), warps * 32, smem, be.stream()>>>(a, dl);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+}
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+// One warp per token: row_max, row_sum and loss_t (model_ops.h). The max is the CPU's sequential
+// `m = z[e] > m ? z[e] : m` from z[0]: z[0] when that is NaN, else the first element holding the
+// largest non-NaN value (so the sign of a zero maximum matches too).
+__global__ void __launch_bounds__(Config::kThreads)
+    cross_entropy_rows_kernel(const __grid_constant__ CrossEntropyArgs a, float* loss_t) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (t >= a.tokens) return;
+  const int64_t V = a.vocab;
+  const float* z = a.logits + t * V;  // (V)
+  float key = 0.0f;
+  int64_t idx = -1;
+  for (int64_t e = lane; e < V; e += 32) {
+    const float x = z[e];
+    if (x == x && (idx < 0 || x > key)) {
+      key = x;
+      idx = e;
+    }
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    const float ok = __shfl_xor_sync(kFullMask, key, off);
+    const int64_t oi = __shfl_xor_sync(kFullMask, idx, off);
+    if (oi >= 0 && (idx < 0 || ok > key || (ok == key && oi < idx))) {
+      key = ok;
+      idx = oi;
+    }
+  }
+  const float z0 = z[0];
+  const float m = z0 != z0 ? z0 : key;
+  float acc = 0.0f;
+  for (int64_t e = lane; e < V; e += 32) acc = acc + moe_exp_f32(z[e] - m);
+  const float s = r32_butterfly(acc);
+  if (lane == 0) {
+    a.row_max[t] = m;
+    a.row_sum[t] = s;
+    const int32_t tgt = a.targets[t];
+    loss_t[t] = tgt == a.ignore_index ? 0.0f : model_log_f32(s) - (z[tgt] - m);
+  }
+}
+
+// loss = (R32 sum_t loss_t) / float(n), +0 when n = 0; one warp.
+__global__ void cross_entropy_loss_kernel(const float* loss_t, int64_t tokens, int64_t n,
+                                          float* loss, int64_t* valid) {
+  const int lane = threadIdx.x;
+  float acc = 0.0f;
+  for (int64_t t = lane; t < tokens; t += 32) acc = acc + loss_t[t];
+  const float sum = r32_butterfly(acc);
+  if (lane == 0) {
+    *loss = n == 0 ? 0.0f : sum / static_cast<float>(n);
+    if (valid) *valid = n;
+  }
+}
+
+// dlogits per element; CTA = 256 columns of one row (blocks_per_row CTAs a row).
+__global__ void __launch_bounds__(Config::kThreads)
+    cross_entropy_backward_kernel(const __grid_constant__ CrossEntropyBackwardArgs a,
+                                  int64_t blocks_per_row, float g, bool any_valid) {
+  const int64_t t = blockIdx.x / blocks_per_row;
+  const int64_t e = (blockIdx.x - t * blocks_per_row) * Config::kThreads + threadIdx.x;
+  const int64_t V = a.vocab;
+  if (e >= V) return;
+  const int32_t tgt = a.targets[t];
+  float out = 0.0f;
+  if (tgt != a.ignore_index && any_valid) {
+    const float p = moe_exp_f32(a.logits[t * V + e] - a.row_max[t]) / a.row_sum[t];
+    out = (e == tgt ? p - 1.0f : p) * g;
+  }
+  a.dlogits[t * V + e] = out;
+}
+
+}  // namespace
+
+Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_embedding(a));
+  auto* flag = static_cast<IdCheck*>(be.workspace(sizeof(IdCheck)));
+  const Result<int64_t> ok = check_ids(be, flag, "embedding", a.ids, a.tokens, a.vocab, nullptr);
+  if (!ok.is_ok()) return ok.status();
+  const bool vec = a.hidden % 4 == 0 && cuda::aligned16(a.table) && cuda::aligned16(a.out);
+  if (vec) {
+    const int64_t upr = a.hidden / 4;
+    embedding_kernel<float4>
+        <<<blocks_for(a.tokens * upr, Config::kThreads), Config::kThreads, 0, be.stream()>>>(
+            a.ids, a.tokens, upr, reinterpret_cast<const float4*>(a.table),
+            reinterpret_cast<float4*>(a.out));
+  } else {
+    embedding_kernel<float>
+        <<<blocks_for(a.tokens * a.hidden, Config::kThreads), Config::kThreads, 0, be.stream()>>>(
+            a.ids, a.tokens, a.hidden, a.table, a.out);
+  }
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_embedding_backward(a));
+  const int T = static_cast<int>(a.tokens);  // < 2^24 (validated)
+  int bits = 1;
+  while ((int64_t{1} << bits) < a.vocab) ++bits;
+  // Workspace: flag | positions (T) | sorted ids (T) | sorted positions (T) | sort scratch.
+  size_t sort_bytes = 0;
+  PACKMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), T, 0, bits,
+      be.stream()));
+  Carve c;
+  const size_t flag_at = c.add<IdCheck>(1), pos_at = c.add<int32_t>(T),
+               keys_at = c.add<uint32_t>(T), vals_at = c.add<int32_t>(T),
+               sort_at = c.add<uint8_t>(static_cast<int64_t>(sort_bytes));
+  void* ws = be.workspace(c.bytes());
+  int32_t* positions = at<int32_t>(ws, pos_at);
+  const Result<int64_t> ok = check_ids(be, at<IdCheck>(ws, flag_at), "embedding_backward", a.ids,
+                                       a.tokens, a.vocab, nullptr, positions);
+  if (!ok.is_ok()) return ok.status();
+  // Radix sort is stable: within one id the positions stay in increasing t.
+  uint32_t* keys = at<uint32_t>(ws, keys_at);
+  int32_t* vals = at<int32_t>(ws, vals_at);
+  PACKMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(at<void>(ws, sort_at), sort_bytes,
+                                                     reinterpret_cast<const uint32_t*>(a.ids), keys,
+                                                     positions, vals, T, 0, bits, be.stream()));
+  embedding_backward_kernel<<<blocks_for(a.tokens * a.hidden, Config::kThreads), Config::kThreads,
+                              0, be.stream()>>>(keys, vals, a.tokens, a.hidden, a.dout, a.dtable);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status rms_norm_sm90(CudaBackend& be, const RmsNormArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rms_norm(a));
+  rms_norm_kernel<<<blocks_for(a.rows, Config::kWarps), Config::kThreads, 0, be.stream()>>>(a);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status rms_norm_backward_sm90(CudaBackend& be, const RmsNormBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rms_norm_backward(a));
+  rms_norm_backward_dx_kernel<<<blocks_for(a.rows, Config::kWarps), Config::kThreads, 0,
+                                be.stream()>>>(a);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  rms_norm_backward_dweight_kernel<<<blocks_for(a.dim, 32), Config::kColThreads, 0, be.stream()>>>(
+      a);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status rope_sm90(CudaBackend& be, const RopeArgs& a, bool inverse) {
+  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
+  const unsigned grid = blocks_for(a.tokens * a.heads * (a.head_dim / 2), Config::kThreads);
+  if (inverse)
+    rope_kernel<true><<<grid, Config::kThreads, 0, be.stream()>>>(a);
+  else
+    rope_kernel<false><<<grid, Config::kThreads, 0, be.stream()>>>(a);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status attention_sm90(CudaBackend& be, const AttentionArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention(a));
+  PACKMOE_RETURN_IF_ERROR(check_head_dim("attention", a.head_dim));
+  const int64_t rows = a.batch * a.q_heads * a.seq;
+  with_per_lane(a.head_dim, [&](auto per) {
+    launch_attn(be, attention_kernel<decltype(per)::value>, rows, a.head_dim, 1, a, nullptr);
+  });
+  return Status::ok();
+}
+
+Status attention_backward_sm90(CudaBackend& be, const AttentionBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
+  PACKMOE_RETURN_IF_ERROR(check_head_dim("attention_backward", a.head_dim));
+  const int64_t rows = a.batch * a.q_heads * a.seq;
+  auto* dl =
+      static_cast<float*>(be.workspace(static_cast<size_t>(rows) * sizeof(float)));  // (B, Hq, S)
+  attention_dl_kernel<<<blocks_for(rows, Config::kWarps), Config::kThreads, 0, be.stream()>>>(a,
+                                                                                              dl);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  with_per_lane(a.head_dim, [&](auto per) {
+    constexpr int kPer = decltype(per)::value;
+    launch_attn(be, attention_dq_kernel<kPer>, rows, a.head_dim, 1, a, dl);
+    launch_attn(be, attention_dkv_kernel<kPer>, a.batch * a.kv_heads * a.seq, a.head_dim, 2, a, dl);
+  });
+  return Status::ok();
+}
+
+Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy(a));
+  Carve c;
+  const size_t flag_at = c.add<IdCheck>(1), loss_at = c.add<float>(a.tokens);
+  void* ws = be.workspace(c.bytes());
+  const Result<int64_t> n = check_ids(be, at<IdCheck>(ws, flag_at), "cross_entropy", a.targets,
+                                      a.tokens, a.vocab, &a.ignore_index);
+  if (!n.is_ok()) return n.status();
+  float* loss_t = at<float>(ws, loss_at);  // (T)
+  cross_entropy_rows_kernel<<<blocks_for(a.tokens, Config::kWarps), Config::kThreads, 0,
+                              be.stream()>>>(a, loss_t);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  cross_entropy_loss_kernel<<<1, 32, 0, be.stream()>>>(loss_t, a.tokens, n.value(), a.loss,
+                                                       a.valid);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status cross_entropy_backward_sm90(CudaBackend& be, const CrossEntropyBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
+  const Result<int64_t> n =
+      check_ids(be, static_cast<IdCheck*>(be.workspace(sizeof(IdCheck))), "cross_entropy_backward",
+                a.targets, a.tokens, a.vocab, &a.ignore_index);
+  if (!n.is_ok()) return n.status();
+  const float g = n.value() == 0 ? 0.0f : a.dloss / static_cast<float>(n.value());
+  const int64_t bpr = (a.vocab + Config::kThreads - 1) / Config::kThreads;
+  cross_entropy_backward_kernel<<<blocks_for(a.tokens * bpr, 1), Config::kThreads, 0,
+                                  be.stream()>>>(a, bpr, g, n.value() > 0);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+}  // namespace packmoe
