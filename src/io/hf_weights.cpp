@@ -7,8 +7,10 @@
 #include <bit>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
@@ -39,8 +41,8 @@ std::string safetensors_shape_text(const std::vector<int64_t>& shape) {
 
 // The tensors one safetensors file must hold, and where each one goes.
 struct Expected {
-  std::string file;                               // for errors
-  std::vector<const HfTensorSpec*> specs;         // in hf_tensor_specs order
+  std::string file;                        // for errors
+  std::vector<const HfTensorSpec*> specs;  // in hf_tensor_specs order
 };
 
 // Checks every name, dtype and shape of `file` against `expected` (and, for a shard, against the
@@ -60,8 +62,8 @@ Status check_and_copy(const SafetensorsFile& file, const Expected& expected,
   for (const std::string& name : names) {
     if (here.count(name)) continue;
     if (shard_of && all_specs.count(name)) {
-      return Status::error(where + ": tensor " + quoted(name) + " belongs to shard '" +
-                           shard_of->at(name) + "' according to " + kHfIndexFile);
+      return Status::error(where + ": tensor " + quoted(name) + " belongs to shard " +
+                           quoted(shard_of->at(name)) + " according to " + kHfIndexFile);
     }
     return Status::error(where + ": unexpected tensor " + quoted(name) +
                          ": this model config has no such tensor (a checkpoint of another model?)");
@@ -132,15 +134,15 @@ Result<Json> read_index(const std::string& path) {
   return *it;
 }
 
-}  // namespace
-
-std::vector<HfTensorSpec> hf_tensor_specs(const ModelConfig& config) {
+// hf_tensor_specs where fused(packed expert name) picks, per packed tensor, the fused layout.
+std::vector<HfTensorSpec> specs_with(const ModelConfig& config,
+                                     const std::function<bool(const std::string&)>& fused) {
   std::vector<HfTensorSpec> out;
-  auto ends_with = [](const std::string& s, std::string_view suffix) {
-    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
   for (const ParamSpec& p : model_param_specs(config)) {
-    if (ends_with(p.name, kGateUpSuffix)) {
+    const bool experts = p.name.ends_with(kGateUpSuffix) || p.name.ends_with(kDownSuffix);
+    if (experts && fused(p.name)) {
+      out.push_back({p.name, p.shape, p.name, 0});
+    } else if (p.name.ends_with(kGateUpSuffix)) {
       const std::string prefix = p.name.substr(0, p.name.size() - std::string_view("gate_up_proj").size());
       const int64_t E = p.shape.at(0), F = p.shape.at(1) / 2, H = p.shape.at(2);  // (E, 2F, H)
       for (int64_t j = 0; j < E; ++j) {
@@ -148,13 +150,13 @@ std::vector<HfTensorSpec> hf_tensor_specs(const ModelConfig& config) {
         out.push_back({expert + "gate_proj.weight", {F, H}, p.name, j * 2 * F * H});
         out.push_back({expert + "up_proj.weight", {F, H}, p.name, j * 2 * F * H + F * H});
       }
-    } else if (ends_with(p.name, kDownSuffix)) {
+    } else if (p.name.ends_with(kDownSuffix)) {
       const std::string prefix = p.name.substr(0, p.name.size() - std::string_view("down_proj").size());
       const int64_t E = p.shape.at(0), H = p.shape.at(1), F = p.shape.at(2);  // (E, H, F)
       for (int64_t j = 0; j < E; ++j) {
         out.push_back({prefix + std::to_string(j) + ".down_proj.weight", {H, F}, p.name, j * H * F});
       }
-    } else if (ends_with(p.name, kDenseGateUpSuffix)) {
+    } else if (p.name.ends_with(kDenseGateUpSuffix)) {
       const std::string prefix = p.name.substr(0, p.name.size() - std::string_view("gate_up_proj").size());
       const int64_t I = p.shape.at(0) / 2, H = p.shape.at(1);  // (2I, H)
       out.push_back({prefix + "gate_proj.weight", {I, H}, p.name, 0});
@@ -166,8 +168,14 @@ std::vector<HfTensorSpec> hf_tensor_specs(const ModelConfig& config) {
   return out;
 }
 
+}  // namespace
+
+std::vector<HfTensorSpec> hf_tensor_specs(const ModelConfig& config, HfExpertLayout experts) {
+  return specs_with(config, [&](const std::string&) { return experts == HfExpertLayout::kFused; });
+}
+
 Status save_hf_weights(const std::string& path, const ModelConfig& config,
-                       const ModelWeights& weights, DType dtype) {
+                       const ModelWeights& weights, DType dtype, HfExpertLayout experts) {
   if (dtype != DType::kF32 && dtype != DType::kBF16) {
     return Status::error(path + ": HF weights are written as F32 or BF16, not " +
                          std::string(dtype_name(dtype)));
@@ -176,7 +184,7 @@ Status save_hf_weights(const std::string& path, const ModelConfig& config,
   if (!valid) return Status::error(path + ": cannot save: " + valid.message());
   SafetensorsWriter writer;
   writer.set_metadata("format", "pt");  // what transformers' save_pretrained writes
-  for (const HfTensorSpec& s : hf_tensor_specs(config)) {
+  for (const HfTensorSpec& s : hf_tensor_specs(config, experts)) {
     const float* src = weights.at(s.param).data_as<const float>() + s.offset;
     const size_t n = static_cast<size_t>(shape_numel(s.shape));
     std::vector<uint8_t> bytes(n * (dtype == DType::kF32 ? 4 : 2));
@@ -194,10 +202,6 @@ Status save_hf_weights(const std::string& path, const ModelConfig& config,
 }
 
 Result<ModelWeights> load_hf_weights(const std::string& path, const ModelConfig& config) {
-  const std::vector<HfTensorSpec> specs = hf_tensor_specs(config);
-  std::unordered_map<std::string, const HfTensorSpec*> by_name;
-  for (const HfTensorSpec& s : specs) by_name.emplace(s.hf_name, &s);
-
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st)) return Status::error(path + ": no such file or directory");
@@ -216,23 +220,36 @@ Result<ModelWeights> load_hf_weights(const std::string& path, const ModelConfig&
     single = path;
   }
 
+  // The names on disk: the single file's header or the index's weight_map.
+  std::optional<SafetensorsFile> single_file;
+  std::unordered_map<std::string, std::string> shard_of;  // name -> shard file name
+  std::set<std::string> on_disk;
+  if (!single.empty()) {
+    Result<SafetensorsFile> file = SafetensorsFile::read(single);
+    if (!file) return file.status();
+    single_file.emplace(std::move(file).value());
+    for (const SafetensorsEntry& e : single_file->entries()) on_disk.insert(e.name);
+  } else {
+    Result<Json> map = read_index(index_path);
+    if (!map) return map.status();
+    for (const auto& [name, file] : map.value().items()) {
+      on_disk.insert(name);
+      shard_of.emplace(name, file.get<std::string>());
+    }
+  }
+  const std::vector<HfTensorSpec> specs =
+      specs_with(config, [&](const std::string& packed) { return on_disk.count(packed) > 0; });
+  std::unordered_map<std::string, const HfTensorSpec*> by_name;
+  for (const HfTensorSpec& s : specs) by_name.emplace(s.hf_name, &s);
+
   // Which file must hold which tensors.
   std::vector<Expected> files;
-  std::unordered_map<std::string, std::string> shard_of;  // name -> shard file name
   if (!single.empty()) {
     Expected all{single, {}};
     for (const HfTensorSpec& s : specs) all.specs.push_back(&s);
     files.push_back(std::move(all));
   } else {
-    Result<Json> map = read_index(index_path);
-    if (!map) return map.status();
-    std::vector<std::string> listed;
-    for (const auto& [name, file] : map.value().items()) {
-      listed.push_back(name);
-      shard_of.emplace(name, file.get<std::string>());
-    }
-    std::sort(listed.begin(), listed.end());
-    for (const std::string& name : listed) {
+    for (const std::string& name : on_disk) {
       if (!by_name.count(name)) {
         return Status::error(index_path + ": unexpected tensor " + quoted(name) +
                              ": this model config has no such tensor (a checkpoint of another model?)");
@@ -256,11 +273,15 @@ Result<ModelWeights> load_hf_weights(const std::string& path, const ModelConfig&
   for (const ParamSpec& p : model_param_specs(config)) {
     out.emplace(p.name, Tensor::empty(cpu_backend(), DType::kF32, p.shape));
   }
+  const auto* shards = index_path.empty() ? nullptr : &shard_of;
   for (const Expected& e : files) {
+    if (single_file) {
+      PACKMOE_RETURN_IF_ERROR(check_and_copy(*single_file, e, shards, by_name, out));
+      continue;
+    }
     Result<SafetensorsFile> file = SafetensorsFile::read(e.file);
     if (!file) return file.status();
-    PACKMOE_RETURN_IF_ERROR(
-        check_and_copy(file.value(), e, index_path.empty() ? nullptr : &shard_of, by_name, out));
+    PACKMOE_RETURN_IF_ERROR(check_and_copy(file.value(), e, shards, by_name, out));
   }
   return out;
 }

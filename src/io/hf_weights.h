@@ -28,6 +28,12 @@ struct HfTensorSpec {
   int64_t offset = 0;   // first element inside `param` (row-major); numel = shape_numel(shape)
 };
 
+// How expert weights are named on disk. Hub checkpoints and from_pretrained use kPerExpert;
+// kFused is transformers 5's in-memory layout (the same as packmoe's), shipped by some newer
+// checkpoints: "model.layers.N.mlp.experts.gate_up_proj" (E, 2F, H) and ".experts.down_proj"
+// (E, H, F), without ".weight".
+enum class HfExpertLayout { kPerExpert, kFused };
+
 // Every HF tensor of the config, in model_param_specs order with each packed tensor expanded
 // (prefix "model.layers.N.mlp."):
 //   experts.J.gate_proj.weight (F, H) = experts.gate_up_proj[J] rows [0, F)     for J < E
@@ -35,18 +41,22 @@ struct HfTensorSpec {
 //   experts.J.down_proj.weight (H, F) = experts.down_proj[J]
 //   gate_proj.weight (I, H) / up_proj.weight (I, H) = gate_up_proj rows [0, I) / [I, 2I)  (dense)
 // Every other parameter (router "mlp.gate.weight" and dense "mlp.down_proj.weight" included)
-// keeps its name; there is no lm_head.weight when the embeddings are tied.
-std::vector<HfTensorSpec> hf_tensor_specs(const ModelConfig& config);
+// keeps its name; there is no lm_head.weight when the embeddings are tied. kFused keeps the two
+// packed expert tensors whole instead.
+std::vector<HfTensorSpec> hf_tensor_specs(const ModelConfig& config,
+                                          HfExpertLayout experts = HfExpertLayout::kPerExpert);
 
 // Writes `weights` (validated against the config first) as ONE safetensors file at `path`
 // (normally DIR/model.safetensors) with the HF names, metadata {"format": "pt"}, in `dtype`:
 // kF32 (the exact bits) or kBF16 (f32_to_bf16: round to nearest even). Atomic: on any error the
 // file at `path` is untouched.
 Status save_hf_weights(const std::string& path, const ModelConfig& config,
-                       const ModelWeights& weights, DType dtype);
+                       const ModelWeights& weights, DType dtype,
+                       HfExpertLayout experts = HfExpertLayout::kPerExpert);
 
 // Reads HF weights from `path`: a .safetensors file, or a directory holding model.safetensors or
 // (sharded) model.safetensors.index.json with its shards. F32 is taken as is, BF16 widened exactly.
+// Each packed expert tensor may be stored either way (fused when its own name is on disk).
 // Every tensor name, shape and dtype is checked against hf_tensor_specs(config); a missing,
 // unexpected, misshapen or unsupported-dtype tensor (so also a checkpoint of another model) is one
 // error line naming the tensor and the file.

@@ -500,6 +500,69 @@ TEST_F(HfWeightsTest, PresetWeightsRoundTrip) {
   }
 }
 
+// transformers 5's fused expert tensors: written on request, read per packed tensor.
+TEST_F(HfWeightsTest, FusedExpertTensors) {
+  const ModelConfig c = tiny_config();
+  const ModelWeights w = random_weights(c);
+  const std::string fused = path("fused.safetensors");
+  ASSERT_TRUE(save_hf_weights(fused, c, w, DType::kF32, HfExpertLayout::kFused).is_ok());
+  StrictFile f;
+  ASSERT_TRUE(strict_parse(read_raw(fused), &f));
+  EXPECT_EQ(f.tensors.size(), 45u - 2 * 12 + 2 * 2);
+  for (const char* layer : {"model.layers.0", "model.layers.1"}) {
+    const std::string gu = std::string(layer) + ".mlp.experts.gate_up_proj";
+    const std::string down = std::string(layer) + ".mlp.experts.down_proj";
+    ASSERT_TRUE(f.tensors.count(gu) && f.tensors.count(down)) << layer;
+    EXPECT_EQ(f.tensors.at(gu).shape, (std::vector<int64_t>{4, 12, 8}));
+    EXPECT_EQ(f.tensors.at(down).shape, (std::vector<int64_t>{4, 8, 6}));
+    EXPECT_EQ(std::memcmp(f.tensors.at(gu).bytes.data(), w.at(gu).data(), w.at(gu).nbytes()), 0);
+  }
+  for (const auto& [name, t] : f.tensors) EXPECT_EQ(name.find(".experts.0."), std::string::npos);
+  auto back = load_hf_weights(fused, c);
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  for (const auto& [name, t] : w) EXPECT_TRUE(same_bytes(t, back.value().at(name))) << name;
+
+  // Layer 0 fused, layer 1 per expert: each packed tensor is detected on its own.
+  const std::string per_expert = path("per_expert.safetensors");
+  ASSERT_TRUE(save_hf_weights(per_expert, c, w, DType::kBF16).is_ok());
+  const std::string mixed = path("mixed.safetensors");
+  auto fused_file = SafetensorsFile::read(fused);
+  ASSERT_TRUE(fused_file.is_ok());
+  auto add_fused_layer0 = [&](std::vector<RawTensor>& ts) {
+    std::erase_if(ts, [](const RawTensor& t) { return t.name.starts_with("model.layers.0.mlp.experts."); });
+    for (const char* n : {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}) {
+      const SafetensorsEntry* e = fused_file.value().find(n);
+      ts.push_back({e->name, e->dtype, e->shape, {e->bytes.begin(), e->bytes.end()}});
+    }
+  };
+  rewrite(per_expert, mixed, add_fused_layer0);
+  auto m = load_hf_weights(mixed, c);
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  for (const auto& [name, t] : w) {
+    const bool exact = name.starts_with("model.layers.0.mlp.experts.");
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const float x = t.data_as<float>()[i];
+      const float want = exact ? x : bf16_to_f32(f32_to_bf16(x));
+      ASSERT_EQ(f32_bits(m.value().at(name).data_as<float>()[i]), f32_bits(want)) << name << "[" << i << "]";
+    }
+  }
+
+  // Both layouts of one packed tensor: the per-expert copies are unexpected.
+  rewrite(per_expert, mixed, [&](std::vector<RawTensor>& ts) {
+    const SafetensorsEntry* e = fused_file.value().find("model.layers.1.mlp.experts.down_proj");
+    ts.push_back({e->name, e->dtype, e->shape, {e->bytes.begin(), e->bytes.end()}});
+  });
+  expect_error(load_hf_weights(mixed, c), {mixed, "model.layers.1.mlp.experts.0.down_proj.weight", "unexpected"});
+  // A fused tensor of another expert count.
+  rewrite(fused, mixed, [&](std::vector<RawTensor>& ts) {
+    for (auto& t : ts)
+      if (t.name == "model.layers.1.mlp.experts.down_proj") {
+        t.shape = {2, 8, 12};
+      }
+  });
+  expect_error(load_hf_weights(mixed, c), {mixed, "model.layers.1.mlp.experts.down_proj", "(2, 8, 12)", "(4, 8, 6)"});
+}
+
 // Sharded HF directories: model.safetensors.index.json maps each tensor to a shard.
 TEST_F(HfWeightsTest, ReadsShardedDirectories) {
   const ModelConfig c = tiny_config();
