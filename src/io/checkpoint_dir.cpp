@@ -63,7 +63,8 @@ std::optional<int64_t> parse_step_name(const std::string& name) {
     return std::nullopt;
   }
   const std::string digits = name.substr(kStepPrefix.size());
-  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), is_digit)) return std::nullopt;
+  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), is_digit))
+    return std::nullopt;
   const int64_t step = std::stoll(digits);
   if (checkpoint_dir_name(step) != name) return std::nullopt;
   return step;
@@ -78,7 +79,8 @@ std::optional<pid_t> parse_tmp_pid(const std::string& name) {
   if (i == step_begin || i >= name.size() || name[i] != '-') return std::nullopt;
   const size_t pid_begin = ++i;
   while (i < name.size() && is_digit(name[i])) ++i;
-  if (i == pid_begin || i - pid_begin > 9 || (i < name.size() && name[i] != '-')) return std::nullopt;
+  if (i == pid_begin || i - pid_begin > 9 || (i < name.size() && name[i] != '-'))
+    return std::nullopt;
   return static_cast<pid_t>(std::stol(name.substr(pid_begin, i - pid_begin)));
 }
 
@@ -172,14 +174,16 @@ Result<CheckpointInfo> parse_marker(const Json& m, const std::string& marker_pat
     }
     const std::string n = name.get<std::string>();
     if (!seen.insert(n).second) return bad("file " + Json(n).dump() + " is listed twice");
-    if (!bytes.is_number_unsigned()) return bad("file " + Json(n).dump() + " has no valid \"bytes\"");
+    if (!bytes.is_number_unsigned())
+      return bad("file " + Json(n).dump() + " has no valid \"bytes\"");
     const std::string c = crc.is_string() ? crc.get<std::string>() : "";
     if (c.size() != 8 || !std::all_of(c.begin(), c.end(), [](char ch) {
           return is_digit(ch) || (ch >= 'a' && ch <= 'f');
         })) {
       return bad("file " + Json(n).dump() + " has no valid \"crc32c\" (8 lower-case hex digits)");
     }
-    info.files.push_back({n, bytes.get<uint64_t>(), static_cast<uint32_t>(std::stoul(c, nullptr, 16))});
+    info.files.push_back(
+        {n, bytes.get<uint64_t>(), static_cast<uint32_t>(std::stoul(c, nullptr, 16))});
   }
   std::sort(info.files.begin(), info.files.end(),
             [](const CheckpointFile& a, const CheckpointFile& b) { return a.name < b.name; });
@@ -191,7 +195,8 @@ Result<CheckpointInfo> read_marker(const std::string& dir) {
   const std::string marker = (fs::path(dir) / kCheckpointMarker).string();
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(marker, ec))) {
-    return Status::error(dir + ": no " + kCheckpointMarker + " (an unfinished or damaged checkpoint)");
+    return Status::error(dir + ": no " + kCheckpointMarker +
+                         " (an unfinished or damaged checkpoint)");
   }
   Result<Json> m = read_json_file(marker);
   if (!m) return m.status();
@@ -331,8 +336,8 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
   }
 
   // 2. The marker, then the directory entries.
-  const Json marker = {{"format", kMarkerFormat}, {"version", kMarkerVersion}, {"step", step_},
-                       {"files", files}};
+  const Json marker = {
+      {"format", kMarkerFormat}, {"version", kMarkerVersion}, {"step", step_}, {"files", files}};
   if (Status s = write_json_file((fs::path(tmp_dir_) / kCheckpointMarker).string(), marker); !s) {
     return fail(s);
   }
@@ -345,15 +350,15 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
     replaced = (fs::path(root_) / tmp_name(step_, "replaced")).string();
     fs::remove_all(replaced, ec);
     if (::rename(target.c_str(), replaced.c_str()) != 0) {
-      return fail(Status::error(target + ": cannot move the existing checkpoint aside: " +
-                                errno_text(errno)));
+      return fail(Status::error(
+          target + ": cannot move the existing checkpoint aside: " + errno_text(errno)));
     }
   }
   if (::rename(tmp_dir_.c_str(), target.c_str()) != 0) {
     const int err = errno;
     if (!replaced.empty()) (void)::rename(replaced.c_str(), target.c_str());
-    return fail(Status::error(target + ": cannot rename " + tmp_dir_ + " into place: " +
-                              errno_text(err)));
+    return fail(
+        Status::error(target + ": cannot rename " + tmp_dir_ + " into place: " + errno_text(err)));
   }
   tmp_dir_.clear();
   done.info.dir = target;
@@ -403,7 +408,8 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
   return done;
 }
 
-// ---- reading -------------------------------------------------------------------------------------
+// ---- reading
+// -------------------------------------------------------------------------------------
 
 Result<CheckpointInfo> verify_checkpoint(const std::string& dir) {
   Result<CheckpointInfo> read = read_marker(dir);
@@ -448,7 +454,8 @@ Result<CheckpointInfo> verify_checkpoint(const std::string& dir) {
     PACKMOE_RETURN_IF_ERROR(scan_file(p, /*sync=*/false, &bytes, &crc));
     if (bytes != f.bytes) {
       return Status::error(p + ": changed size while being read (" + std::to_string(bytes) +
-                           " bytes, " + kCheckpointMarker + " records " + std::to_string(f.bytes) + ")");
+                           " bytes, " + kCheckpointMarker + " records " + std::to_string(f.bytes) +
+                           ")");
     }
     if (crc != f.crc32c) {
       return Status::error(p + ": CRC-32C " + hex32(crc) + " does not match " + hex32(f.crc32c) +

@@ -51,8 +51,8 @@ class CheckpointWriter {
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
   ~CheckpointWriter();
 
-  const std::string& dir() const { return tmp_dir_; }      // where the caller writes
-  std::string path(const std::string& file_name) const;    // dir() + "/" + file_name
+  const std::string& dir() const { return tmp_dir_; }    // where the caller writes
+  std::string path(const std::string& file_name) const;  // dir() + "/" + file_name
   int64_t step() const { return step_; }
 
   struct Committed {

@@ -76,10 +76,10 @@ Status check_and_copy(const SafetensorsFile& file, const Expected& expected,
     ++missing;
   }
   if (first_missing) {
-    const std::string why = shard_of ? " (listed for this file in " + std::string(kHfIndexFile) + ")"
-                                     : " (" + std::to_string(missing) + " of " +
-                                           std::to_string(expected.specs.size()) +
-                                           " expected tensors are missing)";
+    const std::string why =
+        shard_of ? " (listed for this file in " + std::string(kHfIndexFile) + ")"
+                 : " (" + std::to_string(missing) + " of " + std::to_string(expected.specs.size()) +
+                       " expected tensors are missing)";
     return Status::error(where + ": missing tensor " + quoted(first_missing->hf_name) + why);
   }
   for (const HfTensorSpec* s : expected.specs) {
@@ -143,7 +143,8 @@ std::vector<HfTensorSpec> specs_with(const ModelConfig& config,
     if (experts && fused(p.name)) {
       out.push_back({p.name, p.shape, p.name, 0});
     } else if (p.name.ends_with(kGateUpSuffix)) {
-      const std::string prefix = p.name.substr(0, p.name.size() - std::string_view("gate_up_proj").size());
+      const std::string prefix =
+          p.name.substr(0, p.name.size() - std::string_view("gate_up_proj").size());
       const int64_t E = p.shape.at(0), F = p.shape.at(1) / 2, H = p.shape.at(2);  // (E, 2F, H)
       for (int64_t j = 0; j < E; ++j) {
         const std::string expert = prefix + std::to_string(j) + ".";
@@ -151,13 +152,16 @@ std::vector<HfTensorSpec> specs_with(const ModelConfig& config,
         out.push_back({expert + "up_proj.weight", {F, H}, p.name, j * 2 * F * H + F * H});
       }
     } else if (p.name.ends_with(kDownSuffix)) {
-      const std::string prefix = p.name.substr(0, p.name.size() - std::string_view("down_proj").size());
+      const std::string prefix =
+          p.name.substr(0, p.name.size() - std::string_view("down_proj").size());
       const int64_t E = p.shape.at(0), H = p.shape.at(1), F = p.shape.at(2);  // (E, H, F)
       for (int64_t j = 0; j < E; ++j) {
-        out.push_back({prefix + std::to_string(j) + ".down_proj.weight", {H, F}, p.name, j * H * F});
+        out.push_back(
+            {prefix + std::to_string(j) + ".down_proj.weight", {H, F}, p.name, j * H * F});
       }
     } else if (p.name.ends_with(kDenseGateUpSuffix)) {
-      const std::string prefix = p.name.substr(0, p.name.size() - std::string_view("gate_up_proj").size());
+      const std::string prefix =
+          p.name.substr(0, p.name.size() - std::string_view("gate_up_proj").size());
       const int64_t I = p.shape.at(0) / 2, H = p.shape.at(1);  // (2I, H)
       out.push_back({prefix + "gate_proj.weight", {I, H}, p.name, 0});
       out.push_back({prefix + "up_proj.weight", {I, H}, p.name, I * H});
@@ -251,8 +255,9 @@ Result<ModelWeights> load_hf_weights(const std::string& path, const ModelConfig&
   } else {
     for (const std::string& name : on_disk) {
       if (!by_name.count(name)) {
-        return Status::error(index_path + ": unexpected tensor " + quoted(name) +
-                             ": this model config has no such tensor (a checkpoint of another model?)");
+        return Status::error(
+            index_path + ": unexpected tensor " + quoted(name) +
+            ": this model config has no such tensor (a checkpoint of another model?)");
       }
     }
     std::map<std::string, Expected> by_shard;

@@ -1,8 +1,9 @@
 // Model weights <-> Hugging Face Qwen3-MoE safetensors (reference/style-and-ecosystem.md §2a, §2b).
 // On disk experts are per expert and gate / up apart (what Qwen3MoeForCausalLM.from_pretrained
-// reads); in memory they are packed. Each HF tensor is ONE contiguous element range of one ModelWeights tensor, so the
-// map is a list of (HF name, shape, packed name, element offset) and never reorders bytes.
-// Invariant: a load either returns weights that pass validate_model_weights or an error; never part.
+// reads); in memory they are packed. Each HF tensor is ONE contiguous element range of one
+// ModelWeights tensor, so the map is a list of (HF name, shape, packed name, element offset) and
+// never reorders bytes. Invariant: a load either returns weights that pass validate_model_weights
+// or an error; never part.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Generic training-state files inside a checkpoint directory: named host tensors of any DType in a
 // safetensors file (metadata {"format": "packmoe-state", "version": "1"}) and JSON documents.
-// Invariant: a read either returns exactly the expected tensors (names, dtypes, shapes) or one error
-// line naming the file and the tensor; both writers replace their target atomically.
+// Invariant: a read either returns exactly the expected tensors (names, dtypes, shapes) or one
+// error line naming the file and the tensor; both writers replace their target atomically.
 #pragma once
 
 #include <map>

@@ -2,22 +2,22 @@
 // commit protocol (marker contents, keep-last-N, replacing a step, clean-up of temporary
 // directories of dead writers), detection of damaged checkpoints by verify and latest, and that
 // every failure leaves the earlier checkpoints verifiable. Files go to $PACKMOE_TEST_TMP.
-#include "io/checkpoint_dir.h"
-
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
+
+#include "io/checkpoint_dir.h"
 
 namespace packmoe::io {
 namespace {
@@ -60,7 +60,8 @@ class CheckpointDirTest : public ::testing::Test {
     const char* env = std::getenv("PACKMOE_TEST_TMP");
     fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path();
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = base / ("checkpoint_dir_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    dir_ =
+        base / ("checkpoint_dir_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     root_ = (dir_ / "ckpt").string();
@@ -117,7 +118,8 @@ void expect_error(const Status& s, const std::vector<std::string>& parts) {
   }
 }
 
-// ---- CRC-32C and names ----------------------------------------------------------------------------
+// ---- CRC-32C and names
+// ----------------------------------------------------------------------------
 
 TEST_F(CheckpointDirTest, Crc32cMatchesDefinition) {
   const std::string check = "123456789";
@@ -171,10 +173,10 @@ TEST_F(CheckpointDirTest, CommitWritesMarkerAndRenames) {
     std::snprintf(buf, sizeof buf, "%08x", v);
     return std::string(buf);
   };
-  const Json want_files = Json::array({
-      {{"name", "a.safetensors"}, {"bytes", a.size()}, {"crc32c", hex(crc32c_bitwise(a))}},
-      {{"name", "b.bin"}, {"bytes", b.size()}, {"crc32c", hex(crc32c_bitwise(b))}},
-      {{"name", "empty"}, {"bytes", 0}, {"crc32c", "00000000"}}});
+  const Json want_files = Json::array(
+      {{{"name", "a.safetensors"}, {"bytes", a.size()}, {"crc32c", hex(crc32c_bitwise(a))}},
+       {{"name", "b.bin"}, {"bytes", b.size()}, {"crc32c", hex(crc32c_bitwise(b))}},
+       {{"name", "empty"}, {"bytes", 0}, {"crc32c", "00000000"}}});
   EXPECT_EQ(m["files"], want_files);
 
   auto v = verify_checkpoint(step_dir(123).string());
@@ -268,7 +270,8 @@ TEST_F(CheckpointDirTest, AbandonedWriterLeavesNothing) {
   EXPECT_TRUE(verify_checkpoint(step_dir(4).string()).is_ok());
 }
 
-// ---- damage ---------------------------------------------------------------------------------------
+// ---- damage
+// ---------------------------------------------------------------------------------------
 
 TEST_F(CheckpointDirTest, DamageIsDetectedAndLatestFallsBack) {
   struct Damage {
@@ -296,12 +299,16 @@ TEST_F(CheckpointDirTest, DamageIsDetectedAndLatestFallsBack) {
          write_raw(d / "trainer_state.json", b);
        },
        {"trainer_state.json", "appended"}},
-      {"missing file", [&](const fs::path& d) { fs::remove(d / "trainer_state.json"); },
+      {"missing file",
+       [&](const fs::path& d) { fs::remove(d / "trainer_state.json"); },
        {"trainer_state.json", "missing"}},
-      {"missing marker", [&](const fs::path& d) { fs::remove(d / kCheckpointMarker); },
+      {"missing marker",
+       [&](const fs::path& d) { fs::remove(d / kCheckpointMarker); },
        {"step-00000002", kCheckpointMarker}},
       {"garbled marker",
-       [&](const fs::path& d) { write_raw(d / kCheckpointMarker, {'{', '"', 's'}); },
+       [&](const fs::path& d) {
+         write_raw(d / kCheckpointMarker, {'{', '"', 's'});
+       },
        {kCheckpointMarker, "JSON"}},
       {"marker of another step",
        [&](const fs::path& d) {
@@ -311,7 +318,10 @@ TEST_F(CheckpointDirTest, DamageIsDetectedAndLatestFallsBack) {
          write_raw(d / kCheckpointMarker, std::vector<uint8_t>(t.begin(), t.end()));
        },
        {"step-00000002", "step 7"}},
-      {"unlisted file", [&](const fs::path& d) { write_raw(d / "extra.bin", {1, 2, 3}); },
+      {"unlisted file",
+       [&](const fs::path& d) {
+         write_raw(d / "extra.bin", {1, 2, 3});
+       },
        {"extra.bin", "not listed"}},
   };
   for (const Damage& c : cases) {
@@ -339,9 +349,9 @@ TEST_F(CheckpointDirTest, LatestIgnoresOtherNamesAndEmptyRoots) {
   fs::create_directories(root_);
   EXPECT_FALSE(latest_checkpoint(root_).value().found);
   save(3);
-  fs::create_directories(fs::path(root_) / "step-9");       // not canonical
+  fs::create_directories(fs::path(root_) / "step-9");  // not canonical
   fs::create_directories(fs::path(root_) / "step-0000000x");
-  write_raw(fs::path(root_) / "step-00000009", {1});          // a file, not a directory
+  write_raw(fs::path(root_) / "step-00000009", {1});  // a file, not a directory
   auto latest = latest_checkpoint(root_);
   ASSERT_TRUE(latest.is_ok());
   EXPECT_EQ(latest.value().found->step, 3);
@@ -350,7 +360,8 @@ TEST_F(CheckpointDirTest, LatestIgnoresOtherNamesAndEmptyRoots) {
   expect_error(latest_checkpoint((dir_ / "plain_file").string()).status(), {"plain_file"});
 }
 
-// ---- failures keep the old checkpoints ------------------------------------------------------------
+// ---- failures keep the old checkpoints
+// ------------------------------------------------------------
 
 TEST_F(CheckpointDirTest, FailuresLeaveEarlierCheckpointsIntact) {
   const auto first = save(1);
@@ -361,14 +372,16 @@ TEST_F(CheckpointDirTest, FailuresLeaveEarlierCheckpointsIntact) {
       EXPECT_TRUE(v.is_ok()) << v.status().message();
     }
     for (const auto& [name, bytes] : first) EXPECT_EQ(read_raw(step_dir(1) / name), bytes);
-    for (const std::string& n : listing()) EXPECT_NE(n.rfind(".tmp-", 0), 0u) << n << " left behind";
+    for (const std::string& n : listing())
+      EXPECT_NE(n.rfind(".tmp-", 0), 0u) << n << " left behind";
     EXPECT_EQ(latest_checkpoint(root_).value().found->step, 2);
   };
 
   expect_error(CheckpointWriter::begin(root_, 3, 0).status(), {"keep_last"});
   expect_error(CheckpointWriter::begin(root_, -1, 1).status(), {"-1"});
   write_raw(dir_ / "not_a_dir", {1});
-  expect_error(CheckpointWriter::begin((dir_ / "not_a_dir").string(), 3, 1).status(), {"not_a_dir"});
+  expect_error(CheckpointWriter::begin((dir_ / "not_a_dir").string(), 3, 1).status(),
+               {"not_a_dir"});
   expect_error(CheckpointWriter::begin((dir_ / "not_a_dir" / "sub").string(), 3, 1).status(),
                {"not_a_dir"});
 

@@ -3,8 +3,6 @@
 // typed out by hand for a 2-layer model, values round-trip bitwise (F32) or equal f32_to_bf16 byte
 // for byte (BF16), and every bad file gives one error naming the file and the tensor.
 // Files go to $PACKMOE_TEST_TMP (else the system temp dir), one fresh directory per test.
-#include "io/hf_weights.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -22,6 +20,7 @@
 
 #include "backend/backend.h"
 #include "core/codecs.h"
+#include "io/hf_weights.h"
 #include "io/safetensors.h"
 #include "train/model_config.h"
 
@@ -46,9 +45,9 @@ struct StrictFile {
 // Bits per element of every dtype string of the format (huggingface/safetensors Dtype Display).
 int strict_dtype_bits(const std::string& d) {
   static const std::map<std::string, int> kBits = {
-      {"BOOL", 8},  {"U8", 8},       {"I8", 8},      {"I16", 16},         {"U16", 16},
-      {"F16", 16},  {"BF16", 16},    {"I32", 32},    {"U32", 32},         {"F32", 32},
-      {"F64", 64},  {"I64", 64},     {"U64", 64},    {"C64", 64},         {"F8_E5M2", 8},
+      {"BOOL", 8},    {"U8", 8},          {"I8", 8},          {"I16", 16},    {"U16", 16},
+      {"F16", 16},    {"BF16", 16},       {"I32", 32},        {"U32", 32},    {"F32", 32},
+      {"F64", 64},    {"I64", 64},        {"U64", 64},        {"C64", 64},    {"F8_E5M2", 8},
       {"F8_E4M3", 8}, {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8}, {"F8_E8M0", 8}, {"F4", 4},
       {"F6_E2M3", 6}, {"F6_E3M2", 6}};
   auto it = kBits.find(d);
@@ -93,7 +92,8 @@ bool strict_parse(const std::vector<uint8_t>& f, StrictFile* out) {
     EXPECT_TRUE(v.is_object() && v.size() == 3 && v.contains("dtype") && v.contains("shape") &&
                 v.contains("data_offsets"))
         << name << ": exactly dtype, shape, data_offsets";
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets")) {
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+        !v.contains("data_offsets")) {
       return false;
     }
     StrictTensor t;
@@ -275,7 +275,7 @@ std::vector<float> expected_values(const ModelWeights& w, const std::string& nam
     const Tensor& t = w.at(name);
     return std::vector<float>(t.data_as<float>(), t.data_as<float>() + t.numel());
   }
-  const std::string layer = name.substr(0, at);  // "model.layers.N"
+  const std::string layer = name.substr(0, at);               // "model.layers.N"
   const std::string rest = name.substr(at + experts.size());  // "J.up_proj.weight"
   const int64_t j = std::stoll(rest.substr(0, rest.find('.')));
   const std::string which = rest.substr(rest.find('.') + 1);
@@ -324,10 +324,12 @@ void expect_error(const Result<ModelWeights>& r, const std::vector<std::string>&
   ASSERT_FALSE(r.is_ok()) << "expected an error mentioning " << parts.front();
   const std::string& m = r.status().message();
   EXPECT_EQ(m.find('\n'), std::string::npos) << m;
-  for (const std::string& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "'" << p << "' not in: " << m;
+  for (const std::string& p : parts)
+    EXPECT_NE(m.find(p), std::string::npos) << "'" << p << "' not in: " << m;
 }
 
-// ---- names and layout -----------------------------------------------------------------------------
+// ---- names and layout
+// -----------------------------------------------------------------------------
 
 TEST_F(HfWeightsTest, StrictParserSeesEveryHfNameAndShape) {
   const ModelConfig c = tiny_config();
@@ -388,7 +390,8 @@ TEST_F(HfWeightsTest, TiedEmbeddingsAndDenseLayers) {
   for (const auto& [name, t] : w) EXPECT_TRUE(same_bytes(t, back.value().at(name))) << name;
 }
 
-// ---- round trips ----------------------------------------------------------------------------------
+// ---- round trips
+// ----------------------------------------------------------------------------------
 
 TEST_F(HfWeightsTest, F32RoundTripIsBitwise) {
   for (bool tied : {false, true}) {
@@ -529,8 +532,10 @@ TEST_F(HfWeightsTest, FusedExpertTensors) {
   auto fused_file = SafetensorsFile::read(fused);
   ASSERT_TRUE(fused_file.is_ok());
   auto add_fused_layer0 = [&](std::vector<RawTensor>& ts) {
-    std::erase_if(ts, [](const RawTensor& t) { return t.name.starts_with("model.layers.0.mlp.experts."); });
-    for (const char* n : {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}) {
+    std::erase_if(
+        ts, [](const RawTensor& t) { return t.name.starts_with("model.layers.0.mlp.experts."); });
+    for (const char* n :
+         {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}) {
       const SafetensorsEntry* e = fused_file.value().find(n);
       ts.push_back({e->name, e->dtype, e->shape, {e->bytes.begin(), e->bytes.end()}});
     }
@@ -543,7 +548,8 @@ TEST_F(HfWeightsTest, FusedExpertTensors) {
     for (int64_t i = 0; i < t.numel(); ++i) {
       const float x = t.data_as<float>()[i];
       const float want = exact ? x : bf16_to_f32(f32_to_bf16(x));
-      ASSERT_EQ(f32_bits(m.value().at(name).data_as<float>()[i]), f32_bits(want)) << name << "[" << i << "]";
+      ASSERT_EQ(f32_bits(m.value().at(name).data_as<float>()[i]), f32_bits(want))
+          << name << "[" << i << "]";
     }
   }
 
@@ -552,7 +558,8 @@ TEST_F(HfWeightsTest, FusedExpertTensors) {
     const SafetensorsEntry* e = fused_file.value().find("model.layers.1.mlp.experts.down_proj");
     ts.push_back({e->name, e->dtype, e->shape, {e->bytes.begin(), e->bytes.end()}});
   });
-  expect_error(load_hf_weights(mixed, c), {mixed, "model.layers.1.mlp.experts.0.down_proj.weight", "unexpected"});
+  expect_error(load_hf_weights(mixed, c),
+               {mixed, "model.layers.1.mlp.experts.0.down_proj.weight", "unexpected"});
   // A fused tensor of another expert count.
   rewrite(fused, mixed, [&](std::vector<RawTensor>& ts) {
     for (auto& t : ts)
@@ -560,7 +567,8 @@ TEST_F(HfWeightsTest, FusedExpertTensors) {
         t.shape = {2, 8, 12};
       }
   });
-  expect_error(load_hf_weights(mixed, c), {mixed, "model.layers.1.mlp.experts.down_proj", "(2, 8, 12)", "(4, 8, 6)"});
+  expect_error(load_hf_weights(mixed, c),
+               {mixed, "model.layers.1.mlp.experts.down_proj", "(2, 8, 12)", "(4, 8, 6)"});
 }
 
 // Sharded HF directories: model.safetensors.index.json maps each tensor to a shard.
@@ -577,7 +585,8 @@ TEST_F(HfWeightsTest, ReadsShardedDirectories) {
                                                     : "model-00001-of-00002.safetensors";
   };
   for (int k = 1; k <= 2; ++k) {
-    const std::string file = k == 1 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    const std::string file =
+        k == 1 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
     rewrite(whole, (shards / file).string(), [&](std::vector<RawTensor>& ts) {
       std::erase_if(ts, [&](const RawTensor& t) { return shard_name(t.name) != file; });
       for (const auto& t : ts) weight_map[t.name] = file;
@@ -592,7 +601,8 @@ TEST_F(HfWeightsTest, ReadsShardedDirectories) {
   auto single = load_hf_weights(whole, c);
   ASSERT_TRUE(sharded.is_ok()) << sharded.status().message();
   ASSERT_TRUE(single.is_ok()) << single.status().message();
-  for (const auto& [name, t] : single.value()) EXPECT_TRUE(same_bytes(t, sharded.value().at(name))) << name;
+  for (const auto& [name, t] : single.value())
+    EXPECT_TRUE(same_bytes(t, sharded.value().at(name))) << name;
 
   // The index says shard 1 but the tensor sits in shard 2.
   const std::string moved = "model.layers.1.self_attn.q_proj.weight";
@@ -616,7 +626,8 @@ TEST_F(HfWeightsTest, ReadsShardedDirectories) {
   expect_error(load_hf_weights(shards.string(), c), {"model-00002-of-00002.safetensors"});
 }
 
-// ---- errors ---------------------------------------------------------------------------------------
+// ---- errors
+// ---------------------------------------------------------------------------------------
 
 TEST_F(HfWeightsTest, EveryBadFileIsOneClearError) {
   const ModelConfig c = tiny_config();
@@ -632,10 +643,13 @@ TEST_F(HfWeightsTest, EveryBadFileIsOneClearError) {
   expect_error(load_hf_weights(bad, c), {bad, victim, "missing"});
 
   rewrite(good, bad, [&](std::vector<RawTensor>& ts) {
-    ts.push_back({"model.layers.0.mlp.experts.4.gate_proj.weight", "F32", {6, 8},
+    ts.push_back({"model.layers.0.mlp.experts.4.gate_proj.weight",
+                  "F32",
+                  {6, 8},
                   std::vector<uint8_t>(6 * 8 * 4)});
   });
-  expect_error(load_hf_weights(bad, c), {bad, "model.layers.0.mlp.experts.4.gate_proj.weight", "unexpected"});
+  expect_error(load_hf_weights(bad, c),
+               {bad, "model.layers.0.mlp.experts.4.gate_proj.weight", "unexpected"});
 
   rewrite(good, bad, [&](std::vector<RawTensor>& ts) {
     for (auto& t : ts)
@@ -673,7 +687,8 @@ TEST_F(HfWeightsTest, EveryBadFileIsOneClearError) {
 
   expect_error(load_hf_weights(path("absent.safetensors"), c), {path("absent.safetensors")});
   fs::create_directories(dir_ / "empty");
-  expect_error(load_hf_weights((dir_ / "empty").string(), c), {(dir_ / "empty").string(), kHfWeightsFile});
+  expect_error(load_hf_weights((dir_ / "empty").string(), c),
+               {(dir_ / "empty").string(), kHfWeightsFile});
 }
 
 TEST_F(HfWeightsTest, CheckpointOfAnotherModelIsRejected) {

@@ -1,8 +1,6 @@
 // Tests of io/state_file: tensors of every DType round-trip bitwise through a state file, the read
 // accepts exactly the expected names, dtypes and shapes (each mismatch one error naming the file
 // and the tensor), foreign safetensors files are refused, and JSON documents round-trip.
-#include "io/state_file.h"
-
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 
 #include "backend/backend.h"
 #include "io/safetensors.h"
+#include "io/state_file.h"
 
 namespace packmoe::io {
 namespace {
