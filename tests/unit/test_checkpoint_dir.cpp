@@ -1,12 +1,16 @@
 // Tests of io/checkpoint_dir: CRC-32C against its check value and a bit-at-a-time reference, the
 // commit protocol (marker contents, keep-last-N, replacing a step, clean-up of temporary
-// directories of dead writers), detection of damaged checkpoints by verify and latest, and that
-// every failure leaves the earlier checkpoints verifiable. Files go to $PACKMOE_TEST_TMP.
+// directories of dead writers), detection of damaged checkpoints by verify and latest, that every
+// failure leaves the earlier checkpoints verifiable, and a trainer-style checkpoint (HF weights,
+// optimizer state, JSON) read back bitwise. Files go to $PACKMOE_TEST_TMP.
+#include "io/checkpoint_dir.h"
+
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,7 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "io/checkpoint_dir.h"
+#include "backend/backend.h"
+#include "io/hf_weights.h"
+#include "io/state_file.h"
+#include "train/model_config.h"
 
 namespace packmoe::io {
 namespace {
@@ -358,6 +365,52 @@ TEST_F(CheckpointDirTest, LatestIgnoresOtherNamesAndEmptyRoots) {
   EXPECT_TRUE(latest.value().skipped.empty());
   write_raw(dir_ / "plain_file", {1});
   expect_error(latest_checkpoint((dir_ / "plain_file").string()).status(), {"plain_file"});
+}
+
+// The way the trainer will use it: HF weights, optimizer tensors and a JSON document in one
+// checkpoint, found again by latest_checkpoint and read back bitwise.
+TEST_F(CheckpointDirTest, TrainerStyleRoundTrip) {
+  auto config = train::model_config_preset("tiny");
+  ASSERT_TRUE(config.is_ok());
+  const ModelWeights masters = random_model_weights(config.value(), rng_());
+  StateTensors moments;
+  std::vector<StateTensorSpec> specs;
+  for (const auto& [name, t] : masters) {
+    for (const char* which : {"adamw.m/", "adamw.v/"}) {
+      Tensor m = Tensor::empty(cpu_backend(), DType::kF32, t.shape());
+      const std::vector<uint8_t> bytes = random_bytes(m.nbytes());
+      std::memcpy(m.data(), bytes.data(), bytes.size());
+      moments.emplace(which + name, m);
+      specs.push_back({which + name, DType::kF32, t.shape()});
+    }
+  }
+  const Json state = {{"step", 40}, {"rng", {{"seed", rng_()}}}, {"data", {{"position", 12345}}}};
+
+  auto w = CheckpointWriter::begin(root_, 40, 2);
+  ASSERT_TRUE(w.is_ok());
+  ASSERT_TRUE(save_hf_weights(w.value().path(kHfWeightsFile), config.value(), masters, DType::kF32)
+                  .is_ok());
+  ASSERT_TRUE(write_state_tensors(w.value().path("optimizer.safetensors"), moments).is_ok());
+  ASSERT_TRUE(write_json_file(w.value().path("trainer_state.json"), state).is_ok());
+  ASSERT_TRUE(w.value().commit().is_ok());
+
+  auto latest = latest_checkpoint(root_);
+  ASSERT_TRUE(latest.is_ok() && latest.value().found);
+  const fs::path dir = latest.value().found->dir;
+  EXPECT_EQ(latest.value().found->files.size(), 3u);
+  auto weights = load_hf_weights(dir.string(), config.value());
+  ASSERT_TRUE(weights.is_ok()) << weights.status().message();
+  for (const auto& [name, t] : masters) {
+    EXPECT_EQ(std::memcmp(weights.value().at(name).data(), t.data(), t.nbytes()), 0) << name;
+  }
+  auto opt = read_state_tensors((dir / "optimizer.safetensors").string(), specs);
+  ASSERT_TRUE(opt.is_ok()) << opt.status().message();
+  for (const auto& [name, t] : moments) {
+    EXPECT_EQ(std::memcmp(opt.value().at(name).data(), t.data(), t.nbytes()), 0) << name;
+  }
+  auto doc = read_json_file((dir / "trainer_state.json").string());
+  ASSERT_TRUE(doc.is_ok());
+  EXPECT_EQ(doc.value(), state);
 }
 
 // ---- failures keep the old checkpoints

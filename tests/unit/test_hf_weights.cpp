@@ -3,6 +3,8 @@
 // typed out by hand for a 2-layer model, values round-trip bitwise (F32) or equal f32_to_bf16 byte
 // for byte (BF16), and every bad file gives one error naming the file and the tensor.
 // Files go to $PACKMOE_TEST_TMP (else the system temp dir), one fresh directory per test.
+#include "io/hf_weights.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -20,7 +22,6 @@
 
 #include "backend/backend.h"
 #include "core/codecs.h"
-#include "io/hf_weights.h"
 #include "io/safetensors.h"
 #include "train/model_config.h"
 

@@ -1,6 +1,8 @@
 // Tests of io/state_file: tensors of every DType round-trip bitwise through a state file, the read
 // accepts exactly the expected names, dtypes and shapes (each mismatch one error naming the file
 // and the tensor), foreign safetensors files are refused, and JSON documents round-trip.
+#include "io/state_file.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -15,7 +17,6 @@
 
 #include "backend/backend.h"
 #include "io/safetensors.h"
-#include "io/state_file.h"
 
 namespace packmoe::io {
 namespace {
