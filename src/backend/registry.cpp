@@ -1,4 +1,4 @@
-// The process-wide backend per device. The CUDA backend is linked only in CUDA builds; this file
+// The process-wide backend per device (the CPU one lives in cpu_backend.cpp, in packmoe_base). The CUDA backend is linked only in CUDA builds; this file
 // reaches it through one factory function so host code never includes CUDA headers.
 #include "backend/cpu/cpu_backend.h"
 
@@ -9,11 +9,6 @@ namespace packmoe {
 // GPU is usable.
 Result<Backend*> cuda_backend_instance();
 #endif
-
-Backend& cpu_backend() {
-  static CpuBackend backend;
-  return backend;
-}
 
 Result<Backend*> get_backend(Device device) {
   if (device == Device::kCPU) return &cpu_backend();

@@ -10,6 +10,12 @@
 
 namespace packmoe {
 
+// The process-wide CPU backend (base code such as nn/ and io/ allocates host memory from it).
+Backend& cpu_backend() {
+  static CpuBackend backend;
+  return backend;
+}
+
 void* CpuBackend::allocate(size_t bytes) {
   size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
