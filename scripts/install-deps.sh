@@ -11,6 +11,8 @@ packages=(
   libcli11-dev          # command line
   libopenblas-dev       # CPU reference GEMM (cblas)
   libomp-dev            # OpenMP for the CPU backend (g++ uses libgomp; clang needs this)
+  openmpi-bin           # mpirun: multi-rank jobs and the dist tests
+  libopenmpi-dev        # MPI communicator (dist/mpi_communicator.cpp)
   python3               # test helpers
   fortunes              # default text corpus: /usr/share/games/fortunes (io/text_corpus.h)
 )

@@ -1,0 +1,92 @@
+// The abort path: each scenario of comm_abort_helper.cpp runs as a child `mpirun -np 2` under a
+// 60 s timeout and must end on its own, quickly and non-zero, with a line naming the rank and the
+// call. Exit 124 (the timeout) means the job hung: the failure this machinery exists to prevent.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace {
+
+struct Outcome {
+  int status = -1;  // exit code, or 128 + signal
+  std::string output;
+  double seconds = 0;
+};
+
+std::string env_or_die(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) {
+    std::fprintf(stderr, "%s is not set (CTest sets it)\n", name);
+    std::exit(2);
+  }
+  return v;
+}
+
+Outcome run(const std::string& scenario, bool under_mpirun) {
+  std::string cmd = "timeout -k 5 60 env PACKMOE_COMM_TIMEOUT_S=2 ";
+  if (under_mpirun) cmd += env_or_die("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 ";
+  cmd += env_or_die("PACKMOE_COMM_HELPER") + " " + scenario + " 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  Outcome o;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return o;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) o.output.append(buf, n);
+  const int st = pclose(p);
+  o.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return o;
+}
+
+void expect_aborted(const Outcome& o, std::initializer_list<const char*> lines) {
+  EXPECT_NE(o.status, 0) << "the misuse went unnoticed:\n" << o.output;
+  EXPECT_NE(o.status, 124) << "the job hung until the timeout:\n" << o.output;
+  EXPECT_LT(o.seconds, 30) << o.output;
+  for (const char* l : lines) EXPECT_NE(o.output.find(l), std::string::npos) << "no '" << l << "' in:\n" << o.output;
+}
+
+TEST(CommFailures, MismatchedSizesNameTheOddRank) {
+  expect_aborted(run("mismatched-size", true),
+                 {"packmoe: mpi all_gather (call #2) failed: the ranks made different calls",
+                  "rank 0: all_gather(16 bytes", "rank 1: all_gather(18 bytes", "aborting the job"});
+}
+
+TEST(CommFailures, DifferentCallsNameBoth) {
+  expect_aborted(run("mismatched-call", true),
+                 {"(call #2) failed: the ranks made different calls",
+                  "rank 0: all_reduce(i64 sum, 1 elements) as call #2",
+                  "rank 1: broadcast(8 bytes, root 0) as call #2"});
+}
+
+TEST(CommFailures, BadRootFailsOnItsRank) {
+  expect_aborted(run("bad-root", true),
+                 {"[rank 1/2] packmoe: mpi broadcast (call #2) failed: root 7 is not a rank of 2"});
+}
+
+TEST(CommFailures, MissingCallTimesOutInsteadOfHanging) {
+  const Outcome o = run("missing-call", true);
+  expect_aborted(o, {"[rank 0/2] packmoe: mpi barrier (call #2) failed: not complete after 2 s"});
+  EXPECT_LT(o.seconds, 20) << "rank 1 sleeps 60 s: it must have been terminated";
+}
+
+TEST(CommFailures, ProgrammerErrorOnOneRankEndsTheJob) {
+  expect_aborted(run("check-failure", true),
+                 {"[rank 1] packmoe: check failed at", "planted programmer error"});
+}
+
+TEST(CommFailures, OverMpiIntLimitIsRefused) {
+  expect_aborted(run("over-int-limit", true),
+                 {"mpi all_gather (call #2) failed: size 3221225472 exceeds MPI's int limit 2147483647"});
+}
+
+TEST(CommFailures, LocalAbortsToo) {
+  expect_aborted(run("local-bad-root", false),
+                 {"[rank 0/1] packmoe: local broadcast (call #2) failed: root 1 is not a rank of 1"});
+}
+
+}  // namespace

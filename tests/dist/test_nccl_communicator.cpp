@@ -1,0 +1,52 @@
+// NCCL communicator on device memory, one GPU per rank: the shared checks of
+// tests/common/communicator_checks.h (sums bitwise with two ranks, within the order-free bound
+// beyond) plus collectives queued on a caller's stream. Run alone (one rank) and under
+// `mpirun -np 2` on a 2-GPU machine; exits 77 (skipped) when the host has fewer GPUs than ranks.
+#include <cuda_runtime.h>
+
+#include "common/communicator_checks.h"
+
+namespace packmoe::comm_checks {
+namespace {
+
+TEST(NcclCommunicator, KindAndDevice) {
+  EXPECT_EQ(comm().kind(), CommKind::kNccl);
+  EXPECT_FALSE(comm().rank_ordered());
+  EXPECT_EQ(comm().backend().device(), Device::kCUDA);
+}
+
+// Collectives on a stream of the caller's (the overlap path): complete once that stream is.
+TEST(NcclCommunicator, CallsOnASideStream) {
+  SCOPED_TRACE(ctx());
+  cudaStream_t side = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+  const int n = comm().size(), me = comm().rank();
+  const int64_t count = 50000;
+  const std::vector<std::vector<float>> all = inputs_of_all_ranks<float>(2000, n * count);
+  DeviceBuffer in = upload(all[me]);
+  DeviceBuffer shard(comm().backend(), count * 4);
+  DeviceBuffer gathered(comm().backend(), n * count * 4);
+  comm().reduce_scatter(ptr<float>(in), ptr<float>(shard), count, side);
+  comm().all_gather(shard.get(), gathered.get(), count * 4, side);
+  ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+  std::string first;
+  EXPECT_EQ(sum_mismatches(download<float>(gathered), all, 0, sums_bitwise(), &first), 0) << first;
+  cudaStreamDestroy(side);
+}
+
+}  // namespace
+}  // namespace packmoe::comm_checks
+
+int main(int argc, char** argv) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
+    std::printf("skipped: no CUDA device is visible\n");
+    return 77;
+  }
+  const char* per_host = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (per_host && std::atoi(per_host) > gpus) {
+    std::printf("skipped: %s ranks on this host need as many GPUs, %d visible\n", per_host, gpus);
+    return 77;
+  }
+  return packmoe::comm_checks::run_all(argc, argv, packmoe::Device::kCUDA);
+}
