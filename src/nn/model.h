@@ -33,12 +33,13 @@ struct ModelPrecision {
 //   "model.embed_tokens.weight" (V, H), "model.layers.N.input_layernorm.weight" (H),
 //   "model.layers.N.self_attn.q_proj.weight" (Hq*D, H), ".k_proj" / ".v_proj" (Hkv*D, H),
 //   ".o_proj" (H, Hq*D), ".q_norm" / ".k_norm" (D), "model.layers.N.post_attention_layernorm.weight"
-//   (H), "model.layers.N.mlp.gate.weight" (E, H) (router), dense MLP layers
-//   "model.layers.N.mlp.{gate,up}_proj.weight" (I, H) and ".down_proj.weight" (H, I),
-//   "model.norm.weight" (H), "lm_head.weight" (V, H) (absent when tie_word_embeddings).
-// Experts are packed (one entry per layer and linear; HF splits them per expert on disk):
-//   "model.layers.N.mlp.experts.gate_up_proj" (E, 2F, H): gate rows [0, F), up rows [F, 2F)
-//   "model.layers.N.mlp.experts.down_proj"    (E, H, F)
+//   (H), "model.layers.N.mlp.gate.weight" (E, H) (router), "model.norm.weight" (H),
+//   "lm_head.weight" (V, H) (absent when tie_word_embeddings).
+// Gate and up projections are packed (HF stores them apart on disk; io/hf_weights splits them):
+//   experts:   "model.layers.N.mlp.experts.gate_up_proj" (E, 2F, H): gate rows [0, F), up [F, 2F)
+//              "model.layers.N.mlp.experts.down_proj"    (E, H, F)
+//   dense MLP: "model.layers.N.mlp.gate_up_proj" (2I, H): gate rows [0, I), up rows [I, 2I)
+//              "model.layers.N.mlp.down_proj.weight" (H, I)   (mlp_only_layers)
 using ModelWeights = std::map<std::string, Tensor>;
 
 enum class ParamInit { kNormal, kOnes };  // N(0, initializer_range) for matrices, 1 for norms
@@ -76,10 +77,10 @@ struct Batch {
 struct ForwardLosses {
   float lm_loss = 0;          // cross-entropy, mean over the non-ignored targets
   float aux_loss = 0;         // sum over MoE layers of the load-balancing aux (without the coef)
+  float aux_coef = 0;         // router_aux_loss_coef of the config
   int64_t target_tokens = 0;  // non-ignored targets
-  // What backward differentiates: lm_loss + router_aux_loss_coef * aux_loss.
-  float total() const;
-  float aux_coef = 0;  // router_aux_loss_coef of the config
+  // What backward differentiates: lm_loss + aux_coef * aux_loss.
+  float total() const { return lm_loss + aux_coef * aux_loss; }
 };
 
 class DecoderLayer;  // nn/decoder_layer.h

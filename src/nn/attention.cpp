@@ -1,0 +1,125 @@
+// Attention forward / backward: the op sequence of nn/attention.h, every step a Backend op.
+#include "nn/attention.h"
+
+#include <cmath>
+
+#include "nn/layer_ops.h"
+
+namespace packmoe {
+
+Attention::Attention(Backend& backend, const AttentionShape& shape, Layout layout,
+                     bool grad_accum_fusion, const AttentionInit& init)
+    : backend_(&backend),
+      shape_(shape),
+      q_proj_(backend, dense_linear_config(layout, grad_accum_fusion), as_single_group(init.q)),
+      k_proj_(backend, dense_linear_config(layout, grad_accum_fusion), as_single_group(init.k)),
+      v_proj_(backend, dense_linear_config(layout, grad_accum_fusion), as_single_group(init.v)),
+      o_proj_(backend, dense_linear_config(layout, grad_accum_fusion), as_single_group(init.o)),
+      q_norm_(backend, layout, shape.eps, init.q_norm),
+      k_norm_(backend, layout, shape.eps, init.k_norm) {}
+
+Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope) {
+  Backend& b = *backend_;
+  const int64_t T = batch * seq, H = shape_.hidden, D = shape_.head_dim;
+  const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
+  PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(0) == T && x.dim(1) == H,
+                "Attention forward: x must be (" << T << ", " << H << ") bf16, got "
+                                                 << shape_string(x.shape()));
+  batch_ = batch;
+  seq_ = seq;
+  rope_ = rope;
+
+  const Tensor q = q_proj_.forward(x, {T});  // (T, Hq*D)
+  const Tensor k = k_proj_.forward(x, {T});  // (T, Hkv*D)
+  v_ = v_proj_.forward(x, {T});              // (T, Hkv*D)
+  q_rot_ = q_norm_.forward(q.reshaped({T * Hq, D})).reshaped({T, Hq * D});
+  k_rot_ = k_norm_.forward(k.reshaped({T * Hkv, D})).reshaped({T, Hkv * D});
+
+  RopeArgs r;
+  r.tokens = T;
+  r.head_dim = D;
+  r.cos = rope.cos.data_as<const float>();
+  r.sin = rope.sin.data_as<const float>();
+  r.heads = Hq;
+  r.in = q_rot_.data_as<const float>();
+  r.out = q_rot_.data_as<float>();  // in place: the norm output is not needed again
+  check_op(b.rope(r), "rope q");
+  r.heads = Hkv;
+  r.in = k_rot_.data_as<const float>();
+  r.out = k_rot_.data_as<float>();
+  check_op(b.rope(r), "rope k");
+
+  attn_ = Tensor::empty(b, DType::kF32, {T, Hq * D});
+  row_max_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
+  row_sum_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
+  AttentionArgs a;
+  a.batch = batch;
+  a.seq = seq;
+  a.q_heads = Hq;
+  a.kv_heads = Hkv;
+  a.head_dim = D;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  a.q = q_rot_.data_as<const float>();
+  a.k = k_rot_.data_as<const float>();
+  a.v = v_.data_as<const float>();
+  a.o = attn_.data_as<float>();
+  a.row_max = row_max_.data_as<float>();
+  a.row_sum = row_sum_.data_as<float>();
+  check_op(b.attention(a), "attention");
+  return o_proj_.forward(to_bf16(b, attn_), {T});  // (T, H)
+}
+
+Tensor Attention::backward(const Tensor& dy) {
+  Backend& b = *backend_;
+  const int64_t T = batch_ * seq_, D = shape_.head_dim;
+  const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
+  PACKMOE_CHECK(attn_.data() != nullptr, "Attention backward without a forward");
+  const Tensor dattn = o_proj_.backward(to_bf16(b, dy), GradAccum::kAccumulate);  // (T, Hq*D)
+
+  const Tensor dq = Tensor::empty(b, DType::kF32, {T, Hq * D});
+  const Tensor dk = Tensor::empty(b, DType::kF32, {T, Hkv * D});
+  const Tensor dv = Tensor::empty(b, DType::kF32, {T, Hkv * D});
+  AttentionBackwardArgs a;
+  a.batch = batch_;
+  a.seq = seq_;
+  a.q_heads = Hq;
+  a.kv_heads = Hkv;
+  a.head_dim = D;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  a.q = q_rot_.data_as<const float>();
+  a.k = k_rot_.data_as<const float>();
+  a.v = v_.data_as<const float>();
+  a.o = attn_.data_as<const float>();
+  a.row_max = row_max_.data_as<const float>();
+  a.row_sum = row_sum_.data_as<const float>();
+  a.dout = dattn.data_as<const float>();
+  a.dq = dq.data_as<float>();
+  a.dk = dk.data_as<float>();
+  a.dv = dv.data_as<float>();
+  check_op(b.attention_backward(a), "attention_backward");
+
+  RopeArgs r;  // inverse rotation, in place
+  r.tokens = T;
+  r.head_dim = D;
+  r.cos = rope_.cos.data_as<const float>();
+  r.sin = rope_.sin.data_as<const float>();
+  r.heads = Hq;
+  r.in = dq.data_as<const float>();
+  r.out = dq.data_as<float>();
+  check_op(b.rope_backward(r), "rope_backward q");
+  r.heads = Hkv;
+  r.in = dk.data_as<const float>();
+  r.out = dk.data_as<float>();
+  check_op(b.rope_backward(r), "rope_backward k");
+
+  const Tensor dq_proj = q_norm_.backward(dq.reshaped({T * Hq, D}));   // (T*Hq, D)
+  const Tensor dk_proj = k_norm_.backward(dk.reshaped({T * Hkv, D}));  // (T*Hkv, D)
+  Tensor dx = q_proj_.backward(to_bf16(b, dq_proj.reshaped({T, Hq * D})), GradAccum::kAccumulate);
+  add_into(b, dx,
+           k_proj_.backward(to_bf16(b, dk_proj.reshaped({T, Hkv * D})), GradAccum::kAccumulate));
+  add_into(b, dx, v_proj_.backward(to_bf16(b, dv), GradAccum::kAccumulate));
+  q_rot_ = k_rot_ = v_ = attn_ = row_max_ = row_sum_ = Tensor{};
+  return dx;
+}
+
+}  // namespace packmoe

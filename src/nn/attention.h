@@ -1,0 +1,67 @@
+// Attention layer of Qwen3-MoE: q/k/v projections, per-head RMSNorm on q and k, rotate-half RoPE,
+// causal GQA attention, o projection; explicit forward / backward over Backend ops. Invariant:
+// projections are BF16 GEMMs with FP32 masters and FP32 outputs; everything between them is FP32;
+// backward ADDS every weight gradient into its main_grad.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/backend.h"
+#include "core/tensor.h"
+#include "nn/grouped_linear.h"
+#include "nn/rms_norm.h"
+
+namespace packmoe {
+
+struct AttentionShape {
+  int64_t hidden = 0;    // H
+  int64_t q_heads = 0;   // Hq
+  int64_t kv_heads = 0;  // Hkv
+  int64_t head_dim = 0;  // D
+  float eps = 1e-6f;     // q_norm / k_norm
+};
+
+struct AttentionInit {
+  Tensor q, k, v, o;      // (Hq*D, H), (Hkv*D, H), (Hkv*D, H), (H, Hq*D) F32 host
+  Tensor q_norm, k_norm;  // (D) F32 host
+};
+
+// The RoPE table of one batch shape, shared by every layer: (T, D/2) each, in backend memory.
+struct RopeTable {
+  Tensor cos, sin;
+};
+
+class Attention {
+ public:
+  Attention(Backend& backend, const AttentionShape& shape, Layout layout, bool grad_accum_fusion,
+            const AttentionInit& init);
+
+  GroupedLinear& q_proj() { return q_proj_; }
+  GroupedLinear& k_proj() { return k_proj_; }
+  GroupedLinear& v_proj() { return v_proj_; }
+  GroupedLinear& o_proj() { return o_proj_; }
+  RmsNorm& q_norm() { return q_norm_; }
+  RmsNorm& k_norm() { return k_norm_; }
+
+  // x: (T, H) BF16 with T = B * S rows of B causal sequences. Returns (T, H) F32.
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope);
+  // dy: (T, H) F32. Returns dx (T, H) F32 (the sum over the q, k and v paths).
+  Tensor backward(const Tensor& dy);
+
+ private:
+  Backend* backend_;
+  AttentionShape shape_;
+  GroupedLinear q_proj_, k_proj_, v_proj_, o_proj_;
+  RmsNorm q_norm_, k_norm_;
+
+  // Saved by forward.
+  int64_t batch_ = 0, seq_ = 0;
+  RopeTable rope_;
+  Tensor q_rot_;              // (T, Hq*D) F32 after q_norm and RoPE
+  Tensor k_rot_;              // (T, Hkv*D) F32 after k_norm and RoPE
+  Tensor v_;                  // (T, Hkv*D) F32 as projected
+  Tensor attn_;               // (T, Hq*D) F32 attention output (o_proj's input before the cast)
+  Tensor row_max_, row_sum_;  // (B, Hq, S)
+};
+
+}  // namespace packmoe

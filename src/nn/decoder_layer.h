@@ -1,0 +1,48 @@
+// DecoderLayer of Qwen3-MoE: h = x + Attention(RMSNorm(x)); out = h + MLP(RMSNorm(h)) with the MLP
+// a MoEBlock or, on mlp_only_layers, a DenseMlp. Invariant: the residual stream is FP32 and never
+// modified in place (the norms keep their inputs for backward); backward ADDS into main_grads.
+#pragma once
+
+#include <memory>
+
+#include "nn/attention.h"
+#include "nn/dense_mlp.h"
+#include "nn/moe_block.h"
+#include "nn/rms_norm.h"
+
+namespace packmoe {
+
+struct DecoderLayerInit {
+  Tensor input_norm, post_norm;  // (H)
+  AttentionInit attention;
+  MoEBlockInit moe;              // when the layer is MoE
+  Tensor mlp_gate_up, mlp_down;  // (2I, H), (H, I) when it is dense
+};
+
+class DecoderLayer {
+ public:
+  // moe: the block's config when the layer is MoE, null for a dense MLP.
+  DecoderLayer(Backend& backend, const AttentionShape& attention, float norm_eps, Layout layout,
+               bool grad_accum_fusion, const MoEBlockConfig* moe, const DecoderLayerInit& init);
+
+  RmsNorm& input_norm() { return input_norm_; }
+  Attention& attention() { return attention_; }
+  RmsNorm& post_norm() { return post_norm_; }
+  MoEBlock* moe() { return moe_.get(); }    // null for a dense layer
+  DenseMlp* mlp() { return mlp_.get(); }    // null for a MoE layer
+
+  // x: (T, H) F32. Returns (T, H) F32.
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope);
+  // dy: (T, H) F32; loss_scale as in MoEBlock::backward. Returns dx (T, H) F32.
+  Tensor backward(const Tensor& dy, float loss_scale);
+
+ private:
+  Backend* backend_;
+  RmsNorm input_norm_;
+  Attention attention_;
+  RmsNorm post_norm_;
+  std::unique_ptr<MoEBlock> moe_;
+  std::unique_ptr<DenseMlp> mlp_;
+};
+
+}  // namespace packmoe

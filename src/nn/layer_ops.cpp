@@ -1,0 +1,61 @@
+// Helpers of nn/layer_ops.h: each is one backend op over the whole tensor.
+#include "nn/layer_ops.h"
+
+namespace packmoe {
+namespace {
+
+template <typename T>
+Segments<T> whole(const Tensor& t) {
+  return Segments<T>{{static_cast<T*>(t.data())}, t.numel()};
+}
+
+}  // namespace
+
+Tensor to_bf16(Backend& b, const Tensor& x) {
+  PACKMOE_CHECK(x.dtype() == DType::kF32, "to_bf16 expects F32");
+  Tensor y = Tensor::empty(b, DType::kBF16, x.shape());
+  check_op(b.cast_f32_to_bf16(whole<const float>(x), whole<uint16_t>(y)), "cast to bf16");
+  return y;
+}
+
+void add_into(Backend& b, const Tensor& dst, const Tensor& src) {
+  PACKMOE_CHECK(dst.dtype() == DType::kF32 && src.dtype() == DType::kF32 &&
+                    dst.numel() == src.numel(),
+                "add_into: F32 tensors of equal size, got " << shape_string(dst.shape()) << " and "
+                                                            << shape_string(src.shape()));
+  check_op(b.add_f32(whole<float>(dst), whole<const float>(src)), "add");
+}
+
+Tensor clone(Backend& b, const Tensor& x) {
+  Tensor y = Tensor::empty(b, x.dtype(), x.shape());
+  if (y.nbytes()) b.copy(y.data(), x.data(), y.nbytes(), Backend::CopyKind::kDeviceToDevice);
+  return y;
+}
+
+Tensor as_single_group(const Tensor& w) {
+  PACKMOE_CHECK(w.rank() == 1 || w.rank() == 2, "a dense weight is 1-D or 2-D");
+  return w.rank() == 1 ? w.reshaped({1, 1, w.dim(0)}) : w.reshaped({1, w.dim(0), w.dim(1)});
+}
+
+GroupedLinearConfig dense_linear_config(Layout layout, bool grad_accum_fusion) {
+  GroupedLinearConfig c;
+  c.recipe = QuantRecipe{Recipe::kBF16, false, 0};
+  c.primary = PrimaryWeight::kHighPrecision;
+  c.layout = layout;
+  c.grad_accum_fusion = grad_accum_fusion;
+  c.delay_wgrad = false;
+  c.out_dtype = DType::kF32;
+  return c;
+}
+
+const float* f32_weight(const GroupedParam& p) {
+  PACKMOE_CHECK(p.experts() == 1, "f32_weight of a multi-group param");
+  return static_cast<const float*>(p.master().group(0));
+}
+
+float* f32_grad(const GroupedParam& p) {
+  PACKMOE_CHECK(p.experts() == 1, "f32_grad of a multi-group param");
+  return static_cast<float*>(p.main_grad().group(0));
+}
+
+}  // namespace packmoe

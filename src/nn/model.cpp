@@ -1,0 +1,289 @@
+// Model: builds the layers from a ModelWeights map and runs the decoder's forward / backward.
+// The host only checks the batch, builds the RoPE table and reads back the losses.
+#include "nn/model.h"
+
+#include "nn/decoder_layer.h"
+#include "nn/layer_ops.h"
+
+namespace packmoe {
+
+struct Model::Impl {
+  std::unique_ptr<GroupedParam> embed;  // (1, V, H); null when tied to the LM head
+  std::vector<std::unique_ptr<DecoderLayer>> layers;
+  std::unique_ptr<RmsNorm> final_norm;
+  std::unique_ptr<GroupedLinear> lm_head;  // (1, V, H)
+
+  // RoPE table of the last batch shape (positions 0..S-1 per row).
+  int64_t rope_batch = 0, rope_seq = 0;
+  RopeTable rope;
+
+  // Saved by forward.
+  int64_t tokens = 0;               // T
+  Tensor ids, targets;              // (T) I32
+  Tensor logits;                    // (T, V) F32
+  Tensor ce_max, ce_sum;            // (T)
+
+  const GroupedParam& embedding() const { return embed ? *embed : lm_head->param(); }
+};
+
+namespace {
+
+const Tensor& weight(const ModelWeights& w, const std::string& name) { return w.at(name); }
+
+std::string layer_name(int64_t i, const char* rest) {
+  return "model.layers." + std::to_string(i) + "." + rest;
+}
+
+MoEBlockConfig moe_config(const ModelConfig& c, const ModelPrecision& p, int64_t layer) {
+  MoEBlockConfig m;
+  m.top_k = c.num_experts_per_tok;
+  m.norm_topk_prob = c.norm_topk_prob;
+  m.aux_loss_coef = static_cast<float>(c.router_aux_loss_coef);
+  m.recipe = p.recipe;
+  // Every layer's FC1 / FC2 get their own SR streams: (seed << 16) + layer, then x2 (+1).
+  m.recipe.sr_seed = (p.recipe.sr_seed << 16) + static_cast<uint64_t>(layer);
+  m.primary = p.primary;
+  m.layout = p.layout;
+  m.grad_accum_fusion = p.grad_accum_fusion;
+  m.delay_wgrad = false;
+  m.out_dtype = DType::kF32;
+  m.activation_dtype = DType::kBF16;
+  return m;
+}
+
+Status check_tokens(const std::vector<int32_t>& v, int64_t vocab, bool allow_ignore,
+                    const char* what) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (allow_ignore && v[i] == -100) continue;
+    if (v[i] < 0 || v[i] >= vocab)
+      return Status::error(std::string(what) + "[" + std::to_string(i) + "] = " +
+                           std::to_string(v[i]) + " is outside the vocabulary [0, " +
+                           std::to_string(vocab) + ")");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
+             const ModelWeights& init)
+    : backend_(&backend), config_(config), precision_(precision), impl_(std::make_unique<Impl>()) {
+  const Status valid = validate_model_weights(config, init);
+  PACKMOE_CHECK(valid.is_ok(), "Model: " << valid.message());
+  const ModelConfig& c = config_;
+  const Layout layout = precision.layout;
+  const bool fusion = precision.grad_accum_fusion;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Impl& m = *impl_;
+
+  const Tensor& embed = weight(init, "model.embed_tokens.weight");
+  if (c.tie_word_embeddings) {
+    m.lm_head = std::make_unique<GroupedLinear>(backend, dense_linear_config(layout, fusion),
+                                                as_single_group(embed));
+  } else {
+    m.embed = std::make_unique<GroupedParam>(backend, QuantRecipe{Recipe::kBF16, false, 0},
+                                             PrimaryWeight::kHighPrecision, layout,
+                                             as_single_group(embed));
+    m.lm_head = std::make_unique<GroupedLinear>(backend, dense_linear_config(layout, fusion),
+                                                as_single_group(weight(init, "lm_head.weight")));
+  }
+
+  AttentionShape shape;
+  shape.hidden = c.hidden_size;
+  shape.q_heads = c.num_attention_heads;
+  shape.kv_heads = c.num_key_value_heads;
+  shape.head_dim = c.head_dim;
+  shape.eps = eps;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    DecoderLayerInit li;
+    li.input_norm = weight(init, layer_name(i, "input_layernorm.weight"));
+    li.post_norm = weight(init, layer_name(i, "post_attention_layernorm.weight"));
+    li.attention.q = weight(init, layer_name(i, "self_attn.q_proj.weight"));
+    li.attention.k = weight(init, layer_name(i, "self_attn.k_proj.weight"));
+    li.attention.v = weight(init, layer_name(i, "self_attn.v_proj.weight"));
+    li.attention.o = weight(init, layer_name(i, "self_attn.o_proj.weight"));
+    li.attention.q_norm = weight(init, layer_name(i, "self_attn.q_norm.weight"));
+    li.attention.k_norm = weight(init, layer_name(i, "self_attn.k_norm.weight"));
+    MoEBlockConfig mc;
+    const bool is_moe = c.is_moe_layer(i);
+    if (is_moe) {
+      mc = moe_config(c, precision, i);
+      li.moe.router = weight(init, layer_name(i, "mlp.gate.weight"));
+      li.moe.fc1 = weight(init, layer_name(i, "mlp.experts.gate_up_proj"));
+      li.moe.fc2 = weight(init, layer_name(i, "mlp.experts.down_proj"));
+    } else {
+      li.mlp_gate_up = weight(init, layer_name(i, "mlp.gate_up_proj"));
+      li.mlp_down = weight(init, layer_name(i, "mlp.down_proj.weight"));
+    }
+    m.layers.push_back(std::make_unique<DecoderLayer>(backend, shape, eps, layout, fusion,
+                                                      is_moe ? &mc : nullptr, li));
+  }
+  m.final_norm = std::make_unique<RmsNorm>(backend, layout, eps, weight(init, "model.norm.weight"));
+
+  // The parameter list, in model_param_specs order.
+  const std::vector<ParamSpec> specs = model_param_specs(c);
+  std::vector<GroupedParam*> order;
+  order.push_back(m.embed ? m.embed.get() : &m.lm_head->param());
+  for (auto& layer : m.layers) {
+    Attention& a = layer->attention();
+    for (GroupedParam* p : {&layer->input_norm().param(), &a.q_proj().param(),
+                            &a.k_proj().param(), &a.v_proj().param(), &a.o_proj().param(),
+                            &a.q_norm().param(), &a.k_norm().param(), &layer->post_norm().param()})
+      order.push_back(p);
+    if (MoEBlock* moe = layer->moe()) {
+      for (GroupedParam* p : moe->params()) order.push_back(p);  // router, fc1, fc2
+    } else {
+      order.push_back(&layer->mlp()->gate_up().param());
+      order.push_back(&layer->mlp()->down().param());
+    }
+  }
+  order.push_back(&m.final_norm->param());
+  if (!c.tie_word_embeddings) order.push_back(&m.lm_head->param());
+  PACKMOE_CHECK(order.size() == specs.size(), "Model: parameter list out of step with the specs");
+  for (size_t i = 0; i < specs.size(); ++i) {
+    params_.push_back({specs[i].name, order[i], specs[i].weight_decay});
+    order[i]->create_master();
+  }
+}
+
+Model::~Model() = default;
+
+ModelWeights Model::master_weights() const {
+  ModelWeights out;
+  Backend& host = cpu_backend();
+  const std::vector<ParamSpec> specs = model_param_specs(config_);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    Tensor t = Tensor::empty(host, DType::kF32, specs[i].shape);
+    const std::vector<uint8_t> bytes = params_[i].param->master().download();
+    PACKMOE_CHECK(bytes.size() == t.nbytes(), "master of " << specs[i].name << " has "
+                                                           << bytes.size() << " bytes");
+    std::copy(bytes.begin(), bytes.end(), static_cast<uint8_t*>(t.data()));
+    out.emplace(specs[i].name, std::move(t));
+  }
+  return out;
+}
+
+Result<ForwardLosses> Model::forward(const Batch& batch) {
+  const ModelConfig& c = config_;
+  const int64_t B = batch.batch, S = batch.seq, T = B * S, V = c.vocab_size;
+  if (B <= 0 || S <= 0)
+    return Status::error("batch must have B > 0 rows of S > 0 tokens, got B = " +
+                         std::to_string(B) + ", S = " + std::to_string(S));
+  if (static_cast<int64_t>(batch.inputs.size()) != T ||
+      static_cast<int64_t>(batch.targets.size()) != T)
+    return Status::error("batch of B x S = " + std::to_string(T) + " tokens has " +
+                         std::to_string(batch.inputs.size()) + " inputs and " +
+                         std::to_string(batch.targets.size()) + " targets");
+  if (S > c.max_position_embeddings)
+    return Status::error("sequence length " + std::to_string(S) + " exceeds max_position_embeddings " +
+                         std::to_string(c.max_position_embeddings));
+  PACKMOE_RETURN_IF_ERROR(check_tokens(batch.inputs, V, false, "input"));
+  PACKMOE_RETURN_IF_ERROR(check_tokens(batch.targets, V, true, "target"));
+
+  Backend& b = *backend_;
+  Impl& m = *impl_;
+  const int64_t H = c.hidden_size, D = c.head_dim;
+  if (m.rope_batch != B || m.rope_seq != S) {
+    std::vector<int32_t> positions(T);
+    for (int64_t t = 0; t < T; ++t) positions[t] = static_cast<int32_t>(t % S);
+    std::vector<float> cos(T * (D / 2)), sin(T * (D / 2));
+    RopeTableArgs r;
+    r.tokens = T;
+    r.head_dim = D;
+    r.theta = c.rope_theta;
+    r.positions = positions.data();
+    r.cos = cos.data();
+    r.sin = sin.data();
+    PACKMOE_RETURN_IF_ERROR(rope_table(r));
+    m.rope.cos = b.to_device(Tensor::view(cos.data(), DType::kF32, {T, D / 2}, Device::kCPU));
+    m.rope.sin = b.to_device(Tensor::view(sin.data(), DType::kF32, {T, D / 2}, Device::kCPU));
+    m.rope_batch = B;
+    m.rope_seq = S;
+  }
+
+  m.tokens = T;
+  m.ids = b.to_device(Tensor::view(const_cast<int32_t*>(batch.inputs.data()), DType::kI32, {T},
+                                   Device::kCPU));
+  m.targets = b.to_device(Tensor::view(const_cast<int32_t*>(batch.targets.data()), DType::kI32,
+                                       {T}, Device::kCPU));
+
+  Tensor x = Tensor::empty(b, DType::kF32, {T, H});
+  EmbeddingArgs e;
+  e.tokens = T;
+  e.vocab = V;
+  e.hidden = H;
+  e.ids = m.ids.data_as<const int32_t>();
+  e.table = f32_weight(m.embedding());
+  e.out = x.data_as<float>();
+  check_op(b.embedding(e), "embedding");
+
+  ForwardLosses losses;
+  losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
+  for (auto& layer : m.layers) {
+    x = layer->forward(x, B, S, m.rope);
+    if (layer->moe() && losses.aux_coef != 0.0f) losses.aux_loss += layer->moe()->aux_loss();
+  }
+  m.logits = m.lm_head->forward(to_bf16(b, m.final_norm->forward(x)), {T});  // (T, V)
+
+  const Tensor loss = Tensor::empty(b, DType::kF32, {1});
+  const Tensor valid = Tensor::empty(b, DType::kI64, {1});
+  m.ce_max = Tensor::empty(b, DType::kF32, {T});
+  m.ce_sum = Tensor::empty(b, DType::kF32, {T});
+  CrossEntropyArgs ce;
+  ce.tokens = T;
+  ce.vocab = V;
+  ce.logits = m.logits.data_as<const float>();
+  ce.targets = m.targets.data_as<const int32_t>();
+  ce.loss = loss.data_as<float>();
+  ce.valid = valid.data_as<int64_t>();
+  ce.row_max = m.ce_max.data_as<float>();
+  ce.row_sum = m.ce_sum.data_as<float>();
+  check_op(b.cross_entropy(ce), "cross_entropy");
+  b.copy(&losses.lm_loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
+  b.copy(&losses.target_tokens, valid.data(), sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
+  state_ = ModelState::kForwardDone;
+  return losses;
+}
+
+void Model::backward(float loss_scale) {
+  PACKMOE_CHECK(state_ == ModelState::kForwardDone,
+                "Model backward needs a forward first (and runs once per forward)");
+  Backend& b = *backend_;
+  Impl& m = *impl_;
+  const ModelConfig& c = config_;
+  const int64_t T = m.tokens, V = c.vocab_size, H = c.hidden_size;
+
+  const Tensor dlogits = Tensor::empty(b, DType::kF32, {T, V});
+  CrossEntropyBackwardArgs ce;
+  ce.tokens = T;
+  ce.vocab = V;
+  ce.dloss = loss_scale;
+  ce.logits = m.logits.data_as<const float>();
+  ce.targets = m.targets.data_as<const int32_t>();
+  ce.row_max = m.ce_max.data_as<const float>();
+  ce.row_sum = m.ce_sum.data_as<const float>();
+  ce.dlogits = dlogits.data_as<float>();
+  check_op(b.cross_entropy_backward(ce), "cross_entropy_backward");
+  m.logits = m.ce_max = m.ce_sum = Tensor{};
+
+  Tensor dx = m.final_norm->backward(
+      m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate));  // (T, H)
+  for (auto it = m.layers.rbegin(); it != m.layers.rend(); ++it)
+    dx = (*it)->backward(dx, loss_scale);
+
+  EmbeddingBackwardArgs eb;
+  eb.tokens = T;
+  eb.vocab = V;
+  eb.hidden = H;
+  eb.ids = m.ids.data_as<const int32_t>();
+  eb.dout = dx.data_as<const float>();
+  eb.dtable = f32_grad(m.embedding());
+  check_op(b.embedding_backward(eb), "embedding_backward");
+  state_ = ModelState::kIdle;
+}
+
+void Model::zero_grad() {
+  for (NamedParam& p : params_) p.param->zero_grad();
+}
+
+}  // namespace packmoe

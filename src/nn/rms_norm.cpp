@@ -1,0 +1,58 @@
+// RmsNorm layer over the backend's rms_norm / rms_norm_backward ops.
+#include "nn/rms_norm.h"
+
+#include "nn/layer_ops.h"
+
+namespace packmoe {
+
+RmsNorm::RmsNorm(Backend& backend, Layout layout, float eps, const Tensor& init)
+    : backend_(&backend),
+      eps_(eps),
+      param_(backend, QuantRecipe{Recipe::kBF16, false, 0}, PrimaryWeight::kHighPrecision, layout,
+             as_single_group(init)) {}
+
+Tensor RmsNorm::forward(const Tensor& x) {
+  const int64_t D = dim();
+  PACKMOE_CHECK(x.dtype() == DType::kF32 && x.dim(-1) == D,
+                "RmsNorm forward: x must be F32 with last dim " << D << ", got "
+                                                               << shape_string(x.shape()));
+  const int64_t N = x.numel() / D;
+  x_ = x;
+  rstd_ = Tensor::empty(*backend_, DType::kF32, {N});
+  Tensor y = Tensor::empty(*backend_, DType::kF32, x.shape());
+  RmsNormArgs a;
+  a.rows = N;
+  a.dim = D;
+  a.eps = eps_;
+  a.x = x.data_as<const float>();
+  a.weight = f32_weight(param_);
+  a.y = y.data_as<float>();
+  a.rstd = rstd_.data_as<float>();
+  check_op(backend_->rms_norm(a), "rms_norm");
+  return y;
+}
+
+Tensor RmsNorm::backward(const Tensor& dy) {
+  const int64_t D = dim();
+  PACKMOE_CHECK(x_.data() != nullptr, "RmsNorm backward without a forward");
+  PACKMOE_CHECK(dy.dtype() == DType::kF32 && dy.numel() == x_.numel(),
+                "RmsNorm backward: dy must be F32 shaped like x");
+  const int64_t N = x_.numel() / D;
+  Tensor dx = Tensor::empty(*backend_, DType::kF32, x_.shape());
+  const Tensor dweight = Tensor::empty(*backend_, DType::kF32, {D});
+  RmsNormBackwardArgs a;
+  a.rows = N;
+  a.dim = D;
+  a.x = x_.data_as<const float>();
+  a.weight = f32_weight(param_);
+  a.rstd = rstd_.data_as<const float>();
+  a.dy = dy.data_as<const float>();
+  a.dx = dx.data_as<float>();
+  a.dweight = dweight.data_as<float>();
+  check_op(backend_->rms_norm_backward(a), "rms_norm_backward");
+  add_into(*backend_, Tensor::view(f32_grad(param_), DType::kF32, {D}, backend_->device()),
+           dweight);
+  return dx;
+}
+
+}  // namespace packmoe

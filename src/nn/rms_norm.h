@@ -1,0 +1,33 @@
+// RmsNorm layer: y = x / rms(x) * weight over the last dim D, with its weight (1, 1, D) as a
+// GroupedParam whose FP32 master is what the op reads. Invariant: backward ADDS dweight into
+// main_grad; the forward's input and rstd are kept until the next forward.
+#pragma once
+
+#include "backend/backend.h"
+#include "core/tensor.h"
+#include "nn/grouped_param.h"
+
+namespace packmoe {
+
+class RmsNorm {
+ public:
+  // init: (D) F32 host.
+  RmsNorm(Backend& backend, Layout layout, float eps, const Tensor& init);
+
+  GroupedParam& param() { return param_; }
+  int64_t dim() const { return param_.k(); }
+
+  // x: (N, D) F32 (any rank whose last dim is D). Returns y with x's shape, F32.
+  Tensor forward(const Tensor& x);
+  // dy: like y. Returns dx F32; adds dweight into main_grad.
+  Tensor backward(const Tensor& dy);
+
+ private:
+  Backend* backend_;
+  float eps_;
+  GroupedParam param_;  // (1, 1, D)
+  Tensor x_;            // (N, D) the forward's input
+  Tensor rstd_;         // (N)
+};
+
+}  // namespace packmoe
