@@ -36,8 +36,6 @@ class BatchSampler {
   static Result<BatchSampler> create(io::TokenDataset data, int64_t vocab_size, int64_t batch,
                                      int64_t seq, const StreamOptions& options = {});
 
-  int64_t batch() const { return batch_; }  // B
-  int64_t seq() const { return seq_; }      // S
   int64_t stream_tokens() const { return static_cast<int64_t>(stream_.size()); }
   // Windows starting at 0, S, 2S, ... that fit: floor((T - S - 1) / S) + 1.
   int64_t windows_per_epoch() const;

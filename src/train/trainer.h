@@ -7,7 +7,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -65,7 +64,6 @@ class Trainer {
 
   int64_t step() const { return step_; }
   const TrainConfig& config() const { return config_; }
-  const ModelConfig& model_config() const { return model_->config(); }
   Model& model() { return *model_; }
   AdamW& optimizer() { return optimizer_; }
   BatchSampler& train_sampler() { return train_sampler_; }

@@ -58,6 +58,7 @@ std::unique_ptr<Trainer> make_trainer(const TrainConfig& config) {
 // Everything a run produces, as bytes.
 struct Trace {
   std::vector<double> losses, grad_norms, eval_losses;
+  SamplerPosition position;  // of the train sampler at the end
   std::vector<std::vector<uint8_t>> masters, exp_avg, exp_avg_sq;
 };
 
@@ -67,6 +68,7 @@ std::vector<uint8_t> bytes_of(const Tensor& t) {
 }
 
 void capture_state(Trainer& t, Trace* trace) {
+  trace->position = t.train_sampler().position();
   for (const auto& [name, tensor] : t.model().master_weights())
     trace->masters.push_back(bytes_of(tensor));
   for (const AdamW::ParamState& s : t.optimizer().states()) {
@@ -102,6 +104,8 @@ bool same_bytes(const std::vector<double>& a, const std::vector<double>& b) {
 void expect_bitwise_equal(const Trace& a, const Trace& b) {
   EXPECT_TRUE(same_bytes(a.losses, b.losses));
   EXPECT_TRUE(same_bytes(a.grad_norms, b.grad_norms));
+  EXPECT_EQ(a.position.offset, b.position.offset);
+  EXPECT_EQ(a.position.epoch, b.position.epoch);
   ASSERT_EQ(a.masters.size(), b.masters.size());
   for (size_t i = 0; i < a.masters.size(); ++i) EXPECT_EQ(a.masters[i], b.masters[i]) << "master " << i;
   ASSERT_EQ(a.exp_avg.size(), b.exp_avg.size());
@@ -159,6 +163,7 @@ TEST(TrainE2E, EvalBetweenStepsChangesNothing) {
       const Trace train_only = run(c, 6);
       const Trace with_eval = run(c, 6, {1, 3, 4});
       expect_bitwise_equal(train_only, with_eval);
+      EXPECT_EQ(train_only.position.offset, 6 * 2 * c.micro_batch_size * c.seq_len);
       ASSERT_EQ(with_eval.eval_losses.size(), 3u);
       // Two evaluations with no step between see the same data and weights: the same loss.
       const Trace twice = run(c, 1, {1, 1});
