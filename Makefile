@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make run   -- installs dependencies, configures, builds, runs the main job (packmoe demo)
+#   make run   -- installs dependencies, configures, builds, runs the main job: packmoe train of
+#                 the tiny model on the fortunes corpus on the CPU (the README's main command)
 #   make test  -- installs dependencies, configures, builds, runs every test this machine can run
 # CUDA is built whenever nvcc is found (override: make PACKMOE_CUDA=OFF test). Tests labelled
 # `cuda` need a GPU and run only where one is visible.
@@ -21,7 +22,7 @@ build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
 run: build
-	$(BUILD)/packmoe demo
+	$(BUILD)/packmoe train --preset tiny --device cpu --out runs/tiny
 
 test: build
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \

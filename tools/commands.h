@@ -2,10 +2,13 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/status.h"
+#include "train/train_config.h"
 
 namespace packmoe::tools {
 
@@ -41,5 +44,19 @@ struct PlotArgs {
 };
 void add_plot_command(CLI::App& app, PlotArgs& args);
 Status run_plot(const PlotArgs& args);
+
+// `packmoe train` (tools/train_command.cpp). Flags that set a TrainConfig field parse into
+// `flags`; apply_flags copies those given on the command line over the config file's values.
+struct TrainArgs {
+  std::string config_file, preset = "tiny", recipe = "bf16", layout = "single", primary = "low";
+  std::string device = "auto", data = "fortunes", valid_data, out = "runs/train";
+  int64_t decay_steps = 0;
+  train::TrainConfig flags;
+  std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
+      apply_flags;
+  CLI::App* cmd = nullptr;  // to ask which flags were given
+};
+void add_train_command(CLI::App& app, TrainArgs& args);
+Status run_train(const TrainArgs& args);
 
 }  // namespace packmoe::tools

@@ -1,7 +1,7 @@
-// The `packmoe` executable: subcommands `demo` (the main job until the trainer exists),
-// `quantize` and `dequantize` (safetensors conversion), `plot` (training curves to SVG). Bad input
-// prints one line starting with "packmoe: error:" and exits 1; --help on every subcommand explains
-// the flags.
+// The `packmoe` executable: subcommands `train` (the main job), `demo` (packed quantization
+// demo), `quantize` and `dequantize` (safetensors conversion), `plot` (training curves to SVG). Bad
+// input, unknown flags included, prints one line starting with "packmoe: error:" and exits 1;
+// --help on every subcommand explains the flags.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
@@ -20,16 +20,22 @@ int main(int argc, char** argv) {
   packmoe::tools::add_dequantize_command(app, dequantize);
   packmoe::tools::PlotArgs plot;
   packmoe::tools::add_plot_command(app, plot);
+  packmoe::tools::TrainArgs train;
+  packmoe::tools::add_train_command(app, train);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::Success& e) {  // --help
     return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "packmoe: error: %s (see --help)\n", e.what());
+    return 1;
   }
   packmoe::Status status;
   if (app.got_subcommand("demo")) status = packmoe::tools::run_demo(demo);
   if (app.got_subcommand("quantize")) status = packmoe::tools::run_quantize(quantize);
   if (app.got_subcommand("dequantize")) status = packmoe::tools::run_dequantize(dequantize);
   if (app.got_subcommand("plot")) status = packmoe::tools::run_plot(plot);
+  if (app.got_subcommand("train")) status = packmoe::tools::run_train(train);
   if (!status.is_ok()) {
     std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
     return 1;

@@ -20,9 +20,9 @@ AdamWStepScalars adamw_step_scalars(const AdamWConfig& cfg, int64_t t) {
   return s;
 }
 
-void AdamW::add(GroupedParam& param) {
+void AdamW::add(GroupedParam& param, bool weight_decay) {
   const GroupedStorage& master = param.master();
-  ParamState st{&param,
+  ParamState st{&param, weight_decay,
                 GroupedStorage(master.memory(), master.layout(), master.groups(),
                                master.bytes_per_group()),
                 GroupedStorage(master.memory(), master.layout(), master.groups(),
@@ -32,16 +32,26 @@ void AdamW::add(GroupedParam& param) {
   states_.push_back(std::move(st));
 }
 
-void AdamW::step() {
+void AdamW::set_steps(int64_t t) {
+  PACKMOE_CHECK(t >= 0, "AdamW step count " << t << " is negative");
+  t_ = t;
+}
+
+void AdamW::step(float grad_scale) {
   for (const ParamState& st : states_)
     PACKMOE_CHECK(st.param->grad_state() == GradState::kSettled,
                   "AdamW step with a delayed wgrad pending: run backward_dw first");
   ++t_;
-  const AdamWStepScalars s = adamw_step_scalars(cfg_, t_);
+  AdamWConfig no_decay = cfg_;
+  no_decay.weight_decay = 0.0f;
+  AdamWStepScalars decayed = adamw_step_scalars(cfg_, t_);
+  AdamWStepScalars undecayed = adamw_step_scalars(no_decay, t_);
+  decayed.grad_scale = grad_scale;
+  undecayed.grad_scale = grad_scale;
   for (ParamState& st : states_) {
     const GroupedStorage& master = st.param->master();
     AdamWArgs a;
-    a.scalars = s;
+    a.scalars = st.weight_decay ? decayed : undecayed;
     a.param = segments<float>(master);
     a.exp_avg = segments<float>(st.exp_avg);
     a.exp_avg_sq = segments<float>(st.exp_avg_sq);

@@ -1,0 +1,171 @@
+// TrainConfig checks, precision names and the "train" JSON object.
+#include "train/train_config.h"
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace packmoe::train {
+namespace {
+
+using nlohmann::json;
+
+Status at_least(const char* name, int64_t v, int64_t lo) {
+  if (v >= lo) return Status::ok();
+  return Status::error(std::string(name) + " = " + std::to_string(v) + " must be >= " +
+                       std::to_string(lo));
+}
+
+Status in_range(const char* name, double v, double lo, double hi, const char* range) {
+  if (v >= lo && v <= hi) return Status::ok();  // NaN fails
+  std::ostringstream e;
+  e << name << " = " << v << " must be in " << range;
+  return Status::error(e.str());
+}
+
+Status type_error(const std::string& key, const char* want, const json& v) {
+  return Status::error("train." + key + " must be " + want + " (got " + v.dump() + ")");
+}
+
+Status read(const std::string& key, const json& v, int64_t* out) {
+  if (!v.is_number_integer()) return type_error(key, "an integer", v);
+  *out = v.get<int64_t>();
+  return Status::ok();
+}
+
+Status read(const std::string& key, const json& v, uint64_t* out) {
+  if (!v.is_number_unsigned())  // nlohmann parses every non-negative integer as unsigned
+    return type_error(key, "a non-negative integer", v);
+  *out = v.get<uint64_t>();
+  return Status::ok();
+}
+
+Status read(const std::string& key, const json& v, double* out) {
+  if (!v.is_number()) return type_error(key, "a number", v);
+  *out = v.get<double>();
+  return Status::ok();
+}
+
+Status read_name(const std::string& key, const json& v, std::string* out) {
+  if (!v.is_string()) return type_error(key, "a string", v);
+  *out = v.get<std::string>();
+  return Status::ok();
+}
+
+}  // namespace
+
+Status validate(const TrainConfig& c, const ModelConfig& model) {
+  PACKMOE_RETURN_IF_ERROR(at_least("steps", c.steps, 1));
+  PACKMOE_RETURN_IF_ERROR(at_least("micro_batch_size", c.micro_batch_size, 1));
+  PACKMOE_RETURN_IF_ERROR(at_least("seq_len", c.seq_len, 1));
+  if (c.seq_len > model.max_position_embeddings)
+    return Status::error("seq_len = " + std::to_string(c.seq_len) +
+                         " exceeds the model's max_position_embeddings = " +
+                         std::to_string(model.max_position_embeddings));
+  PACKMOE_RETURN_IF_ERROR(at_least("grad_accum_steps", c.grad_accum_steps, 1));
+  PACKMOE_RETURN_IF_ERROR(validate(lr_schedule(c)));
+  PACKMOE_RETURN_IF_ERROR(in_range("weight_decay", c.weight_decay, 0, 1e9, "[0, 1e9]"));
+  PACKMOE_RETURN_IF_ERROR(in_range("beta1", c.beta1, 0, std::nextafter(1.0, 0.0), "[0, 1)"));
+  PACKMOE_RETURN_IF_ERROR(in_range("beta2", c.beta2, 0, std::nextafter(1.0, 0.0), "[0, 1)"));
+  PACKMOE_RETURN_IF_ERROR(in_range("eps", c.eps, 1e-30, 1.0, "[1e-30, 1]"));
+  if (!std::isfinite(c.grad_clip))
+    return Status::error("grad_clip must be a finite number (<= 0 disables clipping)");
+  PACKMOE_RETURN_IF_ERROR(at_least("eval_interval", c.eval_interval, 0));
+  if (c.eval_interval > 0) PACKMOE_RETURN_IF_ERROR(at_least("eval_batches", c.eval_batches, 1));
+  PACKMOE_RETURN_IF_ERROR(at_least("log_interval", c.log_interval, 1));
+  return Status::ok();
+}
+
+LrSchedule lr_schedule(const TrainConfig& c) {
+  return LrSchedule{c.lr, c.min_lr, c.warmup_steps, c.decay_steps.value_or(c.steps)};
+}
+
+Result<Recipe> parse_recipe(const std::string& name) {
+  for (Recipe r : {Recipe::kBF16, Recipe::kMxfp8, Recipe::kNvfp4})
+    if (name == recipe_name(r)) return r;
+  return Status::error("recipe must be bf16, mxfp8 or nvfp4 (got '" + name + "')");
+}
+
+const char* layout_name(Layout layout) {
+  return layout == Layout::kSingle ? "single" : "discrete";
+}
+
+Result<Layout> parse_layout(const std::string& name) {
+  for (Layout l : {Layout::kSingle, Layout::kDiscrete})
+    if (name == layout_name(l)) return l;
+  return Status::error("layout must be single or discrete (got '" + name + "')");
+}
+
+const char* primary_name(PrimaryWeight primary) {
+  return primary == PrimaryWeight::kLowPrecision ? "low" : "high";
+}
+
+Result<PrimaryWeight> parse_primary(const std::string& name) {
+  for (PrimaryWeight p : {PrimaryWeight::kLowPrecision, PrimaryWeight::kHighPrecision})
+    if (name == primary_name(p)) return p;
+  return Status::error("primary must be low or high (got '" + name + "')");
+}
+
+Status apply_train_json(const json& j, TrainConfig* c) {
+  if (!j.is_object()) return Status::error("\"train\" must be a JSON object (got " + j.dump() + ")");
+  for (const auto& [key, v] : j.items()) {
+    if (key == "steps") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->steps));
+    } else if (key == "micro_batch_size") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->micro_batch_size));
+    } else if (key == "seq_len") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->seq_len));
+    } else if (key == "grad_accum_steps") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->grad_accum_steps));
+    } else if (key == "lr") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->lr));
+    } else if (key == "min_lr") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->min_lr));
+    } else if (key == "warmup_steps") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->warmup_steps));
+    } else if (key == "decay_steps") {
+      int64_t d = 0;
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &d));
+      c->decay_steps = d;
+    } else if (key == "weight_decay") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->weight_decay));
+    } else if (key == "beta1") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->beta1));
+    } else if (key == "beta2") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->beta2));
+    } else if (key == "eps") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->eps));
+    } else if (key == "grad_clip") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->grad_clip));
+    } else if (key == "eval_interval") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->eval_interval));
+    } else if (key == "eval_batches") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->eval_batches));
+    } else if (key == "log_interval") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->log_interval));
+    } else if (key == "seed") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->seed));
+    } else if (key == "recipe" || key == "layout" || key == "primary") {
+      std::string name;
+      PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));
+      if (key == "recipe") {
+        Result<Recipe> r = parse_recipe(name);
+        if (!r) return r.status();
+        c->precision.recipe.recipe = r.value();
+      } else if (key == "layout") {
+        Result<Layout> l = parse_layout(name);
+        if (!l) return l.status();
+        c->precision.layout = l.value();
+      } else {
+        Result<PrimaryWeight> p = parse_primary(name);
+        if (!p) return p.status();
+        c->precision.primary = p.value();
+      }
+    } else {
+      return Status::error("unknown key train." + key);
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace packmoe::train

@@ -1,0 +1,37 @@
+// The training loop behind `packmoe train`: steps a Trainer to config.steps, evaluating every
+// eval_interval steps and after the last, writing one metrics.jsonl record per step and per
+// evaluation, one Megatron-style log line per log_interval and, when asked (stdout is a terminal),
+// a live progress bar. Invariant: the loop only reads the Trainer's results; what it prints or
+// writes never changes the numbers of the run.
+#pragma once
+
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "core/status.h"
+#include "train/trainer.h"
+
+namespace packmoe::train {
+
+struct TrainLoopOptions {
+  std::string metrics_path;   // JSONL (train/metrics.h); empty: no file
+  bool progress_bar = false;  // redraw a bar on `out` after every step (for a terminal)
+  std::FILE* out = stdout;    // log lines, eval lines
+};
+
+struct TrainSummary {
+  double first_loss = 0, last_loss = 0;   // train loss of the first and last step run
+  std::optional<double> last_eval_loss;
+  double seconds = 0;                     // wall time of the loop
+};
+
+// " validation loss at iteration      50 | lm loss value: 4.123456E+00 | lm loss PPL:
+// 6.177000E+01 |" (Megatron's evaluate_and_print_results, iteration padded like the log line).
+std::string format_eval_line(int64_t iteration, double loss);
+
+// Runs the remaining steps (from trainer.step() to config.steps). Errors: a failed step or eval
+// (e.g. a non-finite loss), a metrics file that cannot be written.
+Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& options);
+
+}  // namespace packmoe::train

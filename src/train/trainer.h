@@ -1,0 +1,87 @@
+// Trainer: the Model, AdamW on its FP32 masters, the LR schedule, global grad-norm clipping and the
+// data samplers, stepped one optimizer step at a time. Invariants: a run is a pure function of
+// (ModelConfig, TrainConfig, data) - same seed, same bits, for any thread count and either layout;
+// evaluate() changes no training state (train -> eval -> train is bitwise train-only); the state a
+// checkpoint needs is observable: step(), the train sampler's position, AdamW's state, the model.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "io/token_data.h"
+#include "nn/model.h"
+#include "optim/adamw.h"
+#include "train/batch_sampler.h"
+#include "train/lr_schedule.h"
+#include "train/model_config.h"
+#include "train/throughput.h"
+#include "train/train_config.h"
+
+namespace packmoe::train {
+
+// Data for a run. The token streams are built by BatchSampler (train/batch_sampler.h).
+struct TrainData {
+  io::TokenDataset train;
+  io::TokenDataset validation;  // unused when eval_interval = 0
+  StreamOptions train_stream;   // the byte corpus separates documents with '\n'
+  StreamOptions validation_stream;
+};
+
+struct StepResult {
+  int64_t step = 0;       // optimizer steps done, this one included
+  double loss = 0;        // mean lm loss over the micro-batches
+  double aux_loss = 0;    // mean load-balancing loss (sum over MoE layers, without the coef)
+  double grad_norm = 0;   // global norm of the accumulated gradient, before clipping
+  double lr = 0;          // the lr of this step
+  int64_t tokens = 0;     // A x B x S
+  double seconds = 0;     // wall time of the step, the device synchronized at its end
+};
+
+struct EvalResult {
+  double loss = 0;  // mean lm loss over the fixed validation batches (each has B x S targets)
+  int64_t tokens = 0;
+  double seconds = 0;
+};
+
+class Trainer {
+ public:
+  // Builds the model from random_model_weights(model, config.seed), AdamW over model.params()
+  // (weight decay per NamedParam), the train sampler at position 0 and the fixed validation set
+  // (eval_batches batches, when eval_interval > 0). Errors: a bad config, a token >= vocab_size,
+  // too little data.
+  static Result<std::unique_ptr<Trainer>> create(Backend& backend, const ModelConfig& model,
+                                                 const TrainConfig& config, TrainData data);
+
+  // zero_grad; A x (forward + backward(1 / A)); global grad norm; clip coefficient; lr of step
+  // step() + 1; AdamW step (re-quantizes every packed primary weight, one launch per param).
+  // A non-finite loss or grad norm is an error and nothing is updated.
+  Result<StepResult> train_step();
+  // Mean lm loss over the fixed validation batches: forwards only, no gradient, no optimizer,
+  // no sampler change. eval_interval = 0 (no validation set): a programmer error.
+  Result<EvalResult> evaluate();
+
+  int64_t step() const { return step_; }
+  const TrainConfig& config() const { return config_; }
+  Model& model() { return *model_; }
+  AdamW& optimizer() { return optimizer_; }
+  BatchSampler& train_sampler() { return train_sampler_; }
+  bool on_cuda() const;  // throughput reports TFLOP/s and MFU only there
+  double flops_per_token() const { return model_flops_per_token(model_->config(), config_.seq_len); }
+
+ private:
+  Trainer(std::unique_ptr<Model> model, const TrainConfig& config, BatchSampler train_sampler,
+          std::vector<Batch> validation);
+
+  std::unique_ptr<Model> model_;
+  TrainConfig config_;
+  LrSchedule schedule_;
+  AdamW optimizer_;
+  BatchSampler train_sampler_;
+  std::vector<Batch> validation_;  // (eval_batches) fixed micro-batches
+  std::vector<const GroupedStorage*> grads_;  // every main_grad, in params() order
+  int64_t step_ = 0;
+};
+
+}  // namespace packmoe::train

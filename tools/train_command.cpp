@@ -1,0 +1,286 @@
+// `packmoe train`: a Qwen3-MoE model from a preset or config file, trained on the byte-level
+// fortunes corpus (default) or Megatron / llm.c token files. Settings come from the defaults, then
+// the --config file, then the flags (flags win). Invariant: every input is checked (flags, config,
+// data, model shape) before DIR is touched, so a bad input leaves no output behind.
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/text_corpus.h"
+#include "io/token_data.h"
+#include "tools/commands.h"
+#include "train/plot.h"
+#include "train/train_loop.h"
+#include "train/trainer.h"
+
+namespace packmoe::tools {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+template <typename T>
+std::string text(const T& v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// A flag bound to a TrainConfig field: parsed into args.flags, copied over the file's value only
+// when given on the command line.
+template <typename T>
+void add_train_flag(CLI::App* cmd, TrainArgs& args, const std::string& name,
+                    T train::TrainConfig::*field, const std::string& help) {
+  const train::TrainConfig defaults;
+  cmd->add_option(name, args.flags.*field, help + " (default: " + text(defaults.*field) + ")");
+  args.apply_flags.push_back(
+      [name, field](const CLI::App& c, const train::TrainConfig& from, train::TrainConfig& to) {
+        if (c.count(name)) to.*field = from.*field;
+      });
+}
+
+Result<json> read_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error(path + ": cannot open the config file");
+  std::ostringstream s;
+  s << in.rdbuf();
+  try {
+    return json::parse(s.str());
+  } catch (const json::parse_error& e) {
+    return Status::error(path + ": not valid JSON: " + e.what());
+  }
+}
+
+struct Source {
+  io::TokenDataset train;
+  std::optional<io::TokenDataset> validation;  // the text corpus's own split
+  train::StreamOptions stream;
+  std::string description;
+};
+
+// "fortunes" | "text:PATH" | "megatron:PREFIX" | "llmc:SHARD". Text splits itself into train and
+// validation by document hash; token files are one dataset each.
+Result<Source> load_source(const std::string& spec, const char* flag) {
+  const size_t colon = spec.find(':');
+  const std::string kind = spec.substr(0, colon);
+  const std::string path = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  Source s;
+  if (spec == "fortunes" || (kind == "text" && !path.empty())) {
+    io::TextCorpusOptions opt;
+    if (kind == "text") opt.paths = {path};
+    Result<io::TextCorpus> corpus = io::load_text_corpus(opt);
+    if (!corpus) return corpus.status();
+    s.train = std::move(corpus.value().train);
+    s.validation = std::move(corpus.value().validation);
+    s.train.source = s.validation->source = kind == "text" ? path : io::kDefaultCorpusDir;
+    s.stream.separator = static_cast<uint32_t>('\n');
+    s.description = (kind == "text" ? path : std::string("fortunes")) + " (byte tokens, " +
+                    text(corpus.value().files.size()) + " files)";
+    return s;
+  }
+  if (kind == "megatron" && !path.empty()) {
+    Result<io::TokenDataset> d = io::read_megatron(path);
+    if (!d) return d.status();
+    s.train = std::move(d.value());
+  } else if (kind == "llmc" && !path.empty()) {
+    Result<io::TokenDataset> d = io::read_llmc_shard(path);
+    if (!d) return d.status();
+    s.train = std::move(d.value());
+  } else {
+    return Status::error(std::string(flag) + " '" + spec +
+                         "' must be fortunes, text:PATH, megatron:PREFIX or llmc:SHARD");
+  }
+  if (s.train.source.empty()) s.train.source = path;
+  s.description = spec;
+  return s;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, TrainArgs& args) {
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "Train a Qwen3-MoE model whose experts live in one packed weight per layer (BF16, MXFP8\n"
+      "or NVFP4 primary weights, FP32 masters). Writes DIR/config.json (the model, Hugging Face\n"
+      "names), DIR/metrics.jsonl (one JSON object per step and per evaluation) and DIR/loss.svg\n"
+      "(loss and grad-norm curves). Settings: defaults < --config file < flags. The config file is\n"
+      "a JSON object with model keys (as in config.json; absent keys take the Hugging Face\n"
+      "defaults) and/or a \"train\" object whose keys are the long names of the options below\n"
+      "(steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr, warmup_steps,\n"
+      "decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval, eval_batches,\n"
+      "log_interval, seed, recipe, layout, primary).");
+  args.cmd = cmd;
+  cmd->add_option("--config", args.config_file, "JSON config file (model keys and/or \"train\")");
+  cmd->add_option("--preset", args.preset,
+                  "model preset when the config file has no model keys: tiny (byte vocab, 2 "
+                  "layers, 4 experts), small (~100M parameters), qwen3_30b_a3b_layers (default: "
+                  "tiny)");
+  cmd->add_option("--recipe", args.recipe, "expert precision: bf16, mxfp8 or nvfp4 (default: bf16)");
+  cmd->add_option("--layout", args.layout,
+                  "parameter layout: single (one packed tensor per expert weight) or discrete "
+                  "(one per expert); bitwise identical results (default: single)");
+  cmd->add_option("--primary", args.primary,
+                  "experts' primary weight: low (the quantized bytes are the parameter) or high "
+                  "(BF16, quantized at every forward) (default: low)");
+  add_train_flag(cmd, args, "--steps", &train::TrainConfig::steps, "optimizer steps");
+  add_train_flag(cmd, args, "--micro-batch", &train::TrainConfig::micro_batch_size,
+                 "rows per micro-batch (B)");
+  add_train_flag(cmd, args, "--seq-len", &train::TrainConfig::seq_len, "tokens per row (S)");
+  add_train_flag(cmd, args, "--grad-accum", &train::TrainConfig::grad_accum_steps,
+                 "micro-batches per optimizer step");
+  add_train_flag(cmd, args, "--lr", &train::TrainConfig::lr, "peak learning rate");
+  add_train_flag(cmd, args, "--min-lr", &train::TrainConfig::min_lr,
+                 "learning rate at the end of the cosine decay");
+  add_train_flag(cmd, args, "--warmup", &train::TrainConfig::warmup_steps,
+                 "linear warmup steps from 0 to --lr");
+  cmd->add_option("--decay-steps", args.decay_steps,
+                  "step at which the cosine reaches --min-lr, constant after (default: --steps)");
+  add_train_flag(cmd, args, "--weight-decay", &train::TrainConfig::weight_decay,
+                 "AdamW decoupled weight decay, not applied to norms");
+  add_train_flag(cmd, args, "--beta1", &train::TrainConfig::beta1, "AdamW beta1");
+  add_train_flag(cmd, args, "--beta2", &train::TrainConfig::beta2, "AdamW beta2");
+  add_train_flag(cmd, args, "--eps", &train::TrainConfig::eps, "AdamW epsilon");
+  add_train_flag(cmd, args, "--grad-clip", &train::TrainConfig::grad_clip,
+                 "max global grad norm; <= 0 disables clipping");
+  add_train_flag(cmd, args, "--eval-interval", &train::TrainConfig::eval_interval,
+                 "evaluate every N steps and after the last; 0: never");
+  add_train_flag(cmd, args, "--eval-batches", &train::TrainConfig::eval_batches,
+                 "validation micro-batches per evaluation (always the same ones)");
+  add_train_flag(cmd, args, "--log-interval", &train::TrainConfig::log_interval,
+                 "steps per log line");
+  add_train_flag(cmd, args, "--seed", &train::TrainConfig::seed,
+                 "seed of the weight init and NVFP4 stochastic rounding");
+  cmd->add_option("--device", args.device, "auto (CUDA if a GPU is usable), cpu or cuda (default: auto)");
+  cmd->add_option("--data", args.data,
+                  "training data: fortunes (the Debian fortunes corpus, byte tokens, 90% of its "
+                  "documents), text:PATH (fortune-format text files, '%' lines separate "
+                  "documents), megatron:PREFIX (PREFIX.bin/.idx) or llmc:SHARD (an llm.c .bin "
+                  "token shard) (default: fortunes)");
+  cmd->add_option("--valid-data", args.valid_data,
+                  "validation data, same forms; default: the held-out 10% of a text corpus "
+                  "(required with megatron: or llmc: data unless --eval-interval 0)");
+  cmd->add_option("--out", args.out,
+                  "output directory for config.json, metrics.jsonl and loss.svg (default: " +
+                      args.out + ")");
+}
+
+Status run_train(const TrainArgs& args) {
+  // ---- settings: defaults, then the config file, then flags ----
+  Result<Backend*> backend = backend_from_flag(args.device);
+  if (!backend) return backend.status();
+  train::TrainConfig config;
+  std::optional<ModelConfig> model;
+  if (!args.config_file.empty()) {
+    Result<json> file = read_json_file(args.config_file);
+    if (!file) return file.status();
+    if (!file.value().is_object())
+      return Status::error(args.config_file + ": the config must be a JSON object");
+    json model_keys = file.value();
+    if (model_keys.contains("train")) {
+      Status s = train::apply_train_json(model_keys["train"], &config);
+      if (!s) return Status::error(args.config_file + ": " + s.message());
+      model_keys.erase("train");
+    }
+    if (!model_keys.empty()) {
+      if (args.cmd->count("--preset"))
+        return Status::error("--preset and the model keys of " + args.config_file +
+                             " both define the model; use one of them");
+      Result<ModelConfig> m = train::model_config_from_json(model_keys);
+      if (!m) return Status::error(args.config_file + ": " + m.status().message());
+      model = m.value();
+    }
+  }
+  if (!model) {
+    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    if (!m) return m.status();
+    model = m.value();
+  }
+  for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
+  if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
+  if (args.cmd->count("--recipe")) {
+    Result<Recipe> r = train::parse_recipe(args.recipe);
+    if (!r) return r.status();
+    config.precision.recipe.recipe = r.value();
+  }
+  if (args.cmd->count("--layout")) {
+    Result<Layout> l = train::parse_layout(args.layout);
+    if (!l) return l.status();
+    config.precision.layout = l.value();
+  }
+  if (args.cmd->count("--primary")) {
+    Result<PrimaryWeight> p = train::parse_primary(args.primary);
+    if (!p) return p.status();
+    config.precision.primary = p.value();
+  }
+  PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
+
+  // ---- data ----
+  Result<Source> source = load_source(args.data, "--data");
+  if (!source) return source.status();
+  train::TrainData data;
+  data.train = std::move(source.value().train);
+  data.train_stream = source.value().stream;
+  if (!args.valid_data.empty()) {
+    Result<Source> valid = load_source(args.valid_data, "--valid-data");
+    if (!valid) return valid.status();
+    data.validation = std::move(valid.value().train);
+    data.validation_stream = valid.value().stream;
+  } else if (source.value().validation) {
+    data.validation = std::move(*source.value().validation);
+    data.validation_stream = source.value().stream;
+  } else if (config.eval_interval > 0) {
+    return Status::error("--data " + args.data +
+                         " has no validation split: give --valid-data or --eval-interval 0");
+  }
+  const int64_t train_tokens = static_cast<int64_t>(data.train.tokens.size());
+  const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
+
+  Result<std::unique_ptr<train::Trainer>> trainer =
+      train::Trainer::create(*backend.value(), *model, config, std::move(data));
+  if (!trainer) return trainer.status();
+
+  // ---- outputs ----
+  std::error_code ec;
+  fs::create_directories(args.out, ec);
+  if (ec) return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
+  const std::string config_path = (fs::path(args.out) / "config.json").string();
+  const std::string metrics_path = (fs::path(args.out) / "metrics.jsonl").string();
+  const std::string plot_path = (fs::path(args.out) / "loss.svg").string();
+  PACKMOE_RETURN_IF_ERROR(train::save_model_config(*model, config_path));
+
+  const train::ParameterCount params = train::parameter_count(*model);
+  std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",
+              static_cast<long long>(params.total), static_cast<long long>(params.active),
+              backend.value()->name().c_str());
+  std::printf("  experts: recipe %s, primary %s, layout %s | data: %s, %lld train / %lld "
+              "validation tokens\n",
+              recipe_name(config.precision.recipe.recipe), train::primary_name(config.precision.primary),
+              train::layout_name(config.precision.layout), source.value().description.c_str(),
+              static_cast<long long>(train_tokens), static_cast<long long>(valid_tokens));
+  std::printf("  %lld steps x %lld micro-batches x %lld rows x %lld tokens, lr %g -> %g\n",
+              static_cast<long long>(config.steps), static_cast<long long>(config.grad_accum_steps),
+              static_cast<long long>(config.micro_batch_size),
+              static_cast<long long>(config.seq_len), config.lr, config.min_lr);
+  std::fflush(stdout);
+
+  train::TrainLoopOptions loop;
+  loop.metrics_path = metrics_path;
+  loop.progress_bar = isatty(STDOUT_FILENO) != 0;
+  Result<train::TrainSummary> summary = train::run_training(*trainer.value(), loop);
+  if (!summary) return summary.status();
+  PACKMOE_RETURN_IF_ERROR(train::plot_metrics_file(metrics_path, plot_path));
+  const train::TrainSummary& s = summary.value();
+  std::printf("done in %s: train loss %.4f -> %.4f", train::format_duration(s.seconds).c_str(),
+              s.first_loss, s.last_loss);
+  if (s.last_eval_loss) std::printf(", validation loss %.4f", *s.last_eval_loss);
+  std::printf("\n  metrics: %s\n  plot:    %s\n  config:  %s\n", metrics_path.c_str(),
+              plot_path.c_str(), config_path.c_str());
+  return Status::ok();
+}
+
+}  // namespace packmoe::tools
