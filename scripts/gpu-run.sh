@@ -3,18 +3,20 @@
 # `cuda` label included) and the demo, run the PyTorch peers (shared/peers and bench/*.py) and
 # packmoe's benchmarks in the same call, and print a short table last. Logs go to $OUT (default
 # ./gpu-out): build.log tests.log peers.log bench.log summary.txt and the peers' JSON.
-# Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests]
+# `packmoe train` of the `small` preset in each recipe measures tokens/s and MFU (train.log).
+# Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests] [--no-train]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-run_peer=1 run_bench=1 run_tests=1
+run_peer=1 run_bench=1 run_tests=1 run_train=1
 for a in "$@"; do
   case "$a" in
     --no-peer) run_peer=0 ;;
     --no-bench) run_bench=0 ;;
     --no-tests) run_tests=0 ;;
+    --no-train) run_train=0 ;;
     *) echo "gpu-run: unknown flag $a" >&2; exit 2 ;;
   esac
 done
@@ -72,6 +74,21 @@ if [ $run_bench = 1 ]; then
     args=()
     [ -n "${peer_json[$name]:-}" ] && args+=(--peer-json "${peer_json[$name]}")
     { echo "## $name ${args[*]}"; "$b" "${args[@]}"; } >>"$OUT/bench.log" 2>&1 || note "$name: FAILED"
+  done
+fi
+
+# Training throughput: the small preset (about 100M parameters) on the byte corpus (text files
+# bundled here, since the GPU machine has no fortunes package), 30 steps, the last log line's
+# tokens/s, TFLOP/s and MFU (steps 21-30; the first steps include allocation warm-up).
+if [ $run_train = 1 ]; then
+  corpus=$(mktemp -d)
+  cat README.md docs/*.md src/*/*.h > "$corpus/text.txt"
+  for r in bf16 mxfp8 nvfp4; do
+    line=$( { build-gpu/packmoe train --preset small --device cuda --recipe "$r" --steps 30 \
+                --micro-batch 16 --seq-len 512 --warmup 5 --eval-interval 0 --log-interval 10 \
+                --data "text:$corpus/text.txt" --out "$corpus/run_$r" 2>&1 | tee -a "$OUT/train.log"; } \
+            | grep -E "iteration +30/" | tail -1)
+    note "train small $r: ${line:-FAILED (see train.log)}"
   done
 fi
 
