@@ -263,12 +263,15 @@ TEST(CudaModelOps, RopeForwardAndBackward) {
 struct AttnCase {
   int64_t B, S, Hq, Hkv, D;
 };
-// S below, at and above warp multiples; D 16..512 (every per-lane register width, D % 32 != 0);
-// GQA groups 1, 2, 4, 8.
+// S below, at and above warp multiples; D 8..512 (every padded width of the tiled kernels, D % 32
+// != 0, and the one-warp-per-row kernels above 128); GQA groups 1, 2, 3, 4, 8, 16. The longer
+// cases make the tiled kernels run several chunks per lane pass (forward / dq: more than 32 keys
+// of one lane class; dk / dv: more than 64 query pairs) and several key tiles per residue class.
 const std::vector<AttnCase> kAttnCases = {
-    {1, 1, 1, 1, 16},   {2, 33, 4, 2, 64},  {1, 70, 8, 1, 128}, {1, 45, 2, 2, 16},
-    {2, 17, 8, 4, 128}, {1, 100, 4, 4, 64}, {3, 9, 1, 1, 48},   {1, 64, 8, 8, 32},
-    {1, 37, 2, 1, 256}, {1, 20, 2, 1, 512}, {1, 130, 4, 1, 80},
+    {1, 1, 1, 1, 16},   {2, 33, 4, 2, 64},  {1, 70, 8, 1, 128},  {1, 45, 2, 2, 16},
+    {2, 17, 8, 4, 128}, {1, 100, 4, 4, 64}, {3, 9, 1, 1, 48},    {1, 64, 8, 8, 32},
+    {1, 37, 2, 1, 256}, {1, 20, 2, 1, 512}, {1, 130, 4, 1, 80},  {1, 1100, 2, 1, 128},
+    {2, 300, 16, 2, 8}, {1, 150, 6, 2, 64}, {1, 530, 4, 1, 32},  {1, 260, 32, 2, 16},
 };
 
 float attn_scale(int64_t D) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))); }

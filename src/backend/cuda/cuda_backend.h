@@ -159,9 +159,10 @@ uint64_t cuda_count_e2m1_codec_mismatches(uint32_t* first_mismatch = nullptr);
 bool cuda_mxfp8_fast_scale_ok(CudaBackend& be);
 uint64_t cuda_count_e8m0_scale_mismatches(uint32_t* first_mismatch = nullptr);
 
-// Dense decoder ops (model_ops_sm90.cu), the CPU reference's bytes. Embedding ids and cross-entropy
-// targets are range-checked by a kernel whose flag is read back (one stream sync per call) before
-// any output is written. Attention supports head_dim <= 512 (an error Status beyond).
+// Dense decoder ops (model_ops_sm90.cu; attention in attention_sm90.cu), the CPU reference's
+// bytes. Embedding ids and cross-entropy targets are range-checked by a kernel whose flag is read
+// back (one stream sync per call) before any output is written. Attention supports head_dim <= 512
+// (an error Status beyond): tiled kernels up to 128, one warp per row above.
 Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a);
 Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a);
 Status rms_norm_sm90(CudaBackend& be, const RmsNormArgs& a);
