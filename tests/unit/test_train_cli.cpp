@@ -54,6 +54,16 @@ void write_text(const fs::path& path, const std::string& text) {
 // A run small enough for a unit test: 2 rows of 16 tokens, one eval batch.
 const std::string kSmall = " --device cpu --micro-batch 2 --seq-len 16 --eval-batches 1";
 
+// A fortune-format corpus of 300 short documents in `dir` (the tests must not depend on the
+// system's fortunes package, which e.g. the GPU machine lacks); returns " --data text:PATH".
+std::string corpus_flag(const fs::path& dir) {
+  std::ofstream f(dir / "corpus.txt");
+  for (int d = 0; d < 300; ++d)
+    f << "Document " << d << ": the quick brown fox " << (d * 7919) % 1000
+      << " jumps over the lazy dog.\n%\n";
+  return " --data text:" + (dir / "corpus.txt").string();
+}
+
 // The output is exactly one line: "packmoe: error: ...needle...".
 void expect_one_error_line(const RunResult& r, const std::string& needle) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -67,7 +77,7 @@ TEST(TrainCli, ShortRunWritesParsableMetricsConfigAndPlot) {
   const fs::path dir = temp_dir();
   const fs::path out = dir / "run";
   const RunResult r = run_cli("train --steps 3 --eval-interval 2 --log-interval 1" + kSmall +
-                              " --out " + out.string());
+                              corpus_flag(dir) + " --out " + out.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find(" iteration        3/       3 |"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" validation loss at iteration        2 |"), std::string::npos);
@@ -109,7 +119,8 @@ TEST(TrainCli, FlagsWinOverTheConfigFile) {
   file["train"] = {{"steps", 5}, {"seq_len", 8}, {"eval_interval", 0}, {"recipe", "mxfp8"}};
   write_text(dir / "run.json", file.dump());
   const RunResult r = run_cli("train --config " + (dir / "run.json").string() +
-                              " --steps 2 --device cpu --micro-batch 2 --out " + (dir / "out").string());
+                              " --steps 2 --device cpu --micro-batch 2" + corpus_flag(dir) +
+                              " --out " + (dir / "out").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("recipe mxfp8"), std::string::npos) << r.output;
   const auto records = train::read_metrics((dir / "out" / "metrics.jsonl").string());
