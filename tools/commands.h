@@ -51,6 +51,12 @@ struct TrainArgs {
   std::string config_file, preset = "tiny", recipe = "bf16", layout = "single", primary = "low";
   std::string device = "auto", data = "fortunes", valid_data, out = "runs/train";
   int64_t decay_steps = 0;
+  // Checkpoints: --save-dir, --save-interval, --keep-last, --save-primary; where to start from:
+  // --resume DIR|auto or --init-from-hf DIR.
+  std::string save_dir, resume, init_from_hf;
+  int64_t save_interval = 0;
+  int keep_last = 2;
+  bool save_primary = false;
   train::TrainConfig flags;
   std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
       apply_flags;
@@ -58,5 +64,12 @@ struct TrainArgs {
 };
 void add_train_command(CLI::App& app, TrainArgs& args);
 Status run_train(const TrainArgs& args);
+
+// `packmoe export-hf` (tools/export_command.cpp).
+struct ExportHfArgs {
+  std::string checkpoint, out, dtype = "bf16";
+};
+void add_export_hf_command(CLI::App& app, ExportHfArgs& args);
+Status run_export_hf(const ExportHfArgs& args);
 
 }  // namespace packmoe::tools

@@ -1,5 +1,6 @@
-// The `packmoe` executable: subcommands `train` (the main job), `demo` (packed quantization
-// demo), `quantize` and `dequantize` (safetensors conversion), `plot` (training curves to SVG). Bad
+// The `packmoe` executable: subcommands `train` (the main job), `export-hf` (a checkpoint as a
+// Hugging Face model directory), `demo` (packed quantization demo), `quantize` and `dequantize`
+// (safetensors conversion), `plot` (training curves to SVG). Bad
 // input, unknown flags included, prints one line starting with "packmoe: error:" and exits 1;
 // --help on every subcommand explains the flags.
 #include <CLI/CLI.hpp>
@@ -22,6 +23,8 @@ int main(int argc, char** argv) {
   packmoe::tools::add_plot_command(app, plot);
   packmoe::tools::TrainArgs train;
   packmoe::tools::add_train_command(app, train);
+  packmoe::tools::ExportHfArgs export_hf;
+  packmoe::tools::add_export_hf_command(app, export_hf);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {  // --help
@@ -36,6 +39,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("dequantize")) status = packmoe::tools::run_dequantize(dequantize);
   if (app.got_subcommand("plot")) status = packmoe::tools::run_plot(plot);
   if (app.got_subcommand("train")) status = packmoe::tools::run_train(train);
+  if (app.got_subcommand("export-hf")) status = packmoe::tools::run_export_hf(export_hf);
   if (!status.is_ok()) {
     std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
     return 1;

@@ -1,7 +1,9 @@
 // `packmoe train`: a Qwen3-MoE model from a preset or config file, trained on the byte-level
-// fortunes corpus (default) or Megatron / llm.c token files. Settings come from the defaults, then
-// the --config file, then the flags (flags win). Invariant: every input is checked (flags, config,
-// data, model shape) before DIR is touched, so a bad input leaves no output behind.
+// fortunes corpus (default) or Megatron / llm.c token files; optionally resumed from a checkpoint
+// or initialised from Hugging Face weights, saving checkpoints on the way. Settings come from the
+// defaults (or the resumed checkpoint's), then the --config file, then the flags (flags win).
+// Invariant: every input is checked (flags, config, checkpoint, data, model shape) before DIR is
+// touched, so a bad input leaves no output behind.
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,9 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "io/hf_weights.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
 #include "tools/commands.h"
+#include "train/checkpoint.h"
 #include "train/plot.h"
 #include "train/train_loop.h"
 #include "train/trainer.h"
@@ -108,12 +112,19 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "Train a Qwen3-MoE model whose experts live in one packed weight per layer (BF16, MXFP8\n"
       "or NVFP4 primary weights, FP32 masters). Writes DIR/config.json (the model, Hugging Face\n"
       "names), DIR/metrics.jsonl (one JSON object per step and per evaluation) and DIR/loss.svg\n"
-      "(loss and grad-norm curves). Settings: defaults < --config file < flags. The config file is\n"
+      "(loss and grad-norm curves). Settings: defaults < --config file < flags. The config file "
+      "is\n"
       "a JSON object with model keys (as in config.json; absent keys take the Hugging Face\n"
       "defaults) and/or a \"train\" object whose keys are the long names of the options below\n"
       "(steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr, warmup_steps,\n"
       "decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval, eval_batches,\n"
-      "log_interval, seed, recipe, layout, primary).");
+      "log_interval, seed, recipe, layout, primary).\n"
+      "Checkpoints: --save-dir ROOT writes ROOT/step-XXXXXXXX (FP32 masters as Hugging Face\n"
+      "safetensors, config.json, AdamW moments, trainer_state.json) every --save-interval steps\n"
+      "and after the last, keeping the newest --keep-last. --resume continues one bitwise as if\n"
+      "never interrupted (its settings are the base, the config file and flags override them;\n"
+      "--layout, --recipe and --primary may change); --init-from-hf starts a new run from\n"
+      "Hugging Face weights. `packmoe export-hf` turns a checkpoint into a Hugging Face model.");
   args.cmd = cmd;
   cmd->add_option("--config", args.config_file, "JSON config file (model keys and/or \"train\")");
   cmd->add_option("--preset", args.preset,
@@ -165,16 +176,100 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                   "validation data, same forms; default: the held-out 10% of a text corpus "
                   "(required with megatron: or llmc: data unless --eval-interval 0)");
   cmd->add_option("--out", args.out,
-                  "output directory for config.json, metrics.jsonl and loss.svg (default: " +
+                  "output directory for config.json, metrics.jsonl and loss.svg; a resumed run "
+                  "appends to metrics.jsonl, dropping records past the checkpoint's step "
+                  "(default: " +
                       args.out + ")");
+  cmd->add_option("--save-dir", args.save_dir,
+                  "checkpoint root: writes ROOT/step-XXXXXXXX atomically (temporary directory, "
+                  "CRC-32C marker, rename) every --save-interval steps and after the last step");
+  cmd->add_option("--save-interval", args.save_interval,
+                  "steps between checkpoints; 0: only after the last step (default: 0)");
+  cmd->add_option("--keep-last", args.keep_last,
+                  "complete checkpoints kept under --save-dir, older ones are deleted (default: " +
+                      std::to_string(args.keep_last) + ")");
+  cmd->add_flag("--save-primary", args.save_primary,
+                "also write each checkpoint's low-precision primary weights (data + scales, the "
+                "names of `packmoe quantize`) as primary.safetensors, for export");
+  cmd->add_option(
+      "--resume", args.resume,
+      "continue a run: DIR (a checkpoint directory, or a save root: its newest complete "
+      "checkpoint) or auto (the newest complete checkpoint under --save-dir; none: "
+      "start from step 0). The model is the checkpoint's; a --preset or config model "
+      "that differs is an error");
+  cmd->add_option("--init-from-hf", args.init_from_hf,
+                  "start a new run (step 0, fresh optimizer) from Hugging Face weights: DIR with "
+                  "config.json and model.safetensors (or a sharded index), per-expert or fused "
+                  "expert names, F32 or BF16. DIR's config.json defines the model; a --preset or "
+                  "config model that differs is an error");
 }
 
+namespace {
+
+// Where the run starts: fresh, from a checkpoint, or from Hugging Face weights.
+struct Start {
+  std::optional<train::TrainerCheckpoint> checkpoint;  // --resume found one
+  std::optional<ModelConfig> hf_model;                 // --init-from-hf's config.json
+  std::vector<std::string> notes;                      // printed once the run starts
+};
+
+Result<Start> resolve_start(const TrainArgs& args) {
+  Start start;
+  if (!args.resume.empty() && !args.init_from_hf.empty())
+    return Status::error("--resume and --init-from-hf both set the starting weights; use one");
+  if (!args.init_from_hf.empty()) {
+    Result<ModelConfig> m =
+        train::load_model_config((fs::path(args.init_from_hf) / train::kConfigFile).string());
+    if (!m) return Status::error("--init-from-hf: " + m.status().message());
+    start.hf_model = m.value();
+    return start;
+  }
+  if (args.resume.empty()) return start;
+  std::string dir;
+  std::vector<std::string> skipped;
+  if (args.resume == "auto") {
+    if (args.save_dir.empty()) return Status::error("--resume auto needs --save-dir");
+    Result<io::LatestCheckpoint> latest = io::latest_checkpoint(args.save_dir);
+    if (!latest) return latest.status();
+    skipped = latest.value().skipped;
+    if (latest.value().found) {
+      dir = latest.value().found->dir;
+    } else {
+      start.notes.push_back("no complete checkpoint under " + args.save_dir +
+                            ": starting from step 0");
+    }
+  } else {
+    Result<std::string> found = train::find_checkpoint(args.resume, &skipped);
+    if (!found) return Status::error("--resume: " + found.status().message());
+    dir = found.value();
+  }
+  for (const std::string& why : skipped) start.notes.push_back("skipped " + why);
+  if (dir.empty()) return start;
+  Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(dir);
+  if (!c) return Status::error("--resume: " + c.status().message());
+  start.checkpoint = std::move(c.value());
+  return start;
+}
+
+}  // namespace
+
 Status run_train(const TrainArgs& args) {
-  // ---- settings: defaults, then the config file, then flags ----
+  // ---- settings: defaults (or the checkpoint's), then the config file, then flags ----
   Result<Backend*> backend = backend_from_flag(args.device);
   if (!backend) return backend.status();
-  train::TrainConfig config;
-  std::optional<ModelConfig> model;
+  if (args.save_interval < 0)
+    return Status::error("--save-interval = " + std::to_string(args.save_interval) +
+                         " must be >= 0");
+  if (args.keep_last < 1)
+    return Status::error("--keep-last = " + std::to_string(args.keep_last) + " must be >= 1");
+  if (args.save_dir.empty() && (args.cmd->count("--save-interval") || args.save_primary))
+    return Status::error("--save-interval and --save-primary need --save-dir");
+  Result<Start> start = resolve_start(args);
+  if (!start) return start.status();
+  const std::optional<train::TrainerCheckpoint>& checkpoint = start.value().checkpoint;
+
+  train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
+  std::optional<ModelConfig> model;  // given explicitly: a config file's model keys or --preset
   if (!args.config_file.empty()) {
     Result<json> file = read_json_file(args.config_file);
     if (!file) return file.status();
@@ -194,6 +289,20 @@ Status run_train(const TrainArgs& args) {
       if (!m) return Status::error(args.config_file + ": " + m.status().message());
       model = m.value();
     }
+  }
+  if (!model && args.cmd->count("--preset")) {
+    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    if (!m) return m.status();
+    model = m.value();
+  }
+  // A checkpoint or HF directory brings its own model; one given explicitly must be the same.
+  const std::optional<ModelConfig> stored =
+      checkpoint ? std::optional<ModelConfig>(checkpoint->model) : start.value().hf_model;
+  if (stored) {
+    const std::string where =
+        (fs::path(checkpoint ? checkpoint->dir : args.init_from_hf) / train::kConfigFile).string();
+    if (model) PACKMOE_RETURN_IF_ERROR(train::check_same_model(*model, *stored, where));
+    model = stored;
   }
   if (!model) {
     Result<ModelConfig> m = train::model_config_preset(args.preset);
@@ -218,6 +327,16 @@ Status run_train(const TrainArgs& args) {
     config.precision.primary = p.value();
   }
   PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
+  if (checkpoint && checkpoint->step >= config.steps)
+    return Status::error("--resume: " + checkpoint->dir + " is at step " +
+                         std::to_string(checkpoint->step) + ", not before steps = " +
+                         std::to_string(config.steps) + ": nothing left to train (raise --steps)");
+  std::optional<ModelWeights> hf_weights;
+  if (start.value().hf_model) {
+    Result<ModelWeights> w = io::load_hf_weights(args.init_from_hf, *model);
+    if (!w) return Status::error("--init-from-hf: " + w.status().message());
+    hf_weights = std::move(w.value());
+  }
 
   // ---- data ----
   Result<Source> source = load_source(args.data, "--data");
@@ -241,7 +360,9 @@ Status run_train(const TrainArgs& args) {
   const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
 
   Result<std::unique_ptr<train::Trainer>> trainer =
-      train::Trainer::create(*backend.value(), *model, config, std::move(data));
+      checkpoint ? train::Trainer::resume(*backend.value(), *checkpoint, config, std::move(data))
+                 : train::Trainer::create(*backend.value(), *model, config, std::move(data),
+                                          hf_weights ? &*hf_weights : nullptr);
   if (!trainer) return trainer.status();
 
   // ---- outputs ----
@@ -266,11 +387,21 @@ Status run_train(const TrainArgs& args) {
               static_cast<long long>(config.steps), static_cast<long long>(config.grad_accum_steps),
               static_cast<long long>(config.micro_batch_size),
               static_cast<long long>(config.seq_len), config.lr, config.min_lr);
+  for (const std::string& note : start.value().notes) std::printf("  %s\n", note.c_str());
+  if (checkpoint)
+    std::printf("  resumed from %s at step %lld\n", checkpoint->dir.c_str(),
+                static_cast<long long>(checkpoint->step));
+  if (hf_weights)
+    std::printf("  initialised from Hugging Face weights in %s\n", args.init_from_hf.c_str());
   std::fflush(stdout);
 
   train::TrainLoopOptions loop;
   loop.metrics_path = metrics_path;
   loop.progress_bar = isatty(STDOUT_FILENO) != 0;
+  loop.save_dir = args.save_dir;
+  loop.save_interval = args.save_interval;
+  loop.keep_last = args.keep_last;
+  loop.save_primary = args.save_primary;
   Result<train::TrainSummary> summary = train::run_training(*trainer.value(), loop);
   if (!summary) return summary.status();
   PACKMOE_RETURN_IF_ERROR(train::plot_metrics_file(metrics_path, plot_path));

@@ -177,6 +177,12 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   return dx;
 }
 
+void GroupedLinear::set_grad_sr_offset(uint64_t offset) {
+  PACKMOE_CHECK(state_ == LinearState::kIdle,
+                "set_grad_sr_offset between forward and backward (or with a wgrad queued)");
+  grad_sr_offset_ = offset;
+}
+
 void GroupedLinear::backward_dw() {
   PACKMOE_CHECK(state_ == LinearState::kWgradPending,
                 "backward_dw without a queued wgrad (a wgrad runs once per backward, and is only "

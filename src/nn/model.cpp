@@ -120,30 +120,43 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
   }
   m.final_norm = std::make_unique<RmsNorm>(backend, layout, eps, weight(init, "model.norm.weight"));
 
-  // The parameter list, in model_param_specs order.
+  // The parameter list, in model_param_specs order, with the linear that owns each (null for the
+  // norms and the untied embedding).
   const std::vector<ParamSpec> specs = model_param_specs(c);
-  std::vector<GroupedParam*> order;
-  order.push_back(m.embed ? m.embed.get() : &m.lm_head->param());
+  std::vector<std::pair<GroupedParam*, GroupedLinear*>> order;
+  auto add_linear = [&](GroupedLinear& l) { order.emplace_back(&l.param(), &l); };
+  if (m.embed)
+    order.emplace_back(m.embed.get(), nullptr);
+  else
+    add_linear(*m.lm_head);
   for (auto& layer : m.layers) {
     Attention& a = layer->attention();
-    for (GroupedParam* p : {&layer->input_norm().param(), &a.q_proj().param(),
-                            &a.k_proj().param(), &a.v_proj().param(), &a.o_proj().param(),
-                            &a.q_norm().param(), &a.k_norm().param(), &layer->post_norm().param()})
-      order.push_back(p);
+    order.emplace_back(&layer->input_norm().param(), nullptr);
+    for (GroupedLinear* l : {&a.q_proj(), &a.k_proj(), &a.v_proj(), &a.o_proj()}) add_linear(*l);
+    order.emplace_back(&a.q_norm().param(), nullptr);
+    order.emplace_back(&a.k_norm().param(), nullptr);
+    order.emplace_back(&layer->post_norm().param(), nullptr);
     if (MoEBlock* moe = layer->moe()) {
-      for (GroupedParam* p : moe->params()) order.push_back(p);  // router, fc1, fc2
+      for (GroupedLinear* l : {&moe->router(), &moe->fc1(), &moe->fc2()}) add_linear(*l);
     } else {
-      order.push_back(&layer->mlp()->gate_up().param());
-      order.push_back(&layer->mlp()->down().param());
+      add_linear(layer->mlp()->gate_up());
+      add_linear(layer->mlp()->down());
     }
   }
-  order.push_back(&m.final_norm->param());
-  if (!c.tie_word_embeddings) order.push_back(&m.lm_head->param());
+  order.emplace_back(&m.final_norm->param(), nullptr);
+  if (!c.tie_word_embeddings) add_linear(*m.lm_head);
   PACKMOE_CHECK(order.size() == specs.size(), "Model: parameter list out of step with the specs");
+  std::vector<std::string> linear_names;
   for (size_t i = 0; i < specs.size(); ++i) {
-    params_.push_back({specs[i].name, order[i], specs[i].weight_decay});
-    order[i]->create_master();
+    params_.push_back({specs[i].name, order[i].first, specs[i].weight_decay});
+    order[i].first->create_master();
+    if (order[i].second) {
+      linears_.push_back(order[i].second);
+      linear_names.push_back(specs[i].name);
+    }
   }
+  PACKMOE_CHECK(linear_names == model_linear_names(c),
+                "Model: linear list out of step with model_linear_names");
 }
 
 Model::~Model() = default;
@@ -161,6 +174,18 @@ ModelWeights Model::master_weights() const {
     out.emplace(specs[i].name, std::move(t));
   }
   return out;
+}
+
+std::vector<uint64_t> Model::grad_sr_offsets() const {
+  std::vector<uint64_t> out;
+  for (const GroupedLinear* l : linears_) out.push_back(l->grad_sr_offset());
+  return out;
+}
+
+void Model::set_grad_sr_offsets(const std::vector<uint64_t>& offsets) {
+  PACKMOE_CHECK(offsets.size() == linears_.size(),
+                offsets.size() << " SR offsets for " << linears_.size() << " linears");
+  for (size_t i = 0; i < offsets.size(); ++i) linears_[i]->set_grad_sr_offset(offsets[i]);
 }
 
 Result<ForwardLosses> Model::forward(const Batch& batch) {

@@ -61,6 +61,11 @@ std::vector<ParamSpec> model_param_specs(const ModelConfig& config);
 // every machine.
 ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
 
+// The GroupedLinears of the model, each named by its parameter, in model_param_specs order: every
+// parameter but the norms and the untied embedding (tied, the embedding IS the LM head's weight
+// and comes first). The order of Model::grad_sr_offsets().
+std::vector<std::string> model_linear_names(const ModelConfig& config);
+
 // Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, on the
 // host; the error names the first offending tensor.
 Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights);
@@ -83,7 +88,8 @@ struct ForwardLosses {
   float total() const { return lm_loss + aux_coef * aux_loss; }
 };
 
-class DecoderLayer;  // nn/decoder_layer.h
+class DecoderLayer;   // nn/decoder_layer.h
+class GroupedLinear;  // nn/grouped_linear.h
 
 // A parameter with its name (a ModelWeights key) and whether AdamW decays it.
 struct NamedParam {
@@ -116,6 +122,11 @@ class Model {
   const std::vector<NamedParam>& params() const { return params_; }
   // FP32 masters copied to the host, in the ModelWeights layout (for checkpoints and tests).
   ModelWeights master_weights() const;
+  // The NVFP4 stochastic-rounding offset of every GroupedLinear (GroupedLinear::grad_sr_offset),
+  // in model_linear_names order: with the seed, the whole random state of a run. A checkpoint
+  // saves them and set_grad_sr_offsets restores them (size must match; only between steps).
+  std::vector<uint64_t> grad_sr_offsets() const;
+  void set_grad_sr_offsets(const std::vector<uint64_t>& offsets);
 
   // Forward of one micro-batch; returns its losses (one host sync). Allowed from any state: a
   // forward never followed by backward (eval) is dropped by the next forward. Bad ids / targets
@@ -132,6 +143,7 @@ class Model {
   ModelPrecision precision_;
   ModelState state_ = ModelState::kIdle;
   std::vector<NamedParam> params_;
+  std::vector<GroupedLinear*> linears_;  // model_linear_names order
 
   struct Impl;  // layers and saved activations (nn/model.cpp)
   std::unique_ptr<Impl> impl_;

@@ -74,7 +74,12 @@ Batch BatchSampler::next() {
   return b;
 }
 
-Status BatchSampler::set_position(const SamplerPosition& p) {
+SamplerPosition BatchSampler::next_row_position() const {
+  if (position_.offset + seq_ + 1 > stream_tokens()) return {0, position_.epoch + 1};
+  return position_;
+}
+
+Status BatchSampler::check_position(const SamplerPosition& p) const {
   if (p.epoch < 0 || p.offset < 0 || p.offset % seq_ != 0 || p.offset + seq_ + 1 > stream_tokens()) {
     std::ostringstream e;
     e << source_ << ": sampler position (epoch " << p.epoch << ", offset " << p.offset
@@ -82,6 +87,11 @@ Status BatchSampler::set_position(const SamplerPosition& p) {
       << seq_ << ")";
     return Status::error(e.str());
   }
+  return Status::ok();
+}
+
+Status BatchSampler::set_position(const SamplerPosition& p) {
+  PACKMOE_RETURN_IF_ERROR(check_position(p));
   position_ = p;
   return Status::ok();
 }

@@ -42,8 +42,12 @@ class BatchSampler {
 
   Batch next();  // B rows, then the position has advanced B windows (wrapping as needed)
   SamplerPosition position() const { return position_; }
+  // Where the next row starts: position(), or (0, epoch + 1) after the last window of an epoch
+  // (what next() wraps to first). The same windows follow; set_position accepts it.
+  SamplerPosition next_row_position() const;
   // Errors unless 0 <= offset, offset a multiple of S, offset + S + 1 <= stream_tokens, epoch >= 0.
-  Status set_position(const SamplerPosition& position);
+  Status check_position(const SamplerPosition& position) const;
+  Status set_position(const SamplerPosition& position);  // check_position, then move there
 
  private:
   BatchSampler(std::vector<uint32_t> stream, std::string source, int64_t batch, int64_t seq)

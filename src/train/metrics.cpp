@@ -145,6 +145,35 @@ Result<std::vector<MetricsRecord>> read_metrics(const std::string& path) {
   return records;
 }
 
+Status truncate_metrics_after(const std::string& path, int64_t step) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::ok();  // no file yet: nothing to drop
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  std::string kept;
+  bool changed = false;
+  size_t begin = 0;
+  for (int64_t number = 1; begin < text.size(); ++number) {
+    const size_t newline = text.find('\n', begin);
+    const bool torn = newline == std::string::npos;  // the writer ends every line with '\n'
+    const size_t end = torn ? text.size() : newline;
+    const std::string line = text.substr(begin, end - begin);
+    begin = torn ? text.size() : newline + 1;
+    changed |= torn;  // a kept torn line gets its newline, so appending stays line-separated
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    Result<MetricsRecord> r = parse_metrics_line(line);
+    if (!r && !torn)
+      return Status::error(path + ":" + std::to_string(number) +
+                           ": malformed metrics line: " + r.status().message());
+    if (!r || r.value().step > step) {
+      changed = true;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (!changed) return Status::ok();
+  return write_file_atomically(path, kept);
+}
+
 namespace {
 
 template <typename... Args>

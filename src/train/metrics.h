@@ -51,6 +51,12 @@ class MetricsWriter {
   std::string path_;
 };
 
+// For a resumed run: removes from `path` the records of steps after `step` (the run repeats
+// those steps) and a torn last line that does not parse (a crash mid-write; one that parses gets
+// its missing newline), rewriting the file atomically when anything changes. A missing file is
+// fine; any other bad line is an error.
+Status truncate_metrics_after(const std::string& path, int64_t step);
+
 // Blank lines are skipped; any other bad line is an error "PATH:LINE: ...".
 Result<std::vector<MetricsRecord>> read_metrics(const std::string& path);
 Result<MetricsRecord> parse_metrics_line(const std::string& line);

@@ -164,7 +164,9 @@ Result<ModelConfig> model_config_preset(const std::string& name) {
   return c;
 }
 
-json model_config_to_json(const ModelConfig& c) {
+json model_config_to_json(const ModelConfig& c, DType weights_dtype) {
+  PACKMOE_CHECK(weights_dtype == DType::kF32 || weights_dtype == DType::kBF16,
+                "config.json describes F32 or BF16 weights");
   json j;
   j["architectures"] = json::array({"Qwen3MoeForCausalLM"});
   j["model_type"] = c.model_type;
@@ -178,7 +180,8 @@ json model_config_to_json(const ModelConfig& c) {
   j["head_dim"] = c.head_dim;
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
-  j["rope_theta"] = c.rope_theta;
+  j["rope_theta"] = c.rope_theta;  // transformers 4; 5 reads rope_parameters
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", c.rope_theta}};
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["decoder_sparse_step"] = c.decoder_sparse_step;
   j["num_experts_per_tok"] = c.num_experts_per_tok;
@@ -190,7 +193,14 @@ json model_config_to_json(const ModelConfig& c) {
   // Fields transformers needs to build the model that packmoe does not vary.
   j["hidden_act"] = "silu";
   j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
   j["use_sliding_window"] = false;
+  j["sliding_window"] = nullptr;
+  j["use_cache"] = true;
+  j["output_router_logits"] = false;
+  const char* dtype = weights_dtype == DType::kF32 ? "float32" : "bfloat16";
+  j["torch_dtype"] = dtype;
+  j["dtype"] = dtype;
   return j;
 }
 
@@ -314,9 +324,20 @@ Result<ModelConfig> load_model_config(const std::string& path) {
   return config;
 }
 
-Status save_model_config(const ModelConfig& config, const std::string& path) {
+Status save_model_config(const ModelConfig& config, const std::string& path, DType weights_dtype) {
   PACKMOE_RETURN_IF_ERROR(validate(config));
-  return write_file_atomically(path, model_config_to_json(config).dump(2) + "\n");
+  return write_file_atomically(path, model_config_to_json(config, weights_dtype).dump(2) + "\n");
+}
+
+Status check_same_model(const ModelConfig& expected, const ModelConfig& found,
+                        const std::string& where) {
+  const json want = model_config_to_json(expected), got = model_config_to_json(found);
+  for (const auto& [key, value] : want.items()) {
+    if (got[key] == value) continue;
+    return Status::error(where + " is another model: " + key + " = " + got[key].dump() +
+                         " there, " + value.dump() + " here");
+  }
+  return Status::ok();
 }
 
 }  // namespace packmoe::train

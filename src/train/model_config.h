@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/status.h"
 #include "nn/model_config.h"
 
@@ -37,16 +38,27 @@ Status validate(const ModelConfig& config);
 std::vector<std::string> model_config_preset_names();
 Result<ModelConfig> model_config_preset(const std::string& name);
 
-// JSON <-> ModelConfig. Reading accepts v5-style `rope_parameters.rope_theta`, the
-// `num_local_experts` alias, and `null` for an absent value; a wrong JSON type is an error naming
-// the field.
-nlohmann::json model_config_to_json(const ModelConfig& config);
+// JSON <-> ModelConfig. Writing gives a complete Hugging Face config.json: every field above plus
+// the fields transformers reads that packmoe does not vary (architectures, hidden_act, attention
+// bias / dropout, sliding window off, use_cache, output_router_logits, rope_parameters), and the
+// dtype of the weights it goes with as "torch_dtype" (transformers 4) and "dtype" (5): "float32"
+// or "bfloat16" for weights_dtype kF32 / kBF16. Reading accepts v5-style
+// `rope_parameters.rope_theta`, the `num_local_experts` alias, and `null` for an absent value; a
+// wrong JSON type is an error naming the field.
+nlohmann::json model_config_to_json(const ModelConfig& config, DType weights_dtype = DType::kF32);
 Result<ModelConfig> model_config_from_json(const nlohmann::json& json);
 Result<ModelConfig> parse_model_config(const std::string& text);
 
 // config.json on disk; saving writes a temporary file next to `path` and renames it over `path`,
 // so a crash never leaves a half-written config.
 Result<ModelConfig> load_model_config(const std::string& path);
-Status save_model_config(const ModelConfig& config, const std::string& path);
+Status save_model_config(const ModelConfig& config, const std::string& path,
+                         DType weights_dtype = DType::kF32);
+
+// OK when `found` (read from `where`, e.g. a checkpoint's config.json) is the same model as
+// `expected` (every field of model_config_to_json equal); else one error naming the first field
+// that differs: "WHERE is another model: hidden_size = 128 there, 64 here".
+Status check_same_model(const ModelConfig& expected, const ModelConfig& found,
+                        const std::string& where);
 
 }  // namespace packmoe::train

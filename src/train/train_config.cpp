@@ -106,6 +106,31 @@ Result<PrimaryWeight> parse_primary(const std::string& name) {
   return Status::error("primary must be low or high (got '" + name + "')");
 }
 
+json train_config_to_json(const TrainConfig& c) {
+  json j;
+  j["steps"] = c.steps;
+  j["micro_batch_size"] = c.micro_batch_size;
+  j["seq_len"] = c.seq_len;
+  j["grad_accum_steps"] = c.grad_accum_steps;
+  j["lr"] = c.lr;
+  j["min_lr"] = c.min_lr;
+  j["warmup_steps"] = c.warmup_steps;
+  if (c.decay_steps) j["decay_steps"] = *c.decay_steps;
+  j["weight_decay"] = c.weight_decay;
+  j["beta1"] = c.beta1;
+  j["beta2"] = c.beta2;
+  j["eps"] = c.eps;
+  j["grad_clip"] = c.grad_clip;
+  j["eval_interval"] = c.eval_interval;
+  j["eval_batches"] = c.eval_batches;
+  j["log_interval"] = c.log_interval;
+  j["seed"] = c.seed;
+  j["recipe"] = recipe_name(c.precision.recipe.recipe);
+  j["layout"] = layout_name(c.precision.layout);
+  j["primary"] = primary_name(c.precision.primary);
+  return j;
+}
+
 Status apply_train_json(const json& j, TrainConfig* c) {
   if (!j.is_object()) return Status::error("\"train\" must be a JSON object (got " + j.dump() + ")");
   for (const auto& [key, v] : j.items()) {

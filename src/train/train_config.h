@@ -49,6 +49,10 @@ Result<PrimaryWeight> parse_primary(const std::string& name);
 const char* layout_name(Layout layout);
 const char* primary_name(PrimaryWeight primary);
 
+// Every field under its JSON key (decay_steps only when set): apply_train_json of the result onto
+// any TrainConfig gives back `config` exactly (doubles round-trip).
+nlohmann::json train_config_to_json(const TrainConfig& config);
+
 // Overwrites the fields present in `json` (an object whose keys are the field names above plus
 // "recipe", "layout", "primary"); an unknown key or a wrong type is an error naming the key.
 Status apply_train_json(const nlohmann::json& json, TrainConfig* config);

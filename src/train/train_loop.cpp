@@ -30,6 +30,8 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
   const TrainConfig& c = trainer.config();
   std::optional<MetricsWriter> metrics;
   if (!o.metrics_path.empty()) {
+    if (trainer.step() > 0)
+      PACKMOE_RETURN_IF_ERROR(truncate_metrics_after(o.metrics_path, trainer.step()));
     Result<MetricsWriter> w = MetricsWriter::open(o.metrics_path, /*append=*/trainer.step() > 0);
     if (!w) return w.status();
     metrics.emplace(std::move(w.value()));
@@ -114,6 +116,20 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       er.elapsed_s = elapsed();
       if (metrics) PACKMOE_RETURN_IF_ERROR(metrics->write(er));
       print_line(o, format_eval_line(s.step, eval.value().loss));
+    }
+
+    const bool save_now = o.save_interval > 0 && s.step % o.save_interval == 0;
+    if (!o.save_dir.empty() && (save_now || s.step == c.steps)) {
+      const auto save_start = std::chrono::steady_clock::now();
+      Result<io::CheckpointWriter::Committed> saved =
+          trainer.save_checkpoint(o.save_dir, o.keep_last, o.save_primary);
+      if (!saved) return saved.status();
+      char text[64];
+      std::snprintf(
+          text, sizeof text, " in %.2f s",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count());
+      print_line(o, " saved checkpoint " + saved.value().info.dir + text);
+      for (const std::string& w : saved.value().warnings) print_line(o, " warning: " + w);
     }
 
     if (o.progress_bar) {

@@ -1,8 +1,9 @@
 // The training loop behind `packmoe train`: steps a Trainer to config.steps, evaluating every
 // eval_interval steps and after the last, writing one metrics.jsonl record per step and per
 // evaluation, one Megatron-style log line per log_interval and, when asked (stdout is a terminal),
-// a live progress bar. Invariant: the loop only reads the Trainer's results; what it prints or
-// writes never changes the numbers of the run.
+// a live progress bar, and a checkpoint every save_interval steps and after the last. Invariant:
+// the loop only reads the Trainer's state; what it prints or writes (checkpoints included) never
+// changes the numbers of the run.
 #pragma once
 
 #include <cstdio>
@@ -17,7 +18,13 @@ namespace packmoe::train {
 struct TrainLoopOptions {
   std::string metrics_path;   // JSONL (train/metrics.h); empty: no file
   bool progress_bar = false;  // redraw a bar on `out` after every step (for a terminal)
-  std::FILE* out = stdout;    // log lines, eval lines
+  std::FILE* out = stdout;    // log lines, eval lines, checkpoint lines
+  // Checkpoints (Trainer::save_checkpoint) under save_dir, after the step's evaluation: every
+  // save_interval steps (0: none on the way) and after the last step; empty save_dir: never.
+  std::string save_dir;
+  int64_t save_interval = 0;
+  int keep_last = 2;
+  bool save_primary = false;
 };
 
 struct TrainSummary {
@@ -30,8 +37,10 @@ struct TrainSummary {
 // 6.177000E+01 |" (Megatron's evaluate_and_print_results, iteration padded like the log line).
 std::string format_eval_line(int64_t iteration, double loss);
 
-// Runs the remaining steps (from trainer.step() to config.steps). Errors: a failed step or eval
-// (e.g. a non-finite loss), a metrics file that cannot be written.
+// Runs the remaining steps (from trainer.step() to config.steps). A resumed trainer (step() > 0)
+// appends to the metrics file after dropping its records of later steps (truncate_metrics_after).
+// Errors: a failed step or eval (e.g. a non-finite loss), a metrics file or checkpoint that
+// cannot be written.
 Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& options);
 
 }  // namespace packmoe::train

@@ -1,8 +1,10 @@
-// Trainer: one optimizer step = A micro-batches of forward + backward, grad norm, clip, AdamW.
+// Trainer: one optimizer step = A micro-batches of forward + backward, grad norm, clip, AdamW;
+// checkpoint snapshot / save / resume.
 #include "train/trainer.h"
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 
 #include "optim/grad_clip.h"
@@ -14,12 +16,39 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+AdamWConfig adamw_config(const TrainConfig& c) {
+  return AdamWConfig{static_cast<float>(c.lr), static_cast<float>(c.beta1),
+                     static_cast<float>(c.beta2), static_cast<float>(c.eps),
+                     static_cast<float>(c.weight_decay)};
+}
+
+// Host (E, N, K) F32 bytes -> a moment's storage (any memory, any layout).
+void upload_moment(const Tensor& host, GroupedStorage& moment) {
+  PACKMOE_CHECK(host.nbytes() == moment.groups() * moment.bytes_per_group(),
+                "moment of " << host.nbytes() << " bytes for a storage of "
+                             << moment.groups() * moment.bytes_per_group());
+  GroupedStorage staged(cpu_backend(), Layout::kSingle, moment.groups(), moment.bytes_per_group());
+  std::memcpy(staged.packed(), host.data(), host.nbytes());
+  moment.copy_from(staged);
+}
+
+Tensor download_f32(const GroupedStorage& s, const Shape& shape) {
+  Tensor t = Tensor::empty(cpu_backend(), DType::kF32, shape);
+  const std::vector<uint8_t> bytes = s.download();
+  PACKMOE_CHECK(bytes.size() == t.nbytes(),
+                "storage of " << bytes.size() << " bytes for shape " << shape_string(shape));
+  std::memcpy(t.data(), bytes.data(), bytes.size());
+  return t;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelConfig& model,
-                                                 const TrainConfig& config, TrainData data) {
+                                                 const TrainConfig& config, TrainData data,
+                                                 const ModelWeights* init) {
   PACKMOE_RETURN_IF_ERROR(train::validate(model));
   PACKMOE_RETURN_IF_ERROR(validate(config, model));
+  if (init) PACKMOE_RETURN_IF_ERROR(validate_model_weights(model, *init));
   Result<BatchSampler> sampler =
       BatchSampler::create(std::move(data.train), model.vocab_size, config.micro_batch_size,
                            config.seq_len, data.train_stream);
@@ -35,9 +64,19 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
   ModelPrecision precision = config.precision;
   precision.recipe.sr_seed = config.seed;
   auto m = std::make_unique<Model>(backend, model, precision,
-                                   random_model_weights(model, config.seed));
+                                   init ? *init : random_model_weights(model, config.seed));
   return std::unique_ptr<Trainer>(new Trainer(std::move(m), config, std::move(sampler.value()),
                                               std::move(validation)));
+}
+
+Result<std::unique_ptr<Trainer>> Trainer::resume(Backend& backend, const TrainerCheckpoint& c,
+                                                 const TrainConfig& config, TrainData data) {
+  Result<std::unique_ptr<Trainer>> t =
+      create(backend, c.model, config, std::move(data), &c.masters);
+  if (!t) return t.status();
+  PACKMOE_RETURN_IF_ERROR(t.value()->check_resumable(c));
+  t.value()->restore_state(c);
+  return t;
 }
 
 Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
@@ -45,15 +84,93 @@ Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
     : model_(std::move(model)),
       config_(config),
       schedule_(lr_schedule(config)),
-      optimizer_(AdamWConfig{static_cast<float>(config.lr), static_cast<float>(config.beta1),
-                             static_cast<float>(config.beta2), static_cast<float>(config.eps),
-                             static_cast<float>(config.weight_decay)}),
+      optimizer_(adamw_config(config)),
       train_sampler_(std::move(train_sampler)),
       validation_(std::move(validation)) {
+  attach_optimizer();
+}
+
+void Trainer::attach_optimizer() {
   for (const NamedParam& p : model_->params()) {
     optimizer_.add(*p.param, p.weight_decay);
     grads_.push_back(&p.param->main_grad());
   }
+}
+
+TrainerCheckpoint Trainer::snapshot() const {
+  TrainerCheckpoint c;
+  c.step = step_;
+  c.model = model_->config();
+  c.config = config_;
+  c.masters = model_->master_weights();
+  const std::vector<NamedParam>& params = model_->params();
+  const std::vector<AdamW::ParamState>& states = optimizer_.states();
+  PACKMOE_CHECK(params.size() == states.size(), "optimizer out of step with the model");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Shape& shape = c.masters.at(params[i].name).shape();
+    c.moments.emplace(exp_avg_name(params[i].name), download_f32(states[i].exp_avg, shape));
+    c.moments.emplace(exp_avg_sq_name(params[i].name), download_f32(states[i].exp_avg_sq, shape));
+  }
+  c.optimizer_steps = optimizer_.steps();
+  c.sampler = train_sampler_.next_row_position();
+  c.train_stream_tokens = train_sampler_.stream_tokens();
+  c.sr_offsets = model_->grad_sr_offsets();
+  return c;
+}
+
+Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::string& root,
+                                                                 int keep_last, bool save_primary) {
+  Result<io::CheckpointWriter> writer = io::CheckpointWriter::begin(root, step_, keep_last);
+  if (!writer) return writer.status();
+  io::CheckpointWriter& w = writer.value();
+  PACKMOE_RETURN_IF_ERROR(write_trainer_checkpoint(w.dir(), snapshot()));
+  if (save_primary) PACKMOE_RETURN_IF_ERROR(write_primary_weights(w.path(kPrimaryFile), *model_));
+  return w.commit();
+}
+
+Status Trainer::check_resumable(const TrainerCheckpoint& c) const {
+  const std::string where = c.dir.empty() ? std::string("the checkpoint") : c.dir;
+  PACKMOE_RETURN_IF_ERROR(check_same_model(model_->config(), c.model, where + "/" + kConfigFile));
+  if (c.train_stream_tokens != train_sampler_.stream_tokens())
+    return Status::error(where + ": its training stream had " +
+                         std::to_string(c.train_stream_tokens) + " tokens, this run's has " +
+                         std::to_string(train_sampler_.stream_tokens()) +
+                         ": resume on the data it was trained on");
+  const Status position = train_sampler_.check_position(c.sampler);
+  if (!position) return Status::error(where + ": " + position.message());
+  return Status::ok();
+}
+
+void Trainer::restore_state(const TrainerCheckpoint& c) {
+  std::vector<AdamW::ParamState>& states = optimizer_.states();
+  const std::vector<NamedParam>& params = model_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    upload_moment(c.moments.at(exp_avg_name(params[i].name)), states[i].exp_avg);
+    upload_moment(c.moments.at(exp_avg_sq_name(params[i].name)), states[i].exp_avg_sq);
+  }
+  optimizer_.set_steps(c.optimizer_steps);
+  model_->set_grad_sr_offsets(c.sr_offsets);
+  const Status position = train_sampler_.set_position(c.sampler);
+  PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
+  step_ = c.step;
+}
+
+Status Trainer::load_checkpoint(const std::string& dir) {
+  Result<TrainerCheckpoint> c = read_trainer_checkpoint(dir);
+  if (!c) return c.status();
+  PACKMOE_RETURN_IF_ERROR(check_resumable(c.value()));
+  // Every check passed, nothing below can fail. The old model goes first, so that only one is
+  // ever in memory.
+  Backend& backend = model_->backend();
+  const ModelConfig model_config = model_->config();
+  const ModelPrecision precision = model_->precision();
+  grads_.clear();
+  optimizer_ = AdamW(adamw_config(config_));
+  model_.reset();
+  model_ = std::make_unique<Model>(backend, model_config, precision, c.value().masters);
+  attach_optimizer();
+  restore_state(c.value());
+  return Status::ok();
 }
 
 bool Trainer::on_cuda() const { return model_->backend().name().rfind("cuda", 0) == 0; }

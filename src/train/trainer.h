@@ -1,8 +1,9 @@
 // Trainer: the Model, AdamW on its FP32 masters, the LR schedule, global grad-norm clipping and the
 // data samplers, stepped one optimizer step at a time. Invariants: a run is a pure function of
 // (ModelConfig, TrainConfig, data) - same seed, same bits, for any thread count and either layout;
-// evaluate() changes no training state (train -> eval -> train is bitwise train-only); the state a
-// checkpoint needs is observable: step(), the train sampler's position, AdamW's state, the model.
+// evaluate() changes no training state (train -> eval -> train is bitwise train-only); a
+// checkpoint holds the whole state (masters, moments, step, data position, SR offsets), so save ->
+// resume -> train is bitwise train-only in either layout; a failed load changes nothing.
 #pragma once
 
 #include <cstdint>
@@ -10,10 +11,12 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "io/checkpoint_dir.h"
 #include "io/token_data.h"
 #include "nn/model.h"
 #include "optim/adamw.h"
 #include "train/batch_sampler.h"
+#include "train/checkpoint.h"
 #include "train/lr_schedule.h"
 #include "train/model_config.h"
 #include "train/throughput.h"
@@ -47,12 +50,35 @@ struct EvalResult {
 
 class Trainer {
  public:
-  // Builds the model from random_model_weights(model, config.seed), AdamW over model.params()
-  // (weight decay per NamedParam), the train sampler at position 0 and the fixed validation set
-  // (eval_batches batches, when eval_interval > 0). Errors: a bad config, a token >= vocab_size,
-  // too little data.
+  // Builds the model from `init` (e.g. HF weights; its masters are these exact values) or, when
+  // null, random_model_weights(model, config.seed); AdamW over model.params() (weight decay per
+  // NamedParam), the train sampler at position 0 and the fixed validation set (eval_batches
+  // batches, when eval_interval > 0). Errors: a bad config, init weights that do not fit the
+  // model, a token >= vocab_size, too little data.
   static Result<std::unique_ptr<Trainer>> create(Backend& backend, const ModelConfig& model,
+                                                 const TrainConfig& config, TrainData data,
+                                                 const ModelWeights* init = nullptr);
+  // A trainer that continues `checkpoint` (read_trainer_checkpoint) under `config`, which may
+  // differ from the checkpoint's: the layout, recipe and primary weight freely (the masters, AdamW
+  // moments, step, data position and SR offsets carry over as they are), the schedule and steps
+  // too. The data must be the stream the checkpoint indexes (same token count) and the position a
+  // window start for config.seq_len.
+  static Result<std::unique_ptr<Trainer>> resume(Backend& backend,
+                                                 const TrainerCheckpoint& checkpoint,
                                                  const TrainConfig& config, TrainData data);
+
+  // Writes a checkpoint of the current state as ROOT/step-<step()> through io::CheckpointWriter
+  // (temporary directory, CRC marker, rename, keep the newest keep_last); save_primary adds
+  // primary.safetensors. Only between steps. On error no step-* directory changed.
+  Result<io::CheckpointWriter::Committed> save_checkpoint(const std::string& root, int keep_last,
+                                                          bool save_primary = false);
+  // The state a checkpoint holds, copied to the host.
+  TrainerCheckpoint snapshot() const;
+  // Replaces this trainer's state by a checkpoint directory's, keeping this trainer's config
+  // (layout, recipe, schedule): the model is rebuilt from the stored masters. Every file is read
+  // and checked first (read_trainer_checkpoint, plus: the same model as this one, the same data
+  // stream, a valid position); on any error this trainer is untouched.
+  Status load_checkpoint(const std::string& dir);
 
   // zero_grad; A x (forward + backward(1 / A)); global grad norm; clip coefficient; lr of step
   // step() + 1; AdamW step (re-quantizes every packed primary weight, one launch per param).
@@ -65,6 +91,7 @@ class Trainer {
   int64_t step() const { return step_; }
   const TrainConfig& config() const { return config_; }
   Model& model() { return *model_; }
+  const Model& model() const { return *model_; }
   AdamW& optimizer() { return optimizer_; }
   BatchSampler& train_sampler() { return train_sampler_; }
   bool on_cuda() const;  // throughput reports TFLOP/s and MFU only there
@@ -73,6 +100,13 @@ class Trainer {
  private:
   Trainer(std::unique_ptr<Model> model, const TrainConfig& config, BatchSampler train_sampler,
           std::vector<Batch> validation);
+  void attach_optimizer();  // AdamW and grads_ over model_->params()
+  // Errors unless `c` can continue here: the same model, the same training stream, a position
+  // that is a window start of it.
+  Status check_resumable(const TrainerCheckpoint& c) const;
+  // Moments, AdamW step count, SR offsets, sampler position and step from a checked checkpoint
+  // whose masters the model was built from.
+  void restore_state(const TrainerCheckpoint& c);
 
   std::unique_ptr<Model> model_;
   TrainConfig config_;

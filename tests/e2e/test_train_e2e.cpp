@@ -9,121 +9,12 @@
 #include <cmath>
 #include <cstring>
 
-#include "backend/backend.h"
-#include "io/text_corpus.h"
-#include "train/trainer.h"
+#include "common/trainer_trace.h"
 
 namespace packmoe::train {
 namespace {
 
-// The default corpus (scripts/install-deps.sh installs it; a machine without it skips these
-// tests with the loader's message rather than training on other text with other margins).
-const Result<io::TextCorpus>& loaded_corpus() {
-  static const Result<io::TextCorpus> c = io::load_text_corpus();
-  return c;
-}
-
-#define SKIP_WITHOUT_CORPUS()                                                   \
-  if (!loaded_corpus().is_ok()) GTEST_SKIP() << loaded_corpus().status().message()
-
-const TrainData& corpus() {
-  static const TrainData data = [] {
-    const Result<io::TextCorpus>& c = loaded_corpus();
-    PACKMOE_CHECK(c.is_ok(), c.status().message());
-    TrainData d;
-    d.train = std::move(c.value().train);
-    d.validation = std::move(c.value().validation);
-    d.train_stream.separator = d.validation_stream.separator = static_cast<uint32_t>('\n');
-    return d;
-  }();
-  return data;
-}
-
-ModelConfig tiny() { return model_config_preset("tiny").value(); }
-
-// Small shapes so the whole folder runs in minutes on 2 cores.
-TrainConfig small_run(Recipe recipe, Layout layout) {
-  TrainConfig c;
-  c.steps = 30;
-  c.micro_batch_size = 4;
-  c.seq_len = 32;
-  c.lr = 3e-3;
-  c.min_lr = 3e-4;
-  c.warmup_steps = 5;
-  c.eval_interval = 10;
-  c.eval_batches = 2;
-  c.seed = 7;
-  c.precision.recipe.recipe = recipe;
-  c.precision.layout = layout;
-  return c;
-}
-
-std::unique_ptr<Trainer> make_trainer(const TrainConfig& config) {
-  Result<std::unique_ptr<Trainer>> t =
-      Trainer::create(cpu_backend(), tiny(), config, TrainData(corpus()));
-  PACKMOE_CHECK(t.is_ok(), t.status().message());
-  return std::move(t.value());
-}
-
-// Everything a run produces, as bytes.
-struct Trace {
-  std::vector<double> losses, grad_norms, eval_losses;
-  SamplerPosition position;  // of the train sampler at the end
-  std::vector<std::vector<uint8_t>> masters, exp_avg, exp_avg_sq;
-};
-
-std::vector<uint8_t> bytes_of(const Tensor& t) {
-  const auto* p = static_cast<const uint8_t*>(t.data());
-  return {p, p + t.nbytes()};
-}
-
-void capture_state(Trainer& t, Trace* trace) {
-  trace->position = t.train_sampler().position();
-  for (const auto& [name, tensor] : t.model().master_weights())
-    trace->masters.push_back(bytes_of(tensor));
-  for (const AdamW::ParamState& s : t.optimizer().states()) {
-    trace->exp_avg.push_back(s.exp_avg.download());
-    trace->exp_avg_sq.push_back(s.exp_avg_sq.download());
-  }
-}
-
-// Trains `steps` steps; evaluates after the steps listed in `eval_after`.
-Trace run(const TrainConfig& config, int64_t steps, const std::vector<int64_t>& eval_after = {}) {
-  std::unique_ptr<Trainer> t = make_trainer(config);
-  Trace trace;
-  for (int64_t i = 0; i < steps; ++i) {
-    Result<StepResult> r = t->train_step();
-    PACKMOE_CHECK(r.is_ok(), r.status().message());
-    trace.losses.push_back(r.value().loss);
-    trace.grad_norms.push_back(r.value().grad_norm);
-    for (int64_t e : eval_after) {
-      if (e != r.value().step) continue;
-      Result<EvalResult> ev = t->evaluate();
-      PACKMOE_CHECK(ev.is_ok(), ev.status().message());
-      trace.eval_losses.push_back(ev.value().loss);
-    }
-  }
-  capture_state(*t, &trace);
-  return trace;
-}
-
-bool same_bytes(const std::vector<double>& a, const std::vector<double>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
-}
-
-void expect_bitwise_equal(const Trace& a, const Trace& b) {
-  EXPECT_TRUE(same_bytes(a.losses, b.losses));
-  EXPECT_TRUE(same_bytes(a.grad_norms, b.grad_norms));
-  EXPECT_EQ(a.position.offset, b.position.offset);
-  EXPECT_EQ(a.position.epoch, b.position.epoch);
-  ASSERT_EQ(a.masters.size(), b.masters.size());
-  for (size_t i = 0; i < a.masters.size(); ++i) EXPECT_EQ(a.masters[i], b.masters[i]) << "master " << i;
-  ASSERT_EQ(a.exp_avg.size(), b.exp_avg.size());
-  for (size_t i = 0; i < a.exp_avg.size(); ++i) {
-    EXPECT_EQ(a.exp_avg[i], b.exp_avg[i]) << "exp_avg " << i;
-    EXPECT_EQ(a.exp_avg_sq[i], b.exp_avg_sq[i]) << "exp_avg_sq " << i;
-  }
-}
+using namespace testing;
 
 const Recipe kRecipes[] = {Recipe::kBF16, Recipe::kMxfp8, Recipe::kNvfp4};
 
@@ -134,7 +25,7 @@ const Recipe kRecipes[] = {Recipe::kBF16, Recipe::kMxfp8, Recipe::kNvfp4};
 constexpr double kMinFall = 1.5;
 
 TEST(TrainE2E, LossFallsWithin30StepsInEveryRecipe) {
-  SKIP_WITHOUT_CORPUS();
+  PACKMOE_SKIP_WITHOUT_CORPUS();
   for (Recipe recipe : kRecipes) {
     SCOPED_TRACE(recipe_name(recipe));
     const Trace t = run(small_run(recipe, Layout::kSingle), 30);
@@ -151,7 +42,7 @@ TEST(TrainE2E, LossFallsWithin30StepsInEveryRecipe) {
 const PrimaryWeight kPrimaries[] = {PrimaryWeight::kLowPrecision, PrimaryWeight::kHighPrecision};
 
 TEST(TrainE2E, SingleAndDiscreteLayoutsAreBitwiseEqual) {
-  SKIP_WITHOUT_CORPUS();
+  PACKMOE_SKIP_WITHOUT_CORPUS();
   for (Recipe recipe : kRecipes) {
     for (PrimaryWeight primary : kPrimaries) {
       SCOPED_TRACE(std::string(recipe_name(recipe)) + " primary " + primary_name(primary));
@@ -166,7 +57,7 @@ TEST(TrainE2E, SingleAndDiscreteLayoutsAreBitwiseEqual) {
 }
 
 TEST(TrainE2E, EvalBetweenStepsChangesNothing) {
-  SKIP_WITHOUT_CORPUS();
+  PACKMOE_SKIP_WITHOUT_CORPUS();
   for (Recipe recipe : kRecipes) {
     for (PrimaryWeight primary : kPrimaries) {
       SCOPED_TRACE(std::string(recipe_name(recipe)) + " primary " + primary_name(primary));
@@ -187,7 +78,7 @@ TEST(TrainE2E, EvalBetweenStepsChangesNothing) {
 }
 
 TEST(TrainE2E, SameSeedSameBitsForAnyThreadCount) {
-  SKIP_WITHOUT_CORPUS();
+  PACKMOE_SKIP_WITHOUT_CORPUS();
   const int threads = omp_get_max_threads();
   for (Recipe recipe : kRecipes) {
     SCOPED_TRACE(recipe_name(recipe));

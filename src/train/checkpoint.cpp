@@ -1,0 +1,303 @@
+// Trainer checkpoint files: writers, the validating reader, the primary-weight file and the HF
+// export. The reader checks the whole directory before it returns anything.
+#include "train/checkpoint.h"
+
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "io/checkpoint_dir.h"
+#include "io/hf_weights.h"
+#include "io/safetensors.h"
+
+namespace packmoe::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kStateFormat = "packmoe-trainer-state";
+constexpr int64_t kStateVersion = 1;
+
+std::string in_dir(const std::string& dir, const char* file) {
+  return (fs::path(dir) / file).string();
+}
+
+// ---- trainer_state.json -------------------------------------------------------------------------
+
+json state_json(const TrainerCheckpoint& c) {
+  json j;
+  j["format"] = kStateFormat;
+  j["version"] = kStateVersion;
+  j["step"] = c.step;
+  j["optimizer_steps"] = c.optimizer_steps;
+  j["sampler"] = {{"offset", c.sampler.offset},
+                  {"epoch", c.sampler.epoch},
+                  {"stream_tokens", c.train_stream_tokens}};
+  const std::vector<std::string> linears = model_linear_names(c.model);
+  PACKMOE_CHECK(linears.size() == c.sr_offsets.size(),
+                c.sr_offsets.size() << " SR offsets for " << linears.size() << " linears");
+  json sr = json::array();
+  for (size_t i = 0; i < linears.size(); ++i)
+    sr.push_back({{"linear", linears[i]}, {"offset", c.sr_offsets[i]}});
+  j["sr_offsets"] = std::move(sr);
+  j["train"] = train_config_to_json(c.config);
+  // Issue 7 (sharded optimizer) writes its shard plan here; a single rank has none.
+  j["world_size"] = c.world_size;
+  j["shard_plan"] = nullptr;
+  return j;
+}
+
+// Field readers: every error is "PATH: <field> ...".
+class StateReader {
+ public:
+  explicit StateReader(std::string path) : path_(std::move(path)) {}
+
+  Status error(const std::string& what) const { return Status::error(path_ + ": " + what); }
+
+  Status object(const json& j, const std::string& field) const {
+    if (j.is_object()) return Status::ok();
+    return error(field + " must be a JSON object (got " + j.dump() + ")");
+  }
+  const json* find(const json& j, const std::string& parent, const char* key, Status* s) const {
+    auto it = j.find(key);
+    if (it == j.end()) {
+      *s = error("missing field " + parent + key);
+      return nullptr;
+    }
+    return &*it;
+  }
+  Status int_at_least(const json& j, const std::string& parent, const char* key, int64_t lo,
+                      int64_t* out) const {
+    Status s;
+    const json* v = find(j, parent, key, &s);
+    if (!v) return s;
+    const bool fits = v->is_number_integer() &&
+                      !(v->is_number_unsigned() &&
+                        v->get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()});
+    if (!fits || v->get<int64_t>() < lo)
+      return error(parent + key + " must be an integer >= " + std::to_string(lo) + " (got " +
+                   v->dump() + ")");
+    *out = v->get<int64_t>();
+    return Status::ok();
+  }
+
+ private:
+  std::string path_;
+};
+
+// Parses trainer_state.json into `c` (model already read: it names the SR offsets and checks the
+// train config).
+Status parse_state(const json& j, const std::string& path, int64_t marker_step,
+                   TrainerCheckpoint* c) {
+  const StateReader r(path);
+  PACKMOE_RETURN_IF_ERROR(r.object(j, "the document"));
+  if (!j.contains("format") || j["format"] != kStateFormat)
+    return r.error(std::string("not a packmoe trainer state (\"format\" is not \"") + kStateFormat +
+                   "\")");
+  int64_t version = 0;
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "version", 0, &version));
+  if (version != kStateVersion)
+    return r.error("version " + std::to_string(version) + " is not supported (this build reads " +
+                   std::to_string(kStateVersion) + ")");
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "step", 0, &c->step));
+  if (c->step != marker_step)
+    return r.error("step " + std::to_string(c->step) + " differs from the step " +
+                   std::to_string(marker_step) + " of " + io::kCheckpointMarker);
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "optimizer_steps", 0, &c->optimizer_steps));
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "world_size", 1, &c->world_size));
+  if (c->world_size != 1)
+    return r.error("written by " + std::to_string(c->world_size) +
+                   " ranks; this build resumes single-rank checkpoints only");
+  if (!j.contains("shard_plan") || !j["shard_plan"].is_null())
+    return r.error("shard_plan must be null for a single-rank checkpoint");
+
+  Status s;
+  const json* sampler = r.find(j, "", "sampler", &s);
+  if (!sampler) return s;
+  PACKMOE_RETURN_IF_ERROR(r.object(*sampler, "sampler"));
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(*sampler, "sampler.", "offset", 0, &c->sampler.offset));
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(*sampler, "sampler.", "epoch", 0, &c->sampler.epoch));
+  PACKMOE_RETURN_IF_ERROR(
+      r.int_at_least(*sampler, "sampler.", "stream_tokens", 1, &c->train_stream_tokens));
+
+  const json* sr = r.find(j, "", "sr_offsets", &s);
+  if (!sr) return s;
+  const std::vector<std::string> linears = model_linear_names(c->model);
+  if (!sr->is_array() || sr->size() != linears.size())
+    return r.error("sr_offsets must be an array of " + std::to_string(linears.size()) +
+                   " entries, one per linear of the model");
+  c->sr_offsets.clear();
+  for (size_t i = 0; i < linears.size(); ++i) {
+    const json& e = (*sr)[i];
+    if (!e.is_object() || !e.contains("linear") || e["linear"] != linears[i] ||
+        !e.contains("offset") || !e["offset"].is_number_unsigned())
+      return r.error("sr_offsets[" + std::to_string(i) + "] must be {\"linear\": \"" + linears[i] +
+                     "\", \"offset\": <unsigned integer>} (got " + e.dump() + ")");
+    c->sr_offsets.push_back(e["offset"].get<uint64_t>());
+  }
+
+  const json* train = r.find(j, "", "train", &s);
+  if (!train) return s;
+  TrainConfig config;
+  Status applied = apply_train_json(*train, &config);
+  if (applied.is_ok()) applied = validate(config, c->model);
+  if (!applied) return r.error(applied.message());
+  c->config = config;
+  return Status::ok();
+}
+
+// ---- primary weights ----------------------------------------------------------------------------
+
+// Host copies of one parameter's primary-weight components, downloaded once.
+struct PrimaryCopy {
+  const GroupedParam* param = nullptr;
+  bool quantized = false;                             // a low-precision primary (else BF16)
+  std::map<std::string, std::vector<uint8_t>> parts;  // weight_components name -> bytes
+};
+
+std::vector<uint8_t> slice(const std::vector<uint8_t>& v, size_t begin, size_t bytes) {
+  PACKMOE_CHECK(begin + bytes <= v.size(), "primary slice out of range");
+  return {v.begin() + static_cast<std::ptrdiff_t>(begin),
+          v.begin() + static_cast<std::ptrdiff_t>(begin + bytes)};
+}
+
+}  // namespace
+
+std::string exp_avg_name(const std::string& param) { return "exp_avg/" + param; }
+std::string exp_avg_sq_name(const std::string& param) { return "exp_avg_sq/" + param; }
+
+Status write_trainer_checkpoint(const std::string& dir, const TrainerCheckpoint& c) {
+  PACKMOE_RETURN_IF_ERROR(save_model_config(c.model, in_dir(dir, kConfigFile), DType::kF32));
+  PACKMOE_RETURN_IF_ERROR(
+      io::save_hf_weights(in_dir(dir, io::kHfWeightsFile), c.model, c.masters, DType::kF32));
+  PACKMOE_RETURN_IF_ERROR(io::write_state_tensors(in_dir(dir, kOptimizerFile), c.moments));
+  return io::write_json_file(in_dir(dir, kTrainerStateFile), state_json(c));
+}
+
+Result<TrainerCheckpoint> read_trainer_checkpoint(const std::string& dir) {
+  Result<io::CheckpointInfo> info = io::verify_checkpoint(dir);
+  if (!info) return info.status();
+  TrainerCheckpoint c;
+  c.dir = dir;
+  Result<ModelConfig> model = load_model_config(in_dir(dir, kConfigFile));
+  if (!model) return model.status();
+  c.model = model.value();
+
+  const std::string state_path = in_dir(dir, kTrainerStateFile);
+  Result<json> state = io::read_json_file(state_path);
+  if (!state) return state.status();
+  PACKMOE_RETURN_IF_ERROR(parse_state(state.value(), state_path, info.value().step, &c));
+
+  Result<ModelWeights> masters = io::load_hf_weights(in_dir(dir, io::kHfWeightsFile), c.model);
+  if (!masters) return masters.status();
+  c.masters = std::move(masters.value());
+
+  std::vector<io::StateTensorSpec> specs;
+  for (const ParamSpec& p : model_param_specs(c.model)) {
+    specs.push_back({exp_avg_name(p.name), DType::kF32, p.shape});
+    specs.push_back({exp_avg_sq_name(p.name), DType::kF32, p.shape});
+  }
+  Result<io::StateTensors> moments = io::read_state_tensors(in_dir(dir, kOptimizerFile), specs);
+  if (!moments) return moments.status();
+  c.moments = std::move(moments.value());
+  return c;
+}
+
+Result<std::string> find_checkpoint(const std::string& path, std::vector<std::string>* skipped) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return Status::error(path + ": no such checkpoint directory");
+  if (fs::exists(fs::path(path) / io::kCheckpointMarker, ec)) return path;
+  Result<io::LatestCheckpoint> latest = io::latest_checkpoint(path);
+  if (!latest) return latest.status();
+  if (skipped) *skipped = latest.value().skipped;
+  if (!latest.value().found) {
+    std::string why = path + ": no complete checkpoint (no " + io::kCheckpointMarker +
+                      " here, no valid step-* directory under it)";
+    if (!latest.value().skipped.empty()) why += "; " + latest.value().skipped.front();
+    return Status::error(why);
+  }
+  return latest.value().found->dir;
+}
+
+Status write_primary_weights(const std::string& path, const Model& model) {
+  std::map<std::string, PrimaryCopy> copies;
+  Recipe recipe = Recipe::kBF16;
+  bool mxfp8_2d = false;
+  for (const NamedParam& p : model.params()) {
+    PrimaryCopy& c = copies[p.name];
+    c.param = p.param;
+    c.quantized = p.param->recipe().recipe != Recipe::kBF16 &&
+                  p.param->primary() == PrimaryWeight::kLowPrecision;
+    if (c.quantized) {
+      recipe = p.param->recipe().recipe;
+      mxfp8_2d = p.param->recipe().mxfp8_weight_2d;
+    }
+    for (const NamedStorage& s : p.param->weight_components()) {
+      const bool wanted =
+          c.quantized ? (s.name == "row_data" || s.name == "row_scale" || s.name == "decode_scale")
+                      : s.name == "bf16";
+      if (wanted) c.parts[s.name] = s.storage->download();
+    }
+  }
+  io::SafetensorsWriter out;
+  out.set_metadata("format", "pt");
+  if (recipe != Recipe::kBF16) {
+    out.set_metadata("packmoe.format", recipe_name(recipe));
+    out.set_metadata("packmoe.block",
+                     recipe == Recipe::kNvfp4 ? "16x16" : (mxfp8_2d ? "32x32" : "1x32"));
+  }
+  for (const io::HfTensorSpec& s : io::hf_tensor_specs(model.config())) {
+    const PrimaryCopy& c = copies.at(s.param);
+    const int64_t n = c.param->n(), k = c.param->k();
+    const int64_t numel = shape_numel(s.shape);
+    const size_t o = static_cast<size_t>(s.offset), count = static_cast<size_t>(numel);
+    if (!c.quantized) {
+      out.add(s.hf_name, "BF16", s.shape, slice(c.parts.at("bf16"), 2 * o, 2 * count));
+      continue;
+    }
+    // A quantized expert weight: rows [r0, r0 + rows) of expert e, K columns.
+    const int64_t e = s.offset / (n * k), r0 = (s.offset % (n * k)) / k, rows = numel / k;
+    const size_t first_row = static_cast<size_t>(e * n + r0);
+    if (recipe == Recipe::kMxfp8) {
+      const size_t scales = static_cast<size_t>(k / kMxfp8Block);
+      out.add(s.hf_name, "F8_E4M3", s.shape, slice(c.parts.at("row_data"), o, count));
+      out.add(s.hf_name + "_scale", "F8_E8M0", {rows, k / kMxfp8Block},
+              slice(c.parts.at("row_scale"), first_row * scales, rows * scales));
+    } else {
+      const size_t scales = static_cast<size_t>(k / kNvfp4Block);
+      out.add(s.hf_name, "U8", {rows, k / 2}, slice(c.parts.at("row_data"), o / 2, count / 2));
+      out.add(s.hf_name + "_scale", "F8_E4M3", {rows, k / kNvfp4Block},
+              slice(c.parts.at("row_scale"), first_row * scales, rows * scales));
+      out.add(
+          s.hf_name + "_scale_2", "F32", {},
+          slice(c.parts.at("decode_scale"), static_cast<size_t>(e) * sizeof(float), sizeof(float)));
+    }
+  }
+  return out.write(path);
+}
+
+Result<std::string> export_hf(const std::string& checkpoint, const std::string& out_dir,
+                              DType dtype) {
+  if (dtype != DType::kBF16 && dtype != DType::kF32)
+    return Status::error("export-hf writes bf16 or f32 weights");
+  Result<std::string> dir = find_checkpoint(checkpoint, nullptr);
+  if (!dir) return dir.status();
+  PACKMOE_RETURN_IF_ERROR(io::verify_checkpoint(dir.value()).status());
+  Result<ModelConfig> model = load_model_config(in_dir(dir.value(), kConfigFile));
+  if (!model) return model.status();
+  Result<ModelWeights> weights =
+      io::load_hf_weights(in_dir(dir.value(), io::kHfWeightsFile), model.value());
+  if (!weights) return weights.status();
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  if (ec) return Status::error(out_dir + ": cannot create the directory: " + ec.message());
+  PACKMOE_RETURN_IF_ERROR(io::save_hf_weights(in_dir(out_dir, io::kHfWeightsFile), model.value(),
+                                              weights.value(), dtype));
+  PACKMOE_RETURN_IF_ERROR(save_model_config(model.value(), in_dir(out_dir, kConfigFile), dtype));
+  return dir.value();
+}
+
+}  // namespace packmoe::train

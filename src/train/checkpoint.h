@@ -1,0 +1,84 @@
+// Trainer checkpoints (docs/checkpoints.md, "Trainer checkpoints"): the files a Trainer writes into
+// a checkpoint directory (HF-named F32 masters, config.json, AdamW moments, trainer_state.json,
+// optionally the primary weights), the reader that validates a directory into host memory, and
+// the HF export. Invariant: read_trainer_checkpoint returns a TrainerCheckpoint only when every
+// file passed every check (CRC-32C, names, shapes, dtypes, JSON fields), so applying it to a
+// Trainer cannot fail halfway; nothing here depends on the expert layout or the recipe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "io/state_file.h"
+#include "nn/model.h"
+#include "train/batch_sampler.h"
+#include "train/model_config.h"
+#include "train/train_config.h"
+
+namespace packmoe::train {
+
+// Files of a trainer checkpoint directory besides io::kHfWeightsFile ("model.safetensors", the
+// FP32 masters under HF names) and io::kCheckpointMarker.
+inline constexpr const char* kConfigFile = "config.json";               // the model, HF fields
+inline constexpr const char* kOptimizerFile = "optimizer.safetensors";  // AdamW moments
+inline constexpr const char* kTrainerStateFile = "trainer_state.json";  // step, data, RNG, config
+inline constexpr const char* kPrimaryFile = "primary.safetensors";      // --save-primary only
+
+// Names of a parameter's AdamW moments in optimizer.safetensors: "exp_avg/" / "exp_avg_sq/" +
+// the ModelWeights name, F32 in the ModelWeights shape (experts packed (E, N, K)): the same bytes
+// whichever layout wrote them.
+std::string exp_avg_name(const std::string& param);
+std::string exp_avg_sq_name(const std::string& param);
+
+// Everything a checkpoint holds, in host memory.
+struct TrainerCheckpoint {
+  std::string dir;   // where it was read from (empty for a snapshot)
+  int64_t step = 0;  // optimizer steps done
+  ModelConfig model;
+  TrainConfig config;           // of the run that wrote it (recipe, primary, layout, seed inside)
+  ModelWeights masters;         // F32, ModelWeights names and shapes
+  io::StateTensors moments;     // exp_avg_name / exp_avg_sq_name of every parameter
+  int64_t optimizer_steps = 0;  // AdamW's t
+  SamplerPosition sampler;      // where the next training row starts
+  int64_t train_stream_tokens = 0;   // the training stream it indexes
+  std::vector<uint64_t> sr_offsets;  // model_linear_names(model) order
+  int64_t world_size = 1;            // ranks that wrote it (1 until issue 7)
+};
+
+// Writes config.json, model.safetensors, optimizer.safetensors and trainer_state.json into `dir`
+// (normally a CheckpointWriter's temporary directory), each file atomically.
+Status write_trainer_checkpoint(const std::string& dir, const TrainerCheckpoint& checkpoint);
+
+// Reads a checkpoint directory: verify_checkpoint (marker, sizes, CRC-32C: truncation and
+// corruption), trainer_state.json (format, version, every field and type, step = the marker's,
+// world_size 1, the train config valid for the model), config.json, model.safetensors
+// (load_hf_weights: every name, shape, dtype), optimizer.safetensors (exactly the moments of the
+// model's parameters), the SR offsets named by model_linear_names. One error line naming the file.
+Result<TrainerCheckpoint> read_trainer_checkpoint(const std::string& dir);
+
+// A checkpoint directory from a path that is either one (it holds complete.json) or a save root:
+// then the newest complete checkpoint under it (verified; `skipped` gets why newer ones were
+// passed over). Errors: no such path, a root without a complete checkpoint.
+Result<std::string> find_checkpoint(const std::string& path, std::vector<std::string>* skipped);
+
+// The primary weights of every parameter as a safetensors file with HF names (hf_tensor_specs):
+// a low-precision expert weight X as X (MXFP8 F8_E4M3 (rows, K) / NVFP4 U8 (rows, K/2), its
+// rowwise copy), X_scale (F8_E8M0 (rows, K/32) / F8_E4M3 (rows, K/16), compact) and for NVFP4
+// X_scale_2 (F32 scalar, the expert's decode scale), as `packmoe quantize` lays them out; every
+// other weight (BF16 primaries) as BF16. Metadata "format": "pt" and, for a quantized recipe,
+// packmoe.format / packmoe.block, so `packmoe dequantize` reads it. The exact bytes the run
+// computes with; for export, not for resume.
+Status write_primary_weights(const std::string& path, const Model& model);
+
+// `packmoe export-hf`: the model of a checkpoint (a directory or a save root, as find_checkpoint)
+// as OUT_DIR/model.safetensors in `dtype` (kBF16: round to nearest even, or kF32) plus
+// OUT_DIR/config.json (with torch_dtype), what Qwen3MoeForCausalLM.from_pretrained(OUT_DIR)
+// loads. Reads and checks the checkpoint before OUT_DIR is touched; each file is atomic. Returns
+// the checkpoint directory it read.
+Result<std::string> export_hf(const std::string& checkpoint, const std::string& out_dir,
+                              DType dtype);
+
+}  // namespace packmoe::train

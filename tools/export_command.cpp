@@ -1,0 +1,44 @@
+// `packmoe export-hf`: a training checkpoint as a Hugging Face model directory (model.safetensors
+// with Qwen3-MoE names, config.json) that Qwen3MoeForCausalLM.from_pretrained loads. Invariant:
+// the checkpoint is fully read and checked before OUT_DIR is touched; each file is atomic.
+#include <cstdio>
+
+#include "tools/commands.h"
+#include "train/checkpoint.h"
+
+namespace packmoe::tools {
+
+void add_export_hf_command(CLI::App& app, ExportHfArgs& args) {
+  CLI::App* cmd = app.add_subcommand(
+      "export-hf",
+      "Export the model of a packmoe checkpoint as a Hugging Face directory:\n"
+      "OUT_DIR/model.safetensors (per-expert Qwen3-MoE names, BF16 rounded to nearest even by\n"
+      "default) and OUT_DIR/config.json (Qwen3MoeConfig fields, architectures\n"
+      "[\"Qwen3MoeForCausalLM\"], torch_dtype), loadable by\n"
+      "Qwen3MoeForCausalLM.from_pretrained(OUT_DIR) and by `packmoe train --init-from-hf`.\n"
+      "The weights are the FP32 masters (not the low-precision primary weights).");
+  cmd->add_option("checkpoint", args.checkpoint,
+                  "a checkpoint directory (step-XXXXXXXX holding complete.json), or a --save-dir "
+                  "root: then its newest complete checkpoint")
+      ->required();
+  cmd->add_option("out", args.out, "output directory (created if missing)")->required();
+  cmd->add_option("--dtype", args.dtype, "weight dtype: bf16 or f32 (default: bf16)");
+}
+
+Status run_export_hf(const ExportHfArgs& args) {
+  DType dtype;
+  if (args.dtype == "bf16") {
+    dtype = DType::kBF16;
+  } else if (args.dtype == "f32") {
+    dtype = DType::kF32;
+  } else {
+    return Status::error("--dtype must be bf16 or f32 (got '" + args.dtype + "')");
+  }
+  Result<std::string> from = train::export_hf(args.checkpoint, args.out, dtype);
+  if (!from) return from.status();
+  std::printf("exported %s: wrote %s/model.safetensors (%s) and %s/config.json\n",
+              from.value().c_str(), args.out.c_str(), args.dtype.c_str(), args.out.c_str());
+  return Status::ok();
+}
+
+}  // namespace packmoe::tools
