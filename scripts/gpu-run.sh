@@ -4,6 +4,7 @@
 # packmoe's benchmarks in the same call, and print a short table last. Logs go to $OUT (default
 # ./gpu-out): build.log tests.log peers.log bench.log summary.txt and the peers' JSON.
 # `packmoe train` of the `small` preset in each recipe measures tokens/s and MFU (train.log).
+# With build-hfcheck carried, the transformers check of hf_export_check.py runs too.
 # Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests] [--no-train]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,12 @@ if [ $run_tests = 1 ]; then
   else
     note "demo: FAILED (see bench.log)"
   fi
+fi
+
+# Hugging Face: the export that `scripts/hf_export_check.py prepare` made on the CPU machine (carry
+# build-hfcheck) loads in transformers and gives packmoe's loss.
+if [ -d build-hfcheck ]; then
+  note "$(python3 scripts/hf_export_check.py check build-hfcheck 2>&1 | tail -1)"
 fi
 
 # Peers: the shared quantization/GEMM and MoE-layer peers, and our torch grouped-GEMM peer
