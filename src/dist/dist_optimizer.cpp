@@ -90,7 +90,12 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
   for (const ShardPiece& piece : pieces_)
     params_[piece.param].param->copy_high_precision(piece.begin, piece.count,
                                                     master + (piece.offset - shard().begin));
-  for (DistParam& d : params_) d.param->release_for_sharded_master();
+  for (DistParam& d : params_) {
+    if (d.form == WeightForm::kFp32)
+      d.param->replicate_master();
+    else
+      d.param->release_for_sharded_master();
+  }
 
   traffic_.param_elements = plan_.param_elements();
   switch (cfg_.gather) {
@@ -105,6 +110,18 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     case GatherMode::kLowp:
       build_lowp_layout();
       break;
+  }
+  std::vector<std::pair<int64_t, int64_t>> fp32_ratio(params_.size(), {0, 1});
+  bool any_fp32 = false;
+  for (size_t p = 0; p < params_.size(); ++p)
+    if (params_[p].form == WeightForm::kFp32) {
+      fp32_ratio[p] = {static_cast<int64_t>(sizeof(float)), 1};
+      any_fp32 = true;
+    }
+  if (any_fp32) {
+    fp32_.emplace(make_class(fp32_ratio));
+    traffic_.fp32_bytes = fp32_->bytes;
+    traffic_.all_gather_bytes += fp32_->bytes;
   }
   stage();
   grads_.advance(GradBufferState::kParamsStaged, "construction: masters staged for the gather");
@@ -214,7 +231,7 @@ void DistOptimizer::stage() {
       for (const ShardPiece& piece : pieces_) {
         const GroupedParam& gp = *params_[piece.param].param;
         std::vector<void*> images;
-        for (LowpClass& cls : lowp_)
+        for (GatherClass& cls : lowp_)
           if (cls.offset[piece.param] >= 0)
             images.push_back(static_cast<uint8_t*>(cls.buffer->get()) + cls.offset[piece.param]);
         gp.quantize_rows(
@@ -225,21 +242,38 @@ void DistOptimizer::stage() {
       break;
     }
   }
+  if (fp32_) {  // the replicas' shard pieces, as they are
+    const float* master = static_cast<const float*>(master_.get());
+    for (const ShardPiece& piece : pieces_)
+      if (fp32_->offset[piece.param] >= 0)
+        be_->copy(static_cast<uint8_t*>(fp32_->buffer->get()) + fp32_->offset[piece.param] +
+                      piece.begin * static_cast<int64_t>(sizeof(float)),
+                  master + (piece.offset - sh.begin), piece.count * sizeof(float),
+                  Backend::CopyKind::kDeviceToDevice);
+  }
   for (DistParam& d : params_) d.param->mark_primary_awaiting_gather();
 }
 
 void DistOptimizer::gather_params() {
   grads_.advance(GradBufferState::kParamsGathered, "parameter all-gather");
   const FlatRange sh = shard();
+  if (fp32_) {
+    uint8_t* buf = static_cast<uint8_t*>(fp32_->buffer->get());
+    comm_->all_gatherv(buf + class_position(*fp32_, sh.begin), buf, fp32_->counts);
+    for (int p = 0; p < plan_.params(); ++p)
+      if (fp32_->offset[p] >= 0)
+        params_[p].param->write_master_replica(
+            reinterpret_cast<const float*>(buf + fp32_->offset[p]));
+  }
   if (cfg_.gather == GatherMode::kLowp) {
-    for (LowpClass& cls : lowp_) {
+    for (GatherClass& cls : lowp_) {
       uint8_t* buf = static_cast<uint8_t*>(cls.buffer->get());
-      comm_->all_gatherv(buf + lowp_position(cls, sh.begin), buf, cls.counts);
+      comm_->all_gatherv(buf + class_position(cls, sh.begin), buf, cls.counts);
     }
     const float* amax = amax_count_ > 0 ? static_cast<const float*>(amax_->get()) : nullptr;
     for (int p = 0; p < plan_.params(); ++p) {
       std::vector<const void*> images;
-      for (const LowpClass& cls : lowp_)
+      for (const GatherClass& cls : lowp_)
         if (cls.offset[p] >= 0)
           images.push_back(static_cast<const uint8_t*>(cls.buffer->get()) + cls.offset[p]);
       params_[p].param->write_primary_from_packed(
@@ -265,6 +299,31 @@ GroupedStorage DistOptimizer::bf16_views(const uint16_t* image, int p) const {
   return GroupedStorage::view(*be_, gp.layout(), views, per_expert * sizeof(uint16_t));
 }
 
+DistOptimizer::GatherClass DistOptimizer::make_class(
+    const std::vector<std::pair<int64_t, int64_t>>& ratio) {
+  GatherClass cls;
+  const int count = plan_.params();
+  cls.offset.assign(count, -1);
+  cls.num.assign(count, 0);
+  cls.den.assign(count, 1);
+  int64_t at = 0;
+  for (int p : plan_.buffer_order()) {
+    if (ratio[p].first == 0) continue;
+    at = align_up(at, kImageAlign);
+    cls.offset[p] = at;
+    cls.num[p] = ratio[p].first;
+    cls.den[p] = ratio[p].second;
+    at += plan_.geometry(p).numel() * cls.num[p] / cls.den[p];
+  }
+  cls.bytes = at;
+  for (int r = 0; r < plan_.world_size(); ++r)
+    cls.counts.push_back(class_position(cls, plan_.shard(r).end) -
+                         class_position(cls, plan_.shard(r).begin));
+  cls.buffer.emplace(*be_, cls.bytes);
+  be_->fill_zero(cls.buffer->get(), cls.bytes);  // alignment gaps travel too: keep them defined
+  return cls;
+}
+
 void DistOptimizer::build_lowp_layout() {
   const int count = plan_.params();
   size_t classes = 0;
@@ -277,36 +336,21 @@ void DistOptimizer::build_lowp_layout() {
       amax_count_ += gp.experts();
     }
   }
-  for (size_t c = 0; c < classes; ++c) {
-    LowpClass cls;
-    cls.offset.assign(count, -1);
-    cls.num.assign(count, 0);
-    cls.den.assign(count, 1);
-    int64_t at = 0;
-    for (int p : plan_.buffer_order()) {
+  for (size_t c = 0; c < classes; ++c) {  // component position c of every param
+    std::vector<std::pair<int64_t, int64_t>> ratio(count, {0, 1});
+    for (int p = 0; p < count; ++p) {
       const std::vector<PackedComponent> comps = params_[p].param->packed_components();
-      if (c >= comps.size()) continue;
-      at = align_up(at, kImageAlign);
-      cls.offset[p] = at;
-      cls.num[p] = comps[c].bytes_num;
-      cls.den[p] = comps[c].bytes_den;
-      at += plan_.geometry(p).numel() * cls.num[p] / cls.den[p];
+      if (c < comps.size()) ratio[p] = {comps[c].bytes_num, comps[c].bytes_den};
     }
-    cls.bytes = at;
-    for (int r = 0; r < plan_.world_size(); ++r)
-      cls.counts.push_back(lowp_position(cls, plan_.shard(r).end) -
-                           lowp_position(cls, plan_.shard(r).begin));
-    cls.buffer.emplace(*be_, cls.bytes);
-    be_->fill_zero(cls.buffer->get(), cls.bytes);  // alignment gaps travel too: keep them defined
-    traffic_.all_gather_bytes += cls.bytes;
-    lowp_.push_back(std::move(cls));
+    lowp_.push_back(make_class(ratio));
+    traffic_.all_gather_bytes += lowp_.back().bytes;
   }
   if (amax_count_ > 0) amax_.emplace(*be_, amax_count_ * sizeof(float));
   traffic_.all_reduce_bytes = amax_count_ * static_cast<int64_t>(sizeof(float));
   shard_bf16_.emplace(*be_, shard().size() * sizeof(uint16_t));
 }
 
-int64_t DistOptimizer::lowp_position(const LowpClass& cls, int64_t flat) const {
+int64_t DistOptimizer::class_position(const GatherClass& cls, int64_t flat) const {
   for (int p : plan_.buffer_order()) {
     if (cls.offset[p] < 0) continue;  // no bytes in this class
     const ParamSlot& s = plan_.slot(p);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "backend/device_buffer.h"
@@ -38,9 +39,18 @@ struct DistOptimizerConfig {
   int64_t bucket_elems = int64_t{1} << 24;  // reduce-scatter unit: 64 MiB of FP32
 };
 
+// What the param's layer reads in forward and backward.
+enum class WeightForm : uint8_t {
+  kPrimary,  // the primary weight (BF16 or quantized): gathered in the optimizer's mode
+  // The FP32 weight itself (norms, the embedding table: nn/layer_ops.h f32_weight): every rank
+  // keeps a full FP32 replica (MasterState::kReplicated), refreshed by an FP32 all-gather.
+  kFp32,
+};
+
 struct DistParam {
   GroupedParam* param;
   bool weight_decay;  // false: decay = 1 exactly (norms)
+  WeightForm form = WeightForm::kPrimary;
 };
 
 struct DistStepResult {
@@ -53,6 +63,7 @@ struct DistStepResult {
 struct GatherTraffic {
   int64_t all_gather_bytes = 0;  // the gathered buffers' sizes: what all ranks contribute together
   int64_t all_reduce_bytes = 0;  // lowp NVFP4: the per-expert amax (F32 each)
+  int64_t fp32_bytes = 0;        // of all_gather_bytes: the FP32 replicas (WeightForm::kFp32)
   int64_t param_elements = 0;    // parameters' elements, no padding
   double bytes_per_element() const {
     return static_cast<double>(all_gather_bytes) / static_cast<double>(param_elements);
@@ -64,8 +75,9 @@ class DistOptimizer {
   // Every param: in comm.backend()'s memory, no pending wgrad, its master not yet sharded (the
   // init, or a master made from it). Binds every main_grad into the grad buffer (its old content
   // is dropped), copies this rank's master shard from the high-precision values, frees the
-  // params' own init / master, and stages the masters, so the first prepare_forward gathers them
-  // (every rank then holds the same primary weights). Collective: every rank, same params.
+  // params' own init / master (kFp32 params keep it as their replica), and stages the masters, so
+  // the first prepare_forward gathers them (every rank then holds the same weights). Collective:
+  // every rank, same params.
   DistOptimizer(Communicator& comm, std::vector<DistParam> params, const DistOptimizerConfig& cfg);
   DistOptimizer(const DistOptimizer&) = delete;
   DistOptimizer& operator=(const DistOptimizer&) = delete;
@@ -115,8 +127,9 @@ class DistOptimizer {
   const GatherTraffic& traffic() const { return traffic_; }
 
  private:
-  // lowp: component c of every param, concatenated in buffer order (images 16-byte aligned).
-  struct LowpClass {
+  // A gather buffer: one component of the params that have it, as flat images in buffer order
+  // (16-byte aligned starts), so each rank's bytes are one contiguous range.
+  struct GatherClass {
     std::vector<int64_t> offset;    // (P) image start of param p, bytes; -1 when p lacks it
     std::vector<int64_t> num, den;  // (P) bytes per element of p's component: num / den
     std::vector<int64_t> counts;    // (world) bytes each rank contributes
@@ -126,9 +139,11 @@ class DistOptimizer {
 
   void check_between_steps(const char* what) const;
   void stage();  // masters -> the mode's gather source; params await the gather
+  // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none.
+  GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio);
   void build_lowp_layout();
   // Byte position in a class buffer of flat buffer position `flat` (a legal shard boundary).
-  int64_t lowp_position(const LowpClass& cls, int64_t flat) const;
+  int64_t class_position(const GatherClass& cls, int64_t flat) const;
   GroupedStorage bf16_views(const uint16_t* image, int p) const;  // param p's (E, N, K) BF16
   void cast_shard_to_bf16(uint16_t* dst);                         // (shard size) BF16
 
@@ -154,7 +169,9 @@ class DistOptimizer {
   std::optional<DeviceBuffer> amax_;
   std::vector<int64_t> amax_offset_;
   int64_t amax_count_ = 0;
-  std::vector<LowpClass> lowp_;
+  std::vector<GatherClass> lowp_;
+  // The FP32 replicas of WeightForm::kFp32 params (every mode), when there are any.
+  std::optional<GatherClass> fp32_;
 };
 
 }  // namespace packmoe

@@ -219,6 +219,7 @@ std::string_view master_state_name(MasterState s) {
     case MasterState::kInitHeld: return "InitHeld (no master made yet)";
     case MasterState::kMasterReady: return "MasterReady";
     case MasterState::kSharded: return "Sharded (a distributed optimizer holds it)";
+    case MasterState::kReplicated: return "Replicated (a distributed optimizer refreshes it)";
   }
   return "?";
 }
@@ -236,7 +237,7 @@ void GroupedParam::copy_high_precision(int64_t begin, int64_t count, float* dst)
   PACKMOE_CHECK(begin >= 0 && count >= 0 && begin + count <= e_ * n_ * k_,
                 "copy_high_precision: elements [" << begin << ", " << begin + count
                                                   << ") outside the pack of " << e_ * n_ * k_);
-  PACKMOE_CHECK(master_state_ != MasterState::kSharded,
+  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld || master_state_ == MasterState::kMasterReady,
                 "copy_high_precision: the master is already sharded");
   const GroupedStorage& src = master_state_ == MasterState::kInitHeld ? init_ : master_;
   const Backend::CopyKind kind = copy_kind(backend_->device(), src.memory().device());
@@ -253,10 +254,26 @@ void GroupedParam::copy_high_precision(int64_t begin, int64_t count, float* dst)
 }
 
 void GroupedParam::release_for_sharded_master() {
-  PACKMOE_CHECK(master_state_ != MasterState::kSharded, "the master is already sharded");
+  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld || master_state_ == MasterState::kMasterReady,
+                "the master is already sharded");
   init_.release();
   master_.release();
   master_state_ = MasterState::kSharded;
+}
+
+void GroupedParam::replicate_master() {
+  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld || master_state_ == MasterState::kMasterReady,
+                "the master is already sharded");
+  if (master_state_ == MasterState::kInitHeld) create_master();
+  master_state_ = MasterState::kReplicated;
+}
+
+void GroupedParam::write_master_replica(const float* f32) {
+  PACKMOE_CHECK(master_state_ == MasterState::kReplicated,
+                "write_master_replica: the master is " << master_state_name(master_state_));
+  const size_t bytes = n_ * k_ * sizeof(float);
+  for (int64_t e = 0; e < e_; ++e)
+    backend_->copy(master_.group(e), f32 + e * n_ * k_, bytes, Backend::CopyKind::kDeviceToDevice);
 }
 
 void GroupedParam::bind_main_grad(const std::vector<void*>& views) {
@@ -270,7 +287,7 @@ void GroupedParam::bind_main_grad(const std::vector<void*>& views) {
 }
 
 void GroupedParam::mark_primary_awaiting_gather() {
-  PACKMOE_CHECK(master_state_ == MasterState::kSharded,
+  PACKMOE_CHECK(master_state_ == MasterState::kSharded || master_state_ == MasterState::kReplicated,
                 "only a sharded master is updated apart from its primary weight");
   primary_state_ = PrimaryState::kAwaitingGather;
 }
@@ -474,6 +491,10 @@ GemmOperand GroupedParam::dgrad_weight() const {
 }
 
 const GroupedStorage& GroupedParam::master() const {
+  if (master_state_ == MasterState::kReplicated) {
+    check_primary_current("master (an FP32 replica)");
+    return master_;
+  }
   PACKMOE_CHECK(master_state_ == MasterState::kMasterReady,
                 "no full master here: the master is " << master_state_name(master_state_));
   return master_;

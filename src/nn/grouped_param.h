@@ -73,11 +73,16 @@ struct QuantizedWeight {
 };
 
 // Where the FP32 master stands. Transitions: kInitHeld -> kMasterReady (create_master), and
-// kInitHeld or kMasterReady -> kSharded (release_for_sharded_master).
+// kInitHeld or kMasterReady -> kSharded (release_for_sharded_master) or -> kReplicated
+// (replicate_master).
 enum class MasterState {
   kInitHeld,     // the FP32 init is kept; no master yet
   kMasterReady,  // the master was made from the init; the init is released
   kSharded,      // a distributed optimizer (dist/) holds the master of its shard; none is kept here
+  // A distributed optimizer holds the master of its shard, and this param keeps a full FP32 copy
+  // that the optimizer's gather refreshes: for layers that read the FP32 weight itself (norms,
+  // the embedding table: nn/layer_ops.h f32_weight).
+  kReplicated,
 };
 std::string_view master_state_name(MasterState s);
 
@@ -165,12 +170,18 @@ class GroupedParam {
   // kInitHeld | kMasterReady -> kSharded: the init or master is freed; the optimizer holds the
   // master of its shard from now on (requantize_from_master and master() are errors).
   void release_for_sharded_master();
+  // kInitHeld | kMasterReady -> kReplicated: the full master (made from the init if needed) stays
+  // as the FP32 weight its layer reads; from now on only write_master_replica changes it, and
+  // master() is an error while the replica awaits its gather (PrimaryState).
+  void replicate_master();
+  // kReplicated: the full FP32 copy = f32 (E*N*K F32, the backend's memory).
+  void write_master_replica(const float* f32);
   // main_grad becomes E views (N*K F32 each; consecutive in kSingle) of memory the caller owns, a
   // data-parallel grad buffer; the param's own main_grad is freed (kOwned -> kBound). Needs no
   // pending wgrad.
   void bind_main_grad(const std::vector<void*>& views);
-  // kCurrent -> kAwaitingGather: forward (fprop_weight, dgrad_weight, prepare_compute) is an
-  // error until a write_primary_from_* call.
+  // kCurrent -> kAwaitingGather (kSharded or kReplicated): forward (fprop_weight, dgrad_weight,
+  // prepare_compute, and master() of a replica) is an error until a write_primary_from_* call.
   void mark_primary_awaiting_gather();
   // The primary from a BF16 (E, N, K) image (views of any layout): a copy into the BF16 param, or
   // ONE quantize launch over the pack. -> kCurrent.
@@ -202,7 +213,8 @@ class GroupedParam {
   GemmOperand dgrad_weight() const;  // W columnwise
 
   const GroupedStorage& init() const { return init_; }    // (E, N, K) F32, until create_master
-  const GroupedStorage& master() const;                  // (E, N, K) F32, after create_master
+  // (E, N, K) F32, after create_master; a current replica under a distributed optimizer.
+  const GroupedStorage& master() const;
   GroupedStorage& master();
   const GroupedStorage& main_grad() const { return main_grad_; }  // (E, N, K) F32
   // The primary weight's components (the BF16 param, or the quantized copies of a low-precision

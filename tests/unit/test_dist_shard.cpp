@@ -352,6 +352,26 @@ TEST(GroupedParamShardedMaster, CopiesTheInitBytesThenRefusesFullMasterUse) {
   EXPECT_DEATH(p.fprop_weight(), "fprop_weight: the primary weight is older than the master");
   EXPECT_DEATH(p.prepare_compute(), "prepare_compute: the primary weight is older");
   EXPECT_DEATH(q.mark_primary_awaiting_gather(), "only a sharded master");
+
+  // A replica (layers that read the FP32 weight): the full master stays, refreshed from outside;
+  // reading it while a gather is owed is an error.
+  GroupedParam r(cpu_backend(), {Recipe::kBF16, false, 1}, PrimaryWeight::kHighPrecision,
+                 Layout::kDiscrete, init);
+  r.replicate_master();
+  EXPECT_EQ(r.master_state(), MasterState::kReplicated);
+  const GroupedParam& rc = r;
+  EXPECT_EQ(0, std::memcmp(rc.master().download().data(), v.data(), v.size() * sizeof(float)));
+  r.mark_primary_awaiting_gather();
+  EXPECT_DEATH(rc.master(), "master \\(an FP32 replica\\): the primary weight is older");
+  std::vector<float> next(v.size(), 0.5f);
+  r.write_master_replica(next.data());
+  std::vector<uint16_t> bf16(kE * kN * kK, f32_to_bf16(0.5f));  // the gather's primary
+  r.write_primary_from_bf16(GroupedStorage::view(
+      cpu_backend(), Layout::kSingle,
+      {bf16.data(), bf16.data() + kN * kK, bf16.data() + 2 * kN * kK}, kN * kK * 2));
+  EXPECT_EQ(0,
+            std::memcmp(rc.master().download().data(), next.data(), next.size() * sizeof(float)));
+  EXPECT_DEATH(p.write_master_replica(next.data()), "write_master_replica: the master is Sharded");
 }
 
 TEST(GroupedParamBoundGrad, MainGradViewsExternalMemoryInBothLayouts) {
