@@ -71,7 +71,8 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     PACKMOE_CHECK(&gp.backend() == be_, "param " << p
                                                  << " lives in another backend than the "
                                                     "communicator's buffers");
-    PACKMOE_CHECK(gp.master_state() != MasterState::kSharded,
+    PACKMOE_CHECK(gp.master_state() == MasterState::kInitHeld ||
+                      gp.master_state() == MasterState::kMasterReady,
                   "param " << p << " is already under a distributed optimizer");
   }
   for (DeviceBuffer* b : {&master_, &exp_avg_, &exp_avg_sq_}) be_->fill_zero(b->get(), b->size());
@@ -85,7 +86,8 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       views.push_back(grads_.data() + plan_.slot(p).offset + e * per_expert);
     gp.bind_main_grad(views);
   }
-  // The master shard from the high-precision values; then no param keeps a full copy.
+  // The master shard from the high-precision values; then only kFp32 params keep a full copy,
+  // as the replica their layers read.
   float* master = static_cast<float*>(master_.get());
   for (const ShardPiece& piece : pieces_)
     params_[piece.param].param->copy_high_precision(piece.begin, piece.count,
