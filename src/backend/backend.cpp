@@ -36,6 +36,8 @@ std::string_view op_name(Op op) {
     case Op::kAttentionBackward: return "attention_backward";
     case Op::kCrossEntropy: return "cross_entropy";
     case Op::kCrossEntropyBackward: return "cross_entropy_backward";
+    case Op::kNvfp4Amax: return "nvfp4_amax";
+    case Op::kWeight2dColumnwise: return "weight_2d_columnwise";
   }
   return "unknown";
 }

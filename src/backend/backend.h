@@ -16,6 +16,7 @@
 #include "backend/moe_ops.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
+#include "formats/weight_2d.h"
 
 namespace packmoe {
 
@@ -51,6 +52,8 @@ enum class Op {
   kAttentionBackward,
   kCrossEntropy,
   kCrossEntropyBackward,
+  kNvfp4Amax,
+  kWeight2dColumnwise,
 };
 std::string_view op_name(Op op);
 
@@ -80,6 +83,10 @@ class Backend : public Allocator {
                                 const Nvfp4Outputs& out) = 0;
   virtual Status dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
                                   const std::vector<void*>& out) = 0;
+  // amax (G,) = each group's NaN-ignoring amax (formats/nvfp4.h nvfp4_amax_cpu).
+  virtual Status nvfp4_amax(const GroupedMatrices& in, float* amax) = 0;
+  // The columnwise copy of 2D-scaled weights from their rowwise copy (formats/weight_2d.h).
+  virtual Status weight_2d_columnwise(const Weight2dCopies& w) = 0;
   // Compact (rows, cols) scales -> swizzled (formats/swizzle.h); `transpose` swizzles S^T.
   virtual Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                                 void* swizzled) = 0;

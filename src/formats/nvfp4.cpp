@@ -164,6 +164,8 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
     return error(what, "request at least one of the rowwise and columnwise copies");
   if (cfg.two_d && cfg.rht)
     return error(what, "2D 16x16 scaling (weights) cannot be combined with the RHT");
+  if (cfg.amax != nullptr && cfg.rht)
+    return error(what, "a given amax cannot be combined with the RHT (its amax is post-transform)");
   if (cfg.two_d && cfg.stochastic_rounding)
     return error(what, "2D 16x16 scaling (weights) cannot be combined with stochastic rounding");
   if (in.cols % kB != 0)
@@ -178,12 +180,15 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
       validate_copy_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
       validate_copy_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
-  PACKMOE_RETURN_IF_ERROR(check_amax(what, "row_amax", cfg.rowwise, out.row_amax));
+  // With a given amax the amax outputs only echo it: they may be left null.
+  if (!(cfg.amax && cfg.rowwise && out.row_amax == nullptr))
+    PACKMOE_RETURN_IF_ERROR(check_amax(what, "row_amax", cfg.rowwise, out.row_amax));
   PACKMOE_RETURN_IF_ERROR(
       validate_copy_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
       validate_copy_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
-  PACKMOE_RETURN_IF_ERROR(check_amax(what, "col_amax", cfg.columnwise, out.col_amax));
+  if (!(cfg.amax && cfg.columnwise && out.col_amax == nullptr))
+    PACKMOE_RETURN_IF_ERROR(check_amax(what, "col_amax", cfg.columnwise, out.col_amax));
   return Status::ok();
 }
 
@@ -225,12 +230,13 @@ Status quantize_nvfp4_cpu(const GroupedMatrices& in, const Nvfp4Config& cfg,
   for (int64_t g = 0; g < in.groups(); ++g) {
     const int64_t rows = in.rows[g];
     if (rows == 0) {  // amax of nothing is 0: the slot is still written, deterministically
-      if (row_amax) row_amax[g] = 0.0f;
-      if (col_amax) col_amax[g] = 0.0f;
+      const float given = cfg.amax ? cfg.amax[g] : 0.0f;
+      if (row_amax) row_amax[g] = given;
+      if (col_amax) col_amax[g] = given;
       continue;
     }
     const float* x = group_as_f32(in, g, buf);
-    const float amax = amax_of(x, rows * k);
+    const float amax = cfg.amax ? cfg.amax[g] : amax_of(x, rows * k);
     if (row_amax) row_amax[g] = amax;
     uint8_t* row_data = cfg.rowwise ? static_cast<uint8_t*>(out.row_data[g]) : nullptr;
     uint8_t* row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
@@ -251,13 +257,30 @@ Status quantize_nvfp4_cpu(const GroupedMatrices& in, const Nvfp4Config& cfg,
         // Without RHT the values are the input's, so the amax is too; with RHT it is the amax
         // of all transformed values of the group (TE's post-RHT amax).
         const float c_amax = cfg.rht ? amax_of(t.data(), rows * k) : amax;
-        col_amax[g] = c_amax;
+        if (col_amax) col_amax[g] = c_amax;
         const SrStream sr{cfg.stochastic_rounding, cfg.seed, cfg.offset, kColStream};
         quantize_rows(t.data(), k, rows, c_amax, sr, base, col_data, col_scale);
       }
     }
     base += static_cast<uint64_t>(rows * (k / kB));
   }
+  return Status::ok();
+}
+
+Status validate_nvfp4_amax(const GroupedMatrices& in, const float* amax) {
+  const char* what = "nvfp4_amax";
+  PACKMOE_RETURN_IF_ERROR(validate_grouped_input(in, what));
+  if (in.cols % kB != 0)
+    return error(what, "K = " + std::to_string(in.cols) + " must be a multiple of 16");
+  if (amax == nullptr) return error(what, "amax is null");
+  return Status::ok();
+}
+
+Status nvfp4_amax_cpu(const GroupedMatrices& in, float* amax) {
+  PACKMOE_RETURN_IF_ERROR(validate_nvfp4_amax(in, amax));
+  std::vector<float> buf;
+  for (int64_t g = 0; g < in.groups(); ++g)
+    amax[g] = in.rows[g] == 0 ? 0.0f : amax_of(group_as_f32(in, g, buf), in.rows[g] * in.cols);
   return Status::ok();
 }
 

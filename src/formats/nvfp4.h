@@ -22,6 +22,13 @@ struct Nvfp4Config {
   bool stochastic_rounding = false;
   uint64_t seed = 0;        // SR random stream (seed, offset): numbering below
   uint64_t offset = 0;
+  // Per-group amax (G,) F32 in the memory of the backend that runs the op, or null (the groups'
+  // own amax). Given, S_enc of group g comes from amax[g]: the group is a row range of a larger
+  // tensor (a data-parallel shard of a packed weight) whose amax the ranks agreed on, so every
+  // range is scaled as the whole tensor would be. Must be >= the group's own amax (blocks would
+  // saturate otherwise); not with the RHT, whose columnwise amax is taken after the transform.
+  // The outputs' row_amax / col_amax then only echo it and may be null.
+  const float* amax = nullptr;
 };
 
 // Stochastic rounding bits (the one definition, CPU and CUDA). Blocks of 16 elements are numbered
@@ -33,8 +40,9 @@ struct Nvfp4Config {
 // (formats/nvfp4_math.h, core/philox.h), stream s = 0 for the rowwise and 1 for the columnwise
 // copy. So quantizing with offset o + 1 draws for block b what offset o draws for block b + 1.
 //
-// Amax: row_amax[g] is the NaN-ignoring amax of group g's input (0 for an empty group);
-// col_amax[g] equals it, except with RHT where it is the amax of all RHT outputs of the group.
+// Amax: row_amax[g] is the NaN-ignoring amax of group g's input (0 for an empty group), or the
+// given cfg.amax[g]; col_amax[g] equals it, except with RHT where it is the amax of all RHT outputs
+// of the group.
 // Input is converted to FP32 first (BF16 exactly); RHT additionally rounds it to BF16.
 
 // Per-group output pointers; a copy that is not requested has empty vectors and a null amax.
@@ -64,6 +72,11 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
 Status validate_nvfp4_copy(const Nvfp4Copy& q, DType out_dtype, const std::vector<void*>& out);
 
 Status quantize_nvfp4_cpu(const GroupedMatrices& in, const Nvfp4Config& cfg, const Nvfp4Outputs& out);
+// amax[g] = the NaN-ignoring amax of group g's input, 0 for an empty group (what quantize_nvfp4
+// writes to row_amax): the per-expert amax a rank contributes to a sharded weight's global one.
+// K % 16 == 0, as for quantize.
+Status validate_nvfp4_amax(const GroupedMatrices& in, const float* amax);
+Status nvfp4_amax_cpu(const GroupedMatrices& in, float* amax);
 // x = (e2m1 * e4m3(scale)) * decode_scale[g] (nvfp4_decode), written as f32 or bf16 (rows, cols).
 Status dequantize_nvfp4_cpu(const Nvfp4Copy& q, DType out_dtype, const std::vector<void*>& out);
 

@@ -1,12 +1,14 @@
 // GroupedParam: the packed expert weight (E, N, K) of one grouped linear: its primary weight in the
 // recipe's format, the FP32 master, the FP32 main_grad and, until the master exists, the FP32 init.
-// Invariants: every low-precision copy comes from ONE quantize call over all E experts; the master
-// is made once, from the original init (never from dequantized values); per-expert views are
-// pointers into storage they do not own; single and discrete layouts feed the same ops.
+// Invariants: every low-precision copy comes from ONE quantize call over all E experts (or, in a
+// data-parallel gather, one per rank's row range, with the same bytes); the master is made once,
+// from the original init (never from dequantized values), here or sharded in dist/; per-expert
+// views are pointers into storage they do not own; single and discrete layouts feed the same ops.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backend/backend.h"
@@ -26,6 +28,10 @@ class GroupedStorage {
  public:
   GroupedStorage() = default;
   GroupedStorage(Backend& memory, Layout layout, int64_t groups, size_t bytes_per_group);
+  // E views of `memory` owned elsewhere (a data-parallel grad buffer): nothing is allocated or
+  // freed. kSingle views must be consecutive (group e at ptrs[0] + e * bytes_per_group).
+  static GroupedStorage view(Backend& memory, Layout layout, std::vector<void*> ptrs,
+                             size_t bytes_per_group);
 
   bool allocated() const { return !ptrs_.empty(); }
   Layout layout() const { return layout_; }
@@ -35,11 +41,11 @@ class GroupedStorage {
   void* group(int64_t e) const { return ptrs_.at(e); }
   const std::vector<void*>& ptrs() const { return ptrs_; }  // (E,) the views
   std::vector<const void*> const_ptrs() const { return {ptrs_.begin(), ptrs_.end()}; }
-  // Base of the one (E, ...) allocation; kSingle only.
+  // Base of the one (E, ...) allocation (or consecutive views); kSingle only.
   void* packed() const;
 
   void zero();
-  void release();  // frees the memory; allocated() becomes false
+  void release();  // frees the memory (views: forgets them); allocated() becomes false
   // Group-major host copy: what the packed buffer holds, whichever the layout.
   std::vector<uint8_t> download() const;
   // Group by group from `src` (same group count and size), across memories (host <-> device).
@@ -49,7 +55,7 @@ class GroupedStorage {
   Backend* memory_ = nullptr;
   Layout layout_ = Layout::kSingle;
   size_t bytes_per_group_ = 0;
-  std::vector<DeviceBuffer> buffers_;  // 1 (kSingle) or E (kDiscrete)
+  std::vector<DeviceBuffer> buffers_;  // 1 (kSingle) or E (kDiscrete); none for views
   std::vector<void*> ptrs_;            // (E,)
 };
 
@@ -66,16 +72,46 @@ struct QuantizedWeight {
   GroupedStorage decode_scale;  // NVFP4 (E,) F32 S_dec = nvfp4_decode_scale(amax)
 };
 
-// Where the FP32 master stands. The only transition is kInitHeld -> kMasterReady.
+// Where the FP32 master stands. Transitions: kInitHeld -> kMasterReady (create_master), and
+// kInitHeld or kMasterReady -> kSharded (release_for_sharded_master) or -> kReplicated
+// (replicate_master).
 enum class MasterState {
   kInitHeld,     // the FP32 init is kept; no master yet
   kMasterReady,  // the master was made from the init; the init is released
+  kSharded,      // a distributed optimizer (dist/) holds the master of its shard; none is kept here
+  // A distributed optimizer holds the master of its shard, and this param keeps a full FP32 copy
+  // that the optimizer's gather refreshes: for layers that read the FP32 weight itself (norms,
+  // the embedding table: nn/layer_ops.h f32_weight).
+  kReplicated,
+};
+std::string_view master_state_name(MasterState s);
+
+// Whether the primary weight was made from the latest master. Only a distributed optimizer makes
+// it stale: its step updates the sharded master, and the parameter gather writes the primary.
+enum class PrimaryState {
+  kCurrent,         // made from the init or the latest master
+  kAwaitingGather,  // the master moved on; the gather has not written the primary yet
+};
+
+// One component of a primary weight as a flat image over the (E * N) rows of the pack, row-major
+// like the single layout: n elements of the pack take n * bytes_num / bytes_den bytes, so rows
+// [r0, r1) occupy bytes [r0 * K * num / den, r1 * K * num / den) of the image.
+struct PackedComponent {
+  const char* name;
+  int64_t bytes_num;
+  int64_t bytes_den;
 };
 
 // Whether main_grad holds every gradient the layer has computed.
 enum class GradState {
   kSettled,       // nothing owed
   kWgradPending,  // a delayed wgrad is queued (GroupedLinear::backward_dw pays it)
+};
+
+// Who owns main_grad's memory. Transition: kOwned -> kBound (bind_main_grad), once.
+enum class GradBinding {
+  kOwned,  // the param's own storage; zero_grad() zeroes it
+  kBound,  // views of a data-parallel grad buffer, zeroed only by its state machine (dist/)
 };
 
 // Whether the compute copies the GEMMs read match the current weight (high-precision primary
@@ -107,11 +143,14 @@ class GroupedParam {
   MasterState master_state() const { return master_state_; }
   GradState grad_state() const { return grad_state_; }
   ComputeCopyState compute_state() const { return compute_state_; }
+  PrimaryState primary_state() const { return primary_state_; }
+  GradBinding grad_binding() const { return grad_binding_; }
 
   // kInitHeld -> kMasterReady: master (E, N, K) F32 = the init's bytes; the init is released.
   // A second call (or any call once the init is gone) is a PACKMOE_CHECK error.
   void create_master();
-  // main_grad = 0. A pending delayed wgrad would be lost: PACKMOE_CHECK error.
+  // main_grad = 0. A pending delayed wgrad would be lost, and a bound main_grad is zeroed by its
+  // buffer's owner only: PACKMOE_CHECK errors.
   void zero_grad();
   // After an optimizer step: master -> BF16 (RNE) -> the primary weight (one quantize call for a
   // low-precision primary; the BF16 param itself for a high-precision one). Needs the master and
@@ -121,13 +160,61 @@ class GroupedParam {
   // (one call over the pack); otherwise nothing to do.
   void prepare_compute();
 
+  // ---- sharded master and the parameter gather (dist/DistOptimizer) ----------------------------
+  // Rows of one quantization block of the weight along N (MXFP8 32, NVFP4 16, BF16 1): a shard
+  // boundary inside the pack falls on a multiple of it, so a rank quantizes its rows alone.
+  int64_t shard_unit_rows() const;
+  // dst (count F32, the backend's memory) = elements [begin, begin + count) of the flat (E*N*K)
+  // high-precision value: the init (kInitHeld) or the master made from it (kMasterReady).
+  void copy_high_precision(int64_t begin, int64_t count, float* dst) const;
+  // kInitHeld | kMasterReady -> kSharded: the init or master is freed; the optimizer holds the
+  // master of its shard from now on (requantize_from_master and master() are errors).
+  void release_for_sharded_master();
+  // kInitHeld | kMasterReady -> kReplicated: the full master (made from the init if needed) stays
+  // as the FP32 weight its layer reads; from now on only write_master_replica changes it, and
+  // master() is an error while the replica awaits its gather (PrimaryState).
+  void replicate_master();
+  // kReplicated: the full FP32 copy = f32 (E*N*K F32, the backend's memory).
+  void write_master_replica(const float* f32);
+  // main_grad becomes E views (N*K F32 each; consecutive in kSingle) of memory the caller owns, a
+  // data-parallel grad buffer; the param's own main_grad is freed (kOwned -> kBound). Needs no
+  // pending wgrad.
+  void bind_main_grad(const std::vector<void*>& views);
+  // kCurrent -> kAwaitingGather (kSharded or kReplicated): forward (fprop_weight, dgrad_weight,
+  // prepare_compute, and master() of a replica) is an error until a write_primary_from_* call.
+  void mark_primary_awaiting_gather();
+  // The primary from a BF16 (E, N, K) image (views of any layout): a copy into the BF16 param, or
+  // ONE quantize launch over the pack. -> kCurrent.
+  void write_primary_from_bf16(const GroupedStorage& bf16);
+
+  // What a low-precision gather carries per element of the pack, in image order: the BF16 param
+  // (high-precision primary or bf16 recipe) {bf16}; MXFP8 2D {row_data, row_scale}; MXFP8 1D
+  // {row_data, row_scale, col_data, col_scale}; NVFP4 {row_data, row_scale} plus the (E,) amax.
+  // The columnwise copy of 2D weights is derived after the gather (formats/weight_2d.h).
+  std::vector<PackedComponent> packed_components() const;
+  // NVFP4 low-precision primary: the per-expert amax must be agreed on before rows are quantized.
+  bool needs_global_amax() const;
+  // amax[e] (backend memory) = the amax of rows [r0, r1) of the flat (E*N, K) pack that lie in
+  // expert e, for each expert they touch (others are not written). bf16_rows: (r1 - r0, K) BF16.
+  // One launch. needs_global_amax() only.
+  void rows_amax(const void* bf16_rows, int64_t r0, int64_t r1, float* amax) const;
+  // Rows [r0, r1) (multiples of shard_unit_rows) of the flat (E*N, K) pack, given as BF16 rows
+  // (r1 - r0, K), quantized exactly as the whole pack would be (NVFP4: with the global (E,)
+  // amax) into images[c] of packed_components() at the rows' own offsets. One launch.
+  void quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, const float* amax,
+                     const std::vector<void*>& images) const;
+  // The primary from whole images (+ NVFP4's (E,) amax): copies, the columnwise copy of 2D
+  // weights derived in one launch. -> kCurrent.
+  void write_primary_from_packed(const std::vector<const void*>& images, const float* amax);
+
   // Per-expert operands of the grouped GEMM (table in backend/grouped_gemm.h). Need current
   // compute copies. The pointers stay valid until the next requantize_from_master / prepare_compute.
   GemmOperand fprop_weight() const;  // W rowwise
   GemmOperand dgrad_weight() const;  // W columnwise
 
   const GroupedStorage& init() const { return init_; }    // (E, N, K) F32, until create_master
-  const GroupedStorage& master() const;                  // (E, N, K) F32, after create_master
+  // (E, N, K) F32, after create_master; a current replica under a distributed optimizer.
+  const GroupedStorage& master() const;
   GroupedStorage& master();
   const GroupedStorage& main_grad() const { return main_grad_; }  // (E, N, K) F32
   // The primary weight's components (the BF16 param, or the quantized copies of a low-precision
@@ -144,6 +231,11 @@ class GroupedParam {
   bool keeps_bf16() const { return !quantized() || primary_ == PrimaryWeight::kHighPrecision; }
   void write_primary_from(const GroupedStorage& f32);  // (E, N, K) F32 -> primary weight
   void quantize_weight(const GroupedStorage& bf16);    // (E, N, K) BF16 -> quant_, one call
+  void check_primary_current(const char* what) const;
+  // Rows [r0, r1) of the flat (E*N, K) pack as groups of whole experts' row ranges (BF16 input
+  // at bf16_rows); first_expert receives the expert of group 0.
+  GroupedMatrices row_groups(const void* bf16_rows, int64_t r0, int64_t r1,
+                             int64_t& first_expert) const;
 
   Backend* backend_;
   QuantRecipe recipe_;
@@ -153,6 +245,8 @@ class GroupedParam {
   MasterState master_state_ = MasterState::kInitHeld;
   GradState grad_state_ = GradState::kSettled;
   ComputeCopyState compute_state_ = ComputeCopyState::kStale;
+  PrimaryState primary_state_ = PrimaryState::kCurrent;
+  GradBinding grad_binding_ = GradBinding::kOwned;
 
   GroupedStorage init_;       // (E, N, K) F32, host or device
   GroupedStorage master_;     // (E, N, K) F32

@@ -532,6 +532,12 @@ class FakeDeviceBackend final : public Backend {
   Status dequantize_nvfp4(const Nvfp4Copy& q, DType t, const std::vector<void*>& out) override {
     return cpu().dequantize_nvfp4(q, t, out);
   }
+  Status nvfp4_amax(const GroupedMatrices& in, float* amax) override {
+    return cpu().nvfp4_amax(in, amax);
+  }
+  Status weight_2d_columnwise(const Weight2dCopies& w) override {
+    return cpu().weight_2d_columnwise(w);
+  }
   Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                         void* swizzled) override {
     return cpu().swizzle_scales(compact, rows, cols, transpose, swizzled);

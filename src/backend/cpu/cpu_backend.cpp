@@ -66,6 +66,14 @@ Status CpuBackend::dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
   return dequantize_nvfp4_cpu(q, out_dtype, out);
 }
 
+Status CpuBackend::nvfp4_amax(const GroupedMatrices& in, float* amax) {
+  return nvfp4_amax_cpu(in, amax);
+}
+
+Status CpuBackend::weight_2d_columnwise(const Weight2dCopies& w) {
+  return weight_2d_columnwise_cpu(w);
+}
+
 Status CpuBackend::swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                                   void* swizzled) {
   if (rows <= 0 || cols <= 0) return Status::error("swizzle_scales: empty scale matrix");

@@ -26,6 +26,8 @@ class CpuBackend final : public Backend {
                         const Nvfp4Outputs& out) override;
   Status dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
                           const std::vector<void*>& out) override;
+  Status nvfp4_amax(const GroupedMatrices& in, float* amax) override;
+  Status weight_2d_columnwise(const Weight2dCopies& w) override;
   Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
                         void* swizzled) override;
   Status grouped_gemm(const GroupedGemmArgs& args) override;

@@ -694,8 +694,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
   }
 }
 
+// The amax pass fills a.amax_ws unless the caller already did (a given amax); the quantize pass
+// is skipped when only the amax is wanted (nvfp4_amax).
 template <typename In, bool kVec, bool kHw>
-void launch(CudaBackend& be, const Nvfp4Args& a) {
+void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_pass) {
   constexpr size_t kSmem =
       static_cast<size_t>(Config::kStages) * Config::kStageBytes + Config::kStagingBytes;
   auto* amax_plain = &nvfp4_amax_kernel<In, kVec, false, false>;
@@ -718,30 +720,35 @@ void launch(CudaBackend& be, const Nvfp4Args& a) {
   const uint64_t tiles = a.groups.total_tiles;
   if (tiles == 0) return;
   const uint64_t sms = static_cast<uint64_t>(be.sm_count());
-  const uint64_t g1 = std::min<uint64_t>(tiles, (a.rht ? rht_per_sm : plain_per_sm) * sms);
-  if (a.rht)
-    amax_rht<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
-  else
-    amax_plain<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
-  PACKMOE_CUDA_CHECK_LAUNCH();
+  if (amax_pass) {
+    const uint64_t g1 = std::min<uint64_t>(tiles, (a.rht ? rht_per_sm : plain_per_sm) * sms);
+    if (a.rht)
+      amax_rht<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
+    else
+      amax_plain<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
+    PACKMOE_CUDA_CHECK_LAUNCH();
+  }
+  if (!quantize_pass) return;
   const uint64_t g2 = std::min<uint64_t>(tiles, quant_per_sm * sms);
   quant<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 
 template <typename In>
-void dispatch(CudaBackend& be, const Nvfp4Args& a, bool vec, bool hw) {
+void dispatch(CudaBackend& be, const Nvfp4Args& a, bool vec, bool hw, bool amax_pass,
+              bool quantize_pass) {
   if (hw)
-    vec ? launch<In, true, true>(be, a) : launch<In, false, true>(be, a);
+    vec ? launch<In, true, true>(be, a, amax_pass, quantize_pass)
+        : launch<In, false, true>(be, a, amax_pass, quantize_pass);
   else
-    vec ? launch<In, true, false>(be, a) : launch<In, false, false>(be, a);
+    vec ? launch<In, true, false>(be, a, amax_pass, quantize_pass)
+        : launch<In, false, false>(be, a, amax_pass, quantize_pass);
 }
 
-}  // namespace
-
-Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Config& cfg,
-                           const Nvfp4Outputs& out) {
-  PACKMOE_RETURN_IF_ERROR(validate_nvfp4(in, cfg, out));
+// Arguments of both passes (validated input), with the amax workspace zeroed; `vec` says whether
+// every pointer allows 16-byte accesses.
+Nvfp4Args make_args(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Config& cfg,
+                    const Nvfp4Outputs& out, bool& vec) {
   const int64_t K = in.cols;
   const int64_t G = in.groups();
   const int64_t tile_cols = in.dtype == DType::kBF16 ? Geo<uint16_t>::kCols : Geo<float>::kCols;
@@ -759,7 +766,8 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
   a.row_amax = static_cast<float*>(out.row_amax);
   a.col_amax = static_cast<float*>(out.col_amax);
 
-  bool vec = true, col16 = true;
+  vec = true;
+  bool col16 = true;
   std::vector<Nvfp4Group> groups(G);
   uint64_t tiles = 0, base = 0;
   for (int64_t g = 0; g < G; ++g) {
@@ -784,11 +792,40 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
   a.groups = cuda::make_group_table<Nvfp4Group, Config::kInlineGroups>(be, groups, tiles);
   a.amax_ws = static_cast<float*>(be.workspace(2 * G * sizeof(float)));
   be.fill_zero(a.amax_ws, 2 * G * sizeof(float));
+  return a;
+}
+
+void run(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Args& a, bool vec, bool amax_pass,
+         bool quantize_pass) {
   const bool hw = cuda_nvfp4_fast_codecs_ok(be);
   if (in.dtype == DType::kBF16)
-    dispatch<uint16_t>(be, a, vec, hw);
+    dispatch<uint16_t>(be, a, vec, hw, amax_pass, quantize_pass);
   else
-    dispatch<float>(be, a, vec, hw);
+    dispatch<float>(be, a, vec, hw, amax_pass, quantize_pass);
+}
+
+}  // namespace
+
+Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Config& cfg,
+                           const Nvfp4Outputs& out) {
+  PACKMOE_RETURN_IF_ERROR(validate_nvfp4(in, cfg, out));
+  bool vec = true;
+  const Nvfp4Args a = make_args(be, in, cfg, out, vec);
+  // A given amax (no RHT: validated) replaces the amax pass: the quantize pass reads amax_ws[g].
+  if (cfg.amax)
+    be.copy(a.amax_ws, cfg.amax, in.groups() * sizeof(float), Backend::CopyKind::kDeviceToDevice);
+  run(be, in, a, vec, /*amax_pass=*/cfg.amax == nullptr, /*quantize_pass=*/true);
+  return Status::ok();
+}
+
+Status CudaBackend::nvfp4_amax(const GroupedMatrices& in, float* amax) {
+  PACKMOE_RETURN_IF_ERROR(validate_nvfp4_amax(in, amax));
+  Nvfp4Config cfg;  // no copy requested: the group table carries only the inputs
+  cfg.rowwise = false;
+  bool vec = true;
+  const Nvfp4Args a = make_args(*this, in, cfg, Nvfp4Outputs{}, vec);
+  run(*this, in, a, vec, /*amax_pass=*/true, /*quantize_pass=*/false);
+  copy(amax, a.amax_ws, in.groups() * sizeof(float), CopyKind::kDeviceToDevice);
   return Status::ok();
 }
 

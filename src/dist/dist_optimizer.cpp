@@ -1,0 +1,464 @@
+// DistOptimizer: construction (plan, buffer views, master shard), the step, the three parameter
+// gather modes and the state save / load.
+#include "dist/dist_optimizer.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "optim/grad_clip.h"
+
+namespace packmoe {
+namespace {
+
+constexpr int64_t kImageAlign = 16;  // lowp images start 16-byte aligned in their class buffer
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+ShardPlan plan_for(const std::vector<DistParam>& params, int world, int64_t bucket_elems) {
+  std::vector<ParamGeometry> g;
+  for (const DistParam& d : params)
+    g.push_back({d.param->experts(), d.param->n(), d.param->k(), d.param->shard_unit_rows()});
+  Result<ShardPlan> plan = ShardPlan::make(std::move(g), world, bucket_elems);
+  PACKMOE_CHECK(plan.is_ok(), plan.status().message());
+  return std::move(plan).value();
+}
+
+template <typename T>
+Segments<T> one_segment(T* p, int64_t n) {
+  Segments<T> s;
+  s.ptr.push_back(p);
+  s.n = n;
+  return s;
+}
+
+}  // namespace
+
+std::string_view gather_mode_name(GatherMode m) {
+  switch (m) {
+    case GatherMode::kBf16:
+      return "bf16";
+    case GatherMode::kLowp:
+      return "lowp";
+    case GatherMode::kReuseGradBuffer:
+      return "reuse-grad-buffer";
+  }
+  return "?";
+}
+
+Result<GatherMode> parse_gather_mode(std::string_view s) {
+  for (GatherMode m : {GatherMode::kBf16, GatherMode::kLowp, GatherMode::kReuseGradBuffer})
+    if (s == gather_mode_name(m)) return m;
+  return Status::error("unknown parameter gather mode '" + std::string(s) +
+                       "' (bf16, lowp, reuse-grad-buffer)");
+}
+
+DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
+                             const DistOptimizerConfig& cfg)
+    : comm_(&comm),
+      be_(&comm.backend()),
+      cfg_(cfg),
+      params_(std::move(params)),
+      plan_(plan_for(params_, comm.size(), cfg.bucket_elems)),
+      grads_(comm, plan_),
+      pieces_(plan_.pieces(comm.rank())),
+      master_(*be_, shard().size() * sizeof(float)),
+      exp_avg_(*be_, shard().size() * sizeof(float)),
+      exp_avg_sq_(*be_, shard().size() * sizeof(float)),
+      norm_(*be_, sizeof(double)) {
+  for (size_t p = 0; p < params_.size(); ++p) {
+    const GroupedParam& gp = *params_[p].param;
+    PACKMOE_CHECK(&gp.backend() == be_, "param " << p
+                                                 << " lives in another backend than the "
+                                                    "communicator's buffers");
+    PACKMOE_CHECK(gp.master_state() == MasterState::kInitHeld ||
+                      gp.master_state() == MasterState::kMasterReady,
+                  "param " << p << " is already under a distributed optimizer");
+  }
+  for (DeviceBuffer* b : {&master_, &exp_avg_, &exp_avg_sq_}) be_->fill_zero(b->get(), b->size());
+
+  // Every main_grad views its slot: E consecutive (N, K) groups, whichever the layout.
+  for (int p = 0; p < plan_.params(); ++p) {
+    GroupedParam& gp = *params_[p].param;
+    const int64_t per_expert = gp.n() * gp.k();
+    std::vector<void*> views;
+    for (int64_t e = 0; e < gp.experts(); ++e)
+      views.push_back(grads_.data() + plan_.slot(p).offset + e * per_expert);
+    gp.bind_main_grad(views);
+  }
+  // The master shard from the high-precision values; then only kFp32 params keep a full copy,
+  // as the replica their layers read.
+  float* master = static_cast<float*>(master_.get());
+  for (const ShardPiece& piece : pieces_)
+    params_[piece.param].param->copy_high_precision(piece.begin, piece.count,
+                                                    master + (piece.offset - shard().begin));
+  for (DistParam& d : params_) {
+    if (d.form == WeightForm::kFp32)
+      d.param->replicate_master();
+    else
+      d.param->release_for_sharded_master();
+  }
+
+  traffic_.param_elements = plan_.param_elements();
+  switch (cfg_.gather) {
+    case GatherMode::kBf16:
+      bf16_image_.emplace(*be_, plan_.total() * sizeof(uint16_t));
+      be_->fill_zero(bf16_image_->get(), bf16_image_->size());
+      traffic_.all_gather_bytes = plan_.total() * static_cast<int64_t>(sizeof(uint16_t));
+      break;
+    case GatherMode::kReuseGradBuffer:
+      traffic_.all_gather_bytes = plan_.total() * static_cast<int64_t>(sizeof(uint16_t));
+      break;
+    case GatherMode::kLowp:
+      build_lowp_layout();
+      break;
+  }
+  std::vector<std::pair<int64_t, int64_t>> fp32_ratio(params_.size(), {0, 1});
+  bool any_fp32 = false;
+  for (size_t p = 0; p < params_.size(); ++p)
+    if (params_[p].form == WeightForm::kFp32) {
+      fp32_ratio[p] = {static_cast<int64_t>(sizeof(float)), 1};
+      any_fp32 = true;
+    }
+  if (any_fp32) {
+    fp32_.emplace(make_class(fp32_ratio));
+    traffic_.fp32_bytes = fp32_->bytes;
+    traffic_.all_gather_bytes += fp32_->bytes;
+  }
+  stage();
+  grads_.advance(GradBufferState::kParamsStaged, "construction: masters staged for the gather");
+}
+
+float DistOptimizer::loss_scale(int64_t micro_batches) const {
+  PACKMOE_CHECK(micro_batches >= 1, "loss_scale of " << micro_batches << " micro-batches");
+  return 1.0f / static_cast<float>(micro_batches * comm_->size());
+}
+
+void DistOptimizer::prepare_forward() {
+  if (grads_.state() == GradBufferState::kParamsStaged) gather_params();
+  if (grads_.state() == GradBufferState::kParamsGathered) {
+    grads_.fill_zero();
+    grads_.advance(GradBufferState::kZeroed, "prepare_forward: buffer zeroed after the gather");
+  }
+  PACKMOE_CHECK(grads_.state() == GradBufferState::kZeroed ||
+                    grads_.state() == GradBufferState::kAccumulating,
+                "prepare_forward in grad buffer state " << grad_buffer_state_name(grads_.state()));
+}
+
+void DistOptimizer::prepare_backward() {
+  grads_.advance(GradBufferState::kAccumulating,
+                 "prepare_backward; a forward needs prepare_forward first");
+}
+
+DistStepResult DistOptimizer::step(double max_norm) {
+  grads_.reduce_scatter();
+  const FlatRange sh = shard();
+  const float* grads = grads_.data();
+  double* norm = static_cast<double*>(norm_.get());
+  if (sh.size() > 0)
+    check_op(be_->sum_squares(one_segment(grads + sh.begin, sh.size()), norm), "sum_squares");
+  else
+    be_->fill_zero(norm, sizeof(double));
+  comm_->all_reduce(norm, norm, 1, ReduceOp::kSum);
+  double sum = 0;
+  const std::vector<uint8_t> bytes = norm_.download();
+  std::memcpy(&sum, bytes.data(), sizeof(double));
+
+  DistStepResult r;
+  r.grad_norm = std::sqrt(sum);
+  if (!std::isfinite(r.grad_norm)) {
+    grads_.fill_zero();
+    grads_.advance(GradBufferState::kZeroed, "step skipped: non-finite grad norm");
+    return r;
+  }
+  r.clip_scale = clip_coefficient(r.grad_norm, max_norm);
+  ++steps_;
+  AdamWConfig no_decay = cfg_.adamw;
+  no_decay.weight_decay = 0.0f;
+  AdamWStepScalars decayed = adamw_step_scalars(cfg_.adamw, steps_);
+  AdamWStepScalars undecayed = adamw_step_scalars(no_decay, steps_);
+  decayed.grad_scale = undecayed.grad_scale = r.clip_scale;
+  float* master = static_cast<float*>(master_.get());
+  float* m = static_cast<float*>(exp_avg_.get());
+  float* v = static_cast<float*>(exp_avg_sq_.get());
+  for (const ShardPiece& piece : pieces_) {  // one adamw launch per parameter piece
+    const int64_t at = piece.offset - sh.begin;
+    AdamWArgs a;
+    a.scalars = params_[piece.param].weight_decay ? decayed : undecayed;
+    a.param = one_segment(master + at, piece.count);
+    a.exp_avg = one_segment(m + at, piece.count);
+    a.exp_avg_sq = one_segment(v + at, piece.count);
+    a.grad = one_segment(grads + piece.offset, piece.count);
+    check_op(be_->adamw(a), "adamw");
+  }
+  stage();
+  grads_.advance(GradBufferState::kParamsStaged, "step: update staged for the gather");
+  r.applied = true;
+  return r;
+}
+
+void DistOptimizer::cast_shard_to_bf16(uint16_t* dst) {
+  const int64_t n = shard().size();
+  if (n == 0) return;
+  check_op(
+      be_->cast_f32_to_bf16(one_segment<const float>(static_cast<const float*>(master_.get()), n),
+                            one_segment(dst, n)),
+      "master shard to bf16");
+}
+
+void DistOptimizer::stage() {
+  const FlatRange sh = shard();
+  switch (cfg_.gather) {
+    case GatherMode::kBf16:
+      cast_shard_to_bf16(static_cast<uint16_t*>(bf16_image_->get()) + sh.begin);
+      break;
+    case GatherMode::kReuseGradBuffer:
+      // The shard's F32 gradients were consumed by AdamW; BF16 element x lands at byte 2x.
+      cast_shard_to_bf16(grads_.bf16_image() + sh.begin);
+      break;
+    case GatherMode::kLowp: {
+      const auto* rows = static_cast<const uint16_t*>(shard_bf16_->get());
+      cast_shard_to_bf16(static_cast<uint16_t*>(shard_bf16_->get()));
+      float* amax = amax_count_ > 0 ? static_cast<float*>(amax_->get()) : nullptr;
+      if (amax_count_ > 0) {  // NVFP4: every rank's rows are scaled with the expert's amax
+        be_->fill_zero(amax, amax_->size());
+        for (const ShardPiece& piece : pieces_) {
+          const GroupedParam& gp = *params_[piece.param].param;
+          if (amax_offset_[piece.param] < 0) continue;
+          gp.rows_amax(rows + (piece.offset - sh.begin), piece.begin / gp.k(),
+                       (piece.begin + piece.count) / gp.k(), amax + amax_offset_[piece.param]);
+        }
+        comm_->all_reduce(amax, amax, amax_count_, ReduceOp::kMax);
+      }
+      for (const ShardPiece& piece : pieces_) {
+        const GroupedParam& gp = *params_[piece.param].param;
+        std::vector<void*> images;
+        for (GatherClass& cls : lowp_)
+          if (cls.offset[piece.param] >= 0)
+            images.push_back(static_cast<uint8_t*>(cls.buffer->get()) + cls.offset[piece.param]);
+        gp.quantize_rows(
+            rows + (piece.offset - sh.begin), piece.begin / gp.k(),
+            (piece.begin + piece.count) / gp.k(),
+            amax_offset_[piece.param] >= 0 ? amax + amax_offset_[piece.param] : nullptr, images);
+      }
+      break;
+    }
+  }
+  if (fp32_) {  // the replicas' shard pieces, as they are
+    const float* master = static_cast<const float*>(master_.get());
+    for (const ShardPiece& piece : pieces_)
+      if (fp32_->offset[piece.param] >= 0)
+        be_->copy(static_cast<uint8_t*>(fp32_->buffer->get()) + fp32_->offset[piece.param] +
+                      piece.begin * static_cast<int64_t>(sizeof(float)),
+                  master + (piece.offset - sh.begin), piece.count * sizeof(float),
+                  Backend::CopyKind::kDeviceToDevice);
+  }
+  for (DistParam& d : params_) d.param->mark_primary_awaiting_gather();
+}
+
+void DistOptimizer::gather_params() {
+  grads_.advance(GradBufferState::kParamsGathered, "parameter all-gather");
+  const FlatRange sh = shard();
+  if (fp32_) {
+    uint8_t* buf = static_cast<uint8_t*>(fp32_->buffer->get());
+    comm_->all_gatherv(buf + class_position(*fp32_, sh.begin), buf, fp32_->counts);
+    for (int p = 0; p < plan_.params(); ++p)
+      if (fp32_->offset[p] >= 0)
+        params_[p].param->write_master_replica(
+            reinterpret_cast<const float*>(buf + fp32_->offset[p]));
+  }
+  if (cfg_.gather == GatherMode::kLowp) {
+    for (GatherClass& cls : lowp_) {
+      uint8_t* buf = static_cast<uint8_t*>(cls.buffer->get());
+      comm_->all_gatherv(buf + class_position(cls, sh.begin), buf, cls.counts);
+    }
+    const float* amax = amax_count_ > 0 ? static_cast<const float*>(amax_->get()) : nullptr;
+    for (int p = 0; p < plan_.params(); ++p) {
+      std::vector<const void*> images;
+      for (const GatherClass& cls : lowp_)
+        if (cls.offset[p] >= 0)
+          images.push_back(static_cast<const uint8_t*>(cls.buffer->get()) + cls.offset[p]);
+      params_[p].param->write_primary_from_packed(
+          images, amax_offset_[p] >= 0 ? amax + amax_offset_[p] : nullptr);
+    }
+  } else {
+    uint16_t* image = cfg_.gather == GatherMode::kBf16 ? static_cast<uint16_t*>(bf16_image_->get())
+                                                       : grads_.bf16_image();
+    std::vector<int64_t> bytes = plan_.shard_sizes();
+    for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(uint16_t));
+    comm_->all_gatherv(image + sh.begin, image, bytes);
+    for (int p = 0; p < plan_.params(); ++p)
+      params_[p].param->write_primary_from_bf16(bf16_views(image, p));
+  }
+}
+
+GroupedStorage DistOptimizer::bf16_views(const uint16_t* image, int p) const {
+  const GroupedParam& gp = *params_[p].param;
+  const int64_t per_expert = gp.n() * gp.k();
+  std::vector<void*> views;
+  for (int64_t e = 0; e < gp.experts(); ++e)
+    views.push_back(const_cast<uint16_t*>(image) + plan_.slot(p).offset + e * per_expert);
+  return GroupedStorage::view(*be_, gp.layout(), views, per_expert * sizeof(uint16_t));
+}
+
+DistOptimizer::GatherClass DistOptimizer::make_class(
+    const std::vector<std::pair<int64_t, int64_t>>& ratio) {
+  GatherClass cls;
+  const int count = plan_.params();
+  cls.offset.assign(count, -1);
+  cls.num.assign(count, 0);
+  cls.den.assign(count, 1);
+  int64_t at = 0;
+  for (int p : plan_.buffer_order()) {
+    if (ratio[p].first == 0) continue;
+    at = align_up(at, kImageAlign);
+    cls.offset[p] = at;
+    cls.num[p] = ratio[p].first;
+    cls.den[p] = ratio[p].second;
+    at += plan_.geometry(p).numel() * cls.num[p] / cls.den[p];
+  }
+  cls.bytes = at;
+  for (int r = 0; r < plan_.world_size(); ++r)
+    cls.counts.push_back(class_position(cls, plan_.shard(r).end) -
+                         class_position(cls, plan_.shard(r).begin));
+  cls.buffer.emplace(*be_, cls.bytes);
+  be_->fill_zero(cls.buffer->get(), cls.bytes);  // alignment gaps travel too: keep them defined
+  return cls;
+}
+
+void DistOptimizer::build_lowp_layout() {
+  const int count = plan_.params();
+  size_t classes = 0;
+  amax_offset_.assign(count, -1);
+  for (int p = 0; p < count; ++p) {
+    const GroupedParam& gp = *params_[p].param;
+    classes = std::max(classes, gp.packed_components().size());
+    if (gp.needs_global_amax()) {
+      amax_offset_[p] = amax_count_;
+      amax_count_ += gp.experts();
+    }
+  }
+  for (size_t c = 0; c < classes; ++c) {  // component position c of every param
+    std::vector<std::pair<int64_t, int64_t>> ratio(count, {0, 1});
+    for (int p = 0; p < count; ++p) {
+      const std::vector<PackedComponent> comps = params_[p].param->packed_components();
+      if (c < comps.size()) ratio[p] = {comps[c].bytes_num, comps[c].bytes_den};
+    }
+    lowp_.push_back(make_class(ratio));
+    traffic_.all_gather_bytes += lowp_.back().bytes;
+  }
+  if (amax_count_ > 0) amax_.emplace(*be_, amax_count_ * sizeof(float));
+  traffic_.all_reduce_bytes = amax_count_ * static_cast<int64_t>(sizeof(float));
+  shard_bf16_.emplace(*be_, shard().size() * sizeof(uint16_t));
+}
+
+int64_t DistOptimizer::class_position(const GatherClass& cls, int64_t flat) const {
+  for (int p : plan_.buffer_order()) {
+    if (cls.offset[p] < 0) continue;  // no bytes in this class
+    const ParamSlot& s = plan_.slot(p);
+    if (flat <= s.offset) return cls.offset[p];
+    if (flat < s.offset + s.numel)
+      return cls.offset[p] + (flat - s.offset) * cls.num[p] / cls.den[p];
+  }
+  return cls.bytes;
+}
+
+// ---- state ----------------------------------------------------------------------------------
+
+void DistOptimizer::check_between_steps(const char* what) const {
+  PACKMOE_CHECK(grads_.state() == GradBufferState::kZeroed ||
+                    grads_.state() == GradBufferState::kParamsStaged,
+                what << " in the middle of a step (grad buffer "
+                     << grad_buffer_state_name(grads_.state())
+                     << "): the gradients accumulated so far are not part of the state; finish "
+                        "the step first");
+}
+
+std::vector<float> DistOptimizer::master_shard() const {
+  std::vector<float> out(shard().size());
+  if (!out.empty())
+    be_->copy(out.data(), master_.get(), master_.size(), Backend::CopyKind::kDeviceToHost);
+  return out;
+}
+
+OptimizerShard DistOptimizer::shard_state() const {
+  check_between_steps("shard_state");
+  OptimizerShard s;
+  s.world_size = comm_->size();
+  s.rank = comm_->rank();
+  s.steps = steps_;
+  s.params = plan_.geometries();
+  s.pieces = pieces_;
+  const int64_t n = shard().size();
+  std::vector<float> all[3];
+  const DeviceBuffer* src[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  std::vector<float>* dst[3] = {&s.master, &s.exp_avg, &s.exp_avg_sq};
+  for (int i = 0; i < 3; ++i) {
+    all[i].resize(n);
+    if (n)
+      be_->copy(all[i].data(), src[i]->get(), n * sizeof(float), Backend::CopyKind::kDeviceToHost);
+    for (const ShardPiece& piece : pieces_) {
+      const float* from = all[i].data() + (piece.offset - shard().begin);
+      dst[i]->insert(dst[i]->end(), from, from + piece.count);
+    }
+  }
+  return s;
+}
+
+FullOptimizerState DistOptimizer::gather_state() {
+  check_between_steps("gather_state");
+  FullOptimizerState full;
+  full.steps = steps_;
+  full.params = plan_.geometries();
+  const FlatRange sh = shard();
+  std::vector<int64_t> bytes = plan_.shard_sizes();
+  for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(float));
+  DeviceBuffer flat(*be_, plan_.total() * sizeof(float));  // (total) F32
+  float* f = static_cast<float*>(flat.get());
+  std::vector<std::vector<float>>* out[3] = {&full.master, &full.exp_avg, &full.exp_avg_sq};
+  const DeviceBuffer* src[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  for (int i = 0; i < 3; ++i) {
+    if (sh.size())
+      be_->copy(f + sh.begin, src[i]->get(), src[i]->size(), Backend::CopyKind::kDeviceToDevice);
+    comm_->all_gatherv(f + sh.begin, f, bytes);
+    std::vector<float> host(plan_.total());
+    be_->copy(host.data(), f, flat.size(), Backend::CopyKind::kDeviceToHost);
+    for (int p = 0; p < plan_.params(); ++p) {
+      const ParamSlot& s = plan_.slot(p);
+      out[i]->emplace_back(host.begin() + s.offset, host.begin() + s.offset + s.numel);
+    }
+  }
+  return full;
+}
+
+Status DistOptimizer::load_state(const FullOptimizerState& state) {
+  check_between_steps("load_state");
+  if (state.params != plan_.geometries())
+    return Status::error(
+        "optimizer state: its parameters (shapes or quantization blocks) differ "
+        "from this model's");
+  for (const auto* v : {&state.master, &state.exp_avg, &state.exp_avg_sq}) {
+    if (v->size() != state.params.size())
+      return Status::error("optimizer state: one tensor per parameter expected");
+    for (size_t p = 0; p < v->size(); ++p)
+      if (static_cast<int64_t>((*v)[p].size()) != state.params[p].numel())
+        return Status::error("optimizer state: parameter " + std::to_string(p) + " has " +
+                             std::to_string((*v)[p].size()) + " elements");
+  }
+  if (state.steps < 0) return Status::error("optimizer state: negative step count");
+  const int64_t begin = shard().begin;
+  DeviceBuffer* dst[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  const std::vector<std::vector<float>>* src[3] = {&state.master, &state.exp_avg,
+                                                   &state.exp_avg_sq};
+  for (int i = 0; i < 3; ++i)
+    for (const ShardPiece& piece : pieces_)
+      be_->copy(static_cast<float*>(dst[i]->get()) + (piece.offset - begin),
+                (*src[i])[piece.param].data() + piece.begin, piece.count * sizeof(float),
+                Backend::CopyKind::kHostToDevice);
+  steps_ = state.steps;
+  stage();
+  grads_.advance(GradBufferState::kParamsStaged, "load_state: loaded masters staged");
+  return Status::ok();
+}
+
+}  // namespace packmoe

@@ -1,0 +1,177 @@
+// DistOptimizer: ZeRO-1 AdamW over GroupedParams. Gradients accumulate in one flat FP32 buffer
+// (GradBuffer, laid out by a ShardPlan) that every param's main_grad views; a step reduce-scatters
+// it, takes the global grad norm, updates the FP32 masters and moments of this rank's shard only,
+// and stages the shard for the parameter all-gather, which the next prepare_forward runs in one of
+// three modes. Invariants: masters come from the high-precision init, never from dequantized
+// values; all three modes write bitwise the same primary weights; every use of the buffer's memory
+// is a checked GradBufferState transition; ops go through Backend and Communicator only, so the
+// same code runs on the CPU over MPI and on GPUs over NCCL.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "backend/device_buffer.h"
+#include "dist/communicator.h"
+#include "dist/grad_buffer.h"
+#include "dist/optimizer_state.h"
+#include "dist/shard_plan.h"
+#include "nn/grouped_param.h"
+#include "optim/adamw.h"
+
+namespace packmoe {
+
+// How updated parameters reach every rank (docs/dist.md has the bytes per element).
+enum class GatherMode : uint8_t {
+  kBf16,             // all-gather BF16 shards; every rank quantizes each whole pack (one launch)
+  kLowp,             // each rank quantizes its rows; the quantized bytes and scales are gathered
+  kReuseGradBuffer,  // as kBf16, through the grad buffer's memory (no gather buffer)
+};
+std::string_view gather_mode_name(GatherMode m);           // "bf16", "lowp", "reuse-grad-buffer"
+Result<GatherMode> parse_gather_mode(std::string_view s);  // the names above
+
+struct DistOptimizerConfig {
+  AdamWConfig adamw;
+  GatherMode gather = GatherMode::kBf16;
+  int64_t bucket_elems = int64_t{1} << 24;  // reduce-scatter unit: 64 MiB of FP32
+};
+
+// What the param's layer reads in forward and backward.
+enum class WeightForm : uint8_t {
+  kPrimary,  // the primary weight (BF16 or quantized): gathered in the optimizer's mode
+  // The FP32 weight itself (norms, the embedding table: nn/layer_ops.h f32_weight): every rank
+  // keeps a full FP32 replica (MasterState::kReplicated), refreshed by an FP32 all-gather.
+  kFp32,
+};
+
+struct DistParam {
+  GroupedParam* param;
+  bool weight_decay;  // false: decay = 1 exactly (norms)
+  WeightForm form = WeightForm::kPrimary;
+};
+
+struct DistStepResult {
+  double grad_norm = 0;  // of the summed gradient, before clipping
+  float clip_scale = 1;  // what the gradient was multiplied by (1: not clipped)
+  bool applied = false;  // false: non-finite norm; nothing was updated
+};
+
+// Collective traffic of one step's parameter gather on this job (the same on every rank).
+struct GatherTraffic {
+  int64_t all_gather_bytes = 0;  // the gathered buffers' sizes: what all ranks contribute together
+  int64_t all_reduce_bytes = 0;  // lowp NVFP4: the per-expert amax (F32 each)
+  int64_t fp32_bytes = 0;        // of all_gather_bytes: the FP32 replicas (WeightForm::kFp32)
+  int64_t param_elements = 0;    // parameters' elements, no padding
+  double bytes_per_element() const {
+    return static_cast<double>(all_gather_bytes) / static_cast<double>(param_elements);
+  }
+};
+
+class DistOptimizer {
+ public:
+  // Every param: in comm.backend()'s memory, no pending wgrad, its master not yet sharded (the
+  // init, or a master made from it). Binds every main_grad into the grad buffer (its old content
+  // is dropped), copies this rank's master shard from the high-precision values, frees the
+  // params' own init / master (kFp32 params keep it as their replica), and stages the masters, so
+  // the first prepare_forward gathers them (every rank then holds the same weights). Collective:
+  // every rank, same params.
+  DistOptimizer(Communicator& comm, std::vector<DistParam> params, const DistOptimizerConfig& cfg);
+  DistOptimizer(const DistOptimizer&) = delete;
+  DistOptimizer& operator=(const DistOptimizer&) = delete;
+
+  // The loss scale of each micro-batch's backward when every rank runs `micro_batches` of them:
+  // 1 / (micro_batches * world size). The reduce-scatter is a plain sum, so the result is the mean
+  // over all micro-batches of the job, with the bits of one rank accumulating them all (MPI).
+  float loss_scale(int64_t micro_batches) const;
+
+  // Before ANY forward (training, eval, export): finishes the parameter sync, whatever is left of
+  // it: the gather (ParamsStaged -> ParamsGathered), then the zeroing (ParamsGathered -> Zeroed);
+  // nothing in Zeroed or Accumulating. Collective when it gathers (every rank reaches the same
+  // point).
+  void prepare_forward();
+  // ParamsStaged -> ParamsGathered: the all-gather, and every primary weight written from it. In
+  // reuse-grad-buffer mode the parameters now fill the grad buffer; the only way back to
+  // gradients is prepare_forward's zeroing. Collective.
+  void gather_params();
+  // Before each backward: Zeroed | Accumulating -> Accumulating (anything else aborts).
+  void prepare_backward();
+  // Accumulating -> Reduced -> ParamsStaged (or -> Zeroed when the norm is not finite): the
+  // reduce-scatter, the global norm (all-reduce of this shard's FP64 sum of squares), the clip
+  // scale min(1, max_norm / (norm + 1e-6)) (max_norm <= 0: no clipping), AdamW on the shard,
+  // staging for the gather. Collective.
+  DistStepResult step(double max_norm = 0.0);
+  void set_lr(float lr) { cfg_.adamw.lr = lr; }
+  float lr() const { return cfg_.adamw.lr; }
+  int64_t steps() const { return steps_; }
+
+  // ---- state (Zeroed or ParamsStaged only: not in the middle of a step) ----------------------
+  // This rank's shard, to save as one file per rank; no communication.
+  OptimizerShard shard_state() const;
+  // Collective: every rank receives the whole state, per parameter (e.g. for HF weights).
+  FullOptimizerState gather_state();
+  // Takes this rank's shard of a state saved by any world size, then stages the masters
+  // (-> ParamsStaged), so the next prepare_forward rebuilds every primary from them. Errors
+  // (Status, nothing changed): parameters that differ from this optimizer's.
+  Status load_state(const FullOptimizerState& state);
+
+  // ---- observation -----------------------------------------------------------------------------
+  const ShardPlan& plan() const { return plan_; }
+  GatherMode gather_mode() const { return cfg_.gather; }
+  GradBufferState state() const { return grads_.state(); }
+  const GradBuffer& grad_buffer() const { return grads_; }
+  FlatRange shard() const { return plan_.shard(comm_->rank()); }
+  std::vector<float> master_shard() const;  // (shard size) F32, padding positions 0
+  const GatherTraffic& traffic() const { return traffic_; }
+
+ private:
+  // A gather buffer: one component of the params that have it, as flat images in buffer order
+  // (16-byte aligned starts), so each rank's bytes are one contiguous range.
+  struct GatherClass {
+    std::vector<int64_t> offset;    // (P) image start of param p, bytes; -1 when p lacks it
+    std::vector<int64_t> num, den;  // (P) bytes per element of p's component: num / den
+    std::vector<int64_t> counts;    // (world) bytes each rank contributes
+    int64_t bytes = 0;
+    std::optional<DeviceBuffer> buffer;
+  };
+
+  void check_between_steps(const char* what) const;
+  void stage();  // masters -> the mode's gather source; params await the gather
+  // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none.
+  GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio);
+  void build_lowp_layout();
+  // Byte position in a class buffer of flat buffer position `flat` (a legal shard boundary).
+  int64_t class_position(const GatherClass& cls, int64_t flat) const;
+  GroupedStorage bf16_views(const uint16_t* image, int p) const;  // param p's (E, N, K) BF16
+  void cast_shard_to_bf16(uint16_t* dst);                         // (shard size) BF16
+
+  Communicator* comm_;
+  Backend* be_;
+  DistOptimizerConfig cfg_;
+  std::vector<DistParam> params_;
+  ShardPlan plan_;
+  GradBuffer grads_;
+  std::vector<ShardPiece> pieces_;  // this rank's, buffer order
+  DeviceBuffer master_;             // (shard size) F32
+  DeviceBuffer exp_avg_;            // (shard size) F32
+  DeviceBuffer exp_avg_sq_;         // (shard size) F32
+  DeviceBuffer norm_;               // (1) F64
+  int64_t steps_ = 0;
+  GatherTraffic traffic_;
+
+  // kBf16: (total) BF16 image of the flat buffer. kLowp: the shard's BF16 rows, the per-expert
+  // amax of every NVFP4 param ((sum E) F32; amax_offset[p] its slice, -1 for others) and one
+  // gather buffer per component position.
+  std::optional<DeviceBuffer> bf16_image_;
+  std::optional<DeviceBuffer> shard_bf16_;
+  std::optional<DeviceBuffer> amax_;
+  std::vector<int64_t> amax_offset_;
+  int64_t amax_count_ = 0;
+  std::vector<GatherClass> lowp_;
+  // The FP32 replicas of WeightForm::kFp32 params (every mode), when there are any.
+  std::optional<GatherClass> fp32_;
+};
+
+}  // namespace packmoe

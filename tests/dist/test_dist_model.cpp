@@ -1,0 +1,147 @@
+// The whole tiny Qwen3-MoE Model (embedding, attention, norms, router, experts, LM head: every
+// parameter a GroupedParam, dense ones with E = 1) trained by DistOptimizer under Local and MPI:
+// each rank's micro-batch loss, the masters and every primary weight equal one process
+// accumulating all ranks' micro-batches with the plain AdamW, bitwise, for one recipe per gather
+// mode. The model's masters exist before the optimizer (Model makes them from its init), so this
+// also covers taking the shard from a full master; norms and the embedding table, which layers
+// read in FP32, run as WeightForm::kFp32 (full FP32 replicas refreshed by an FP32 all-gather).
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dist_optimizer_harness.h"
+#include "nn/model.h"
+#include "train/model_config.h"
+
+namespace packmoe::dist_checks {
+namespace {
+
+ModelConfig tiny() { return train::model_config_preset("tiny").value(); }
+
+// Micro-batch (s, i): B = 2 rows of S = 16 random bytes, each row's targets its next tokens.
+Batch micro_batch(uint64_t seed, int s, int i) {
+  std::mt19937_64 rng = rng_for(seed, s, i, 11);
+  std::uniform_int_distribution<int32_t> token(0, 255);
+  Batch b;
+  b.batch = 2;
+  b.seq = 16;
+  for (int64_t r = 0; r < b.batch; ++r) {
+    std::vector<int32_t> row(b.seq + 1);
+    for (int32_t& t : row) t = token(rng);
+    b.inputs.insert(b.inputs.end(), row.begin(), row.end() - 1);
+    b.targets.insert(b.targets.end(), row.begin() + 1, row.end());
+  }
+  return b;
+}
+
+std::vector<std::vector<uint8_t>> model_primaries(const Model& m) {
+  std::vector<std::vector<uint8_t>> out;
+  for (const NamedParam& p : m.params())
+    for (const NamedStorage& s : p.param->weight_components()) out.push_back(s.storage->download());
+  return out;
+}
+
+// The layers that read their FP32 weight itself (nn/layer_ops.h f32_weight): every RMSNorm (the
+// parameters initialised to ones) and the embedding table. The Model does not say so itself yet.
+WeightForm weight_form(const std::string& name) {
+  for (const ParamSpec& spec : model_param_specs(tiny()))
+    if (spec.name == name)
+      return spec.init == ParamInit::kOnes || name == "model.embed_tokens.weight"
+                 ? WeightForm::kFp32
+                 : WeightForm::kPrimary;
+  ADD_FAILURE() << "no parameter " << name;
+  return WeightForm::kPrimary;
+}
+
+struct ModelCase {
+  const char* name;
+  ModelPrecision precision;
+  GatherMode mode;
+};
+
+TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
+  const int world = comm().size();
+  Backend& b = comm().backend();
+  const ModelCase cases[] = {
+      {"bf16",
+       {{Recipe::kBF16, false, 5}, PrimaryWeight::kHighPrecision, Layout::kSingle, true},
+       GatherMode::kBf16},
+      {"mxfp8_2d",
+       {{Recipe::kMxfp8, true, 5}, PrimaryWeight::kLowPrecision, Layout::kDiscrete, true},
+       GatherMode::kLowp},
+      {"nvfp4",
+       {{Recipe::kNvfp4, false, 5}, PrimaryWeight::kLowPrecision, Layout::kSingle, true},
+       GatherMode::kReuseGradBuffer}};
+  const ModelConfig config = tiny();
+  const ModelWeights init = random_model_weights(config, g_seed);
+  for (const ModelCase& c : cases) {
+    SCOPED_TRACE(std::string(c.name) + " / " + std::string(gather_mode_name(c.mode)));
+    // The reference: micro-batch i in model copy i (its own SR streams), gradients summed into
+    // copy 0 in index order, AdamW there, the masters copied back to the others.
+    std::vector<std::unique_ptr<Model>> ref;
+    for (int i = 0; i < world; ++i)
+      ref.push_back(std::make_unique<Model>(b, config, c.precision, init));
+    AdamW ref_opt(kAdamW);
+    for (const NamedParam& p : ref[0]->params()) ref_opt.add(*p.param, p.weight_decay);
+
+    Model model(b, config, c.precision, init);
+    std::vector<DistParam> params;
+    for (const NamedParam& p : model.params())
+      params.push_back({p.param, p.weight_decay, weight_form(p.name)});
+    DistOptimizer opt(comm(), params, {kAdamW, c.mode, int64_t{1} << 14});
+    EXPECT_GT(opt.plan().buckets().size(), 2u);
+
+    const float scale = 1.0f / static_cast<float>(world);
+    for (int s = 0; s < 3; ++s) {
+      SCOPED_TRACE("step " + std::to_string(s));
+      std::vector<ForwardLosses> ref_losses;
+      for (int i = 0; i < world; ++i) {
+        ref[i]->zero_grad();
+        ref_losses.push_back(ref[i]->forward(micro_batch(g_seed, s, i)).value());
+        ref[i]->backward(scale);
+      }
+      std::vector<const GroupedStorage*> grads;
+      for (size_t p = 0; p < ref[0]->params().size(); ++p) {
+        for (int i = 1; i < world; ++i)
+          add_f32(ref[0]->params()[p].param->main_grad(), ref[i]->params()[p].param->main_grad());
+        grads.push_back(&ref[0]->params()[p].param->main_grad());
+      }
+      const double ref_norm = global_grad_norm(b, grads);
+      ref_opt.step(clip_coefficient(ref_norm, 0.0));
+      for (int i = 1; i < world; ++i)
+        for (size_t p = 0; p < ref[0]->params().size(); ++p) {
+          ref[i]->params()[p].param->master().copy_from(ref[0]->params()[p].param->master());
+          ref[i]->params()[p].param->requantize_from_master();
+        }
+
+      opt.prepare_forward();
+      const ForwardLosses mine = model.forward(micro_batch(g_seed, s, comm().rank())).value();
+      opt.prepare_backward();
+      model.backward(opt.loss_scale(1));
+      const DistStepResult r = opt.step();
+      EXPECT_EQ(mine.lm_loss, ref_losses[comm().rank()].lm_loss);
+      EXPECT_EQ(mine.aux_loss, ref_losses[comm().rank()].aux_loss);
+      EXPECT_LE(std::fabs(r.grad_norm - ref_norm) / ref_norm, 1e-12);
+      compare_shard(
+          opt, opt.master_shard(),
+          [&](int p) { return floats_of(ref[0]->params()[p].param->master()); }, true, "master");
+      opt.prepare_forward();
+      EXPECT_TRUE(model_primaries(model) == model_primaries(*ref[0])) << "primary weights";
+      for (size_t p = 0; p < params.size(); ++p) {  // the replicas are the whole masters
+        const GroupedParam& replica = *params[p].param;
+        if (params[p].form != WeightForm::kFp32) continue;
+        EXPECT_TRUE(replica.master().download() == ref[0]->params()[p].param->master().download())
+            << model.params()[p].name;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace packmoe::dist_checks
+
+int main(int argc, char** argv) {
+  return packmoe::dist_checks::run_all(argc, argv, packmoe::Device::kCPU);
+}
