@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/device_buffer.h"
+#include "common/dist_main.h"
 #include "core/codecs.h"
 #include "dist/dist_optimizer.h"
 #include "nn/moe_block.h"
@@ -30,24 +31,11 @@
 
 namespace packmoe::dist_checks {
 
-inline Communicator* g_comm = nullptr;
-inline uint64_t g_seed = 0;  // rank 0's, broadcast; PACKMOE_TEST_SEED replays it
-inline Communicator& comm() { return *g_comm; }
-
-template <typename T>
-DeviceBuffer upload(const std::vector<T>& host) {
-  DeviceBuffer b(comm().backend(), host.size() * sizeof(T));
-  b.upload({reinterpret_cast<const uint8_t*>(host.data()), host.size() * sizeof(T)});
-  return b;
-}
-
-template <typename T>
-std::vector<T> download(const DeviceBuffer& b) {
-  const std::vector<uint8_t> bytes = b.download();
-  std::vector<T> out(bytes.size() / sizeof(T));
-  if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
-  return out;
-}
+using dist_test::comm;
+using dist_test::download;
+using dist_test::g_seed;
+using dist_test::run_all;
+using dist_test::upload;
 
 // T tokens, H hidden, F expert width, E experts: FC1 (E, 2F, H), FC2 (E, H, F), router (1, E, H).
 // With E = 3 the shard cuts of 2 and 3 ranks fall inside experts (docs/dist.md lists them).
@@ -322,55 +310,6 @@ inline double max_over_ranks(double v) {
   comm().all_reduce(static_cast<double*>(b.get()), static_cast<double*>(b.get()), 1,
                     ReduceOp::kMax);
   return download<double>(b)[0];
-}
-
-// ---- main
-// ------------------------------------------------------------------------------------------
-
-// Prints this rank's failures with its rank; rank 0 keeps gtest's full output.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (!r.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", comm().rank(),
-                 r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
-  }
-};
-
-// The communicator of `device` from the environment, rank 0's seed on every rank, every test on
-// every rank; fails on every rank if any rank failed.
-inline int run_all(int argc, char** argv, Device device) {
-  ::testing::InitGoogleTest(&argc, argv);
-  Result<std::unique_ptr<Communicator>> made = make_communicator(device);
-  if (!made) {
-    std::fprintf(stderr, "communicator: %s\n", made.status().message().c_str());
-    return 1;
-  }
-  std::unique_ptr<Communicator> owned = std::move(made).value();
-  g_comm = owned.get();
-  if (comm().rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter);
-  }
-  uint64_t seed = (static_cast<uint64_t>(std::random_device{}()) << 32) | std::random_device{}();
-  if (const char* s = std::getenv("PACKMOE_TEST_SEED")) seed = std::strtoull(s, nullptr, 10);
-  DeviceBuffer seed_buf = upload(std::vector<uint64_t>{seed});
-  comm().broadcast(seed_buf.get(), 8, 0);
-  g_seed = download<uint64_t>(seed_buf)[0];
-  if (comm().rank() == 0)
-    std::printf("[dist] %d rank(s) over %s, seed %llu (replay: PACKMOE_TEST_SEED=%llu)\n",
-                comm().size(), std::string(comm_kind_name(comm().kind())).c_str(),
-                static_cast<unsigned long long>(g_seed), static_cast<unsigned long long>(g_seed));
-  const int64_t mine_failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  DeviceBuffer failed = upload(std::vector<int64_t>{mine_failed});
-  comm().all_reduce(static_cast<int64_t*>(failed.get()), static_cast<int64_t*>(failed.get()), 1,
-                    ReduceOp::kSum);
-  const int64_t ranks_failed = download<int64_t>(failed)[0];
-  if (comm().rank() == 0 && ranks_failed > 0)
-    std::printf("[dist] FAILED on %lld of %d rank(s), seed %llu\n",
-                static_cast<long long>(ranks_failed), comm().size(),
-                static_cast<unsigned long long>(g_seed));
-  return ranks_failed == 0 ? 0 : 1;
 }
 
 }  // namespace packmoe::dist_checks

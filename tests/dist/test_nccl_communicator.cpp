@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "common/communicator_checks.h"
+#include "common/cuda_ranks.h"
 
 namespace packmoe::comm_checks {
 namespace {
@@ -38,15 +39,6 @@ TEST(NcclCommunicator, CallsOnASideStream) {
 }  // namespace packmoe::comm_checks
 
 int main(int argc, char** argv) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
-    std::printf("skipped: no CUDA device is visible\n");
-    return 77;
-  }
-  const char* per_host = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  if (per_host && std::atoi(per_host) > gpus) {
-    std::printf("skipped: %s ranks on this host need as many GPUs, %d visible\n", per_host, gpus);
-    return 77;
-  }
+  if (!packmoe::dist_test::gpu_for_every_rank()) return 77;
   return packmoe::comm_checks::run_all(argc, argv, packmoe::Device::kCUDA);
 }

@@ -7,19 +7,11 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "common/cuda_ranks.h"
 #include "common/dist_optimizer_checks.h"
 
 int main(int argc, char** argv) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
-    std::printf("skipped: no CUDA device is visible\n");
-    return 77;
-  }
-  const char* per_host = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-  if (per_host && std::atoi(per_host) > gpus) {
-    std::printf("skipped: %s ranks on this host need as many GPUs, %d visible\n", per_host, gpus);
-    return 77;
-  }
+  if (!packmoe::dist_test::gpu_for_every_rank()) return 77;
   const char* world = std::getenv("OMPI_COMM_WORLD_SIZE");
   if (world && std::atoi(world) > 2) {
     std::printf("skipped: %s NCCL ranks sum in NCCL's order; the bitwise checks need <= 2\n",

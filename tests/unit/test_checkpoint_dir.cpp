@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/status_checks.h"
+#include "common/test_files.h"
 #include "io/hf_weights.h"
 #include "io/state_file.h"
 #include "train/model_config.h"
@@ -30,6 +32,9 @@ namespace packmoe::io {
 namespace {
 
 namespace fs = std::filesystem;
+using test::expect_error;
+using test::read_raw;
+using test::write_raw;
 using Json = nlohmann::json;
 
 // Bit at a time, straight from the definition (reflected polynomial 0x82F63B78).
@@ -40,16 +45,6 @@ uint32_t crc32c_bitwise(const std::vector<uint8_t>& bytes) {
     for (int k = 0; k < 8; ++k) c = (c >> 1) ^ ((c & 1u) ? 0x82F63B78u : 0u);
   }
   return ~c;
-}
-
-std::vector<uint8_t> read_raw(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
-}
-
-void write_raw(const fs::path& p, const std::vector<uint8_t>& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
 
 // A pid that ran and exited (so no process has it until the kernel reuses it).
@@ -64,23 +59,12 @@ pid_t dead_pid() {
 class CheckpointDirTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("PACKMOE_TEST_TMP");
-    fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path();
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ =
-        base / ("checkpoint_dir_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
+    dir_ = test::make_test_dir("checkpoint_dir_");
     root_ = (dir_ / "ckpt").string();
-    std::random_device rd;
-    seed_ = (uint64_t{rd()} << 32) | rd();
+    seed_ = test::recorded_random_seed();
     rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void TearDown() override { test::remove_test_dir(dir_); }
 
   std::vector<uint8_t> random_bytes(size_t n) {
     std::uniform_int_distribution<int> byte(0, 255);
@@ -116,14 +100,6 @@ class CheckpointDirTest : public ::testing::Test {
   uint64_t seed_ = 0;
   std::mt19937_64 rng_;
 };
-
-void expect_error(const Status& s, const std::vector<std::string>& parts) {
-  ASSERT_FALSE(s.is_ok()) << "expected an error mentioning " << parts.front();
-  EXPECT_EQ(s.message().find('\n'), std::string::npos) << s.message();
-  for (const std::string& p : parts) {
-    EXPECT_NE(s.message().find(p), std::string::npos) << "'" << p << "' not in: " << s.message();
-  }
-}
 
 // ---- CRC-32C and names
 // ----------------------------------------------------------------------------

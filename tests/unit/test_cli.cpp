@@ -2,7 +2,7 @@
 // (checked against hand-derived bytes and against the reference quantizer), exit codes, one-line
 // errors, and that a failed run never creates or clobbers the output file.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +12,7 @@
 #include <random>
 
 #include "backend/backend.h"
+#include "common/run_cli.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -23,22 +24,8 @@ using namespace packmoe;
 
 namespace {
 
-struct RunResult {
-  int exit_code;
-  std::string output;  // stdout + stderr
-};
-
-RunResult run_cli(const std::string& args) {
-  const char* cli = std::getenv("PACKMOE_CLI");
-  EXPECT_NE(cli, nullptr) << "PACKMOE_CLI is set by CTest";
-  std::string cmd = std::string(cli ? cli : "packmoe") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using packmoe::test::RunResult;
+using packmoe::test::run_cli;
 
 fs::path temp_dir() {
   const char* env = std::getenv("PACKMOE_TEST_TMP");

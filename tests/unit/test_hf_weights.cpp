@@ -6,10 +6,8 @@
 #include "io/hf_weights.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/test_files.h"
 #include "core/codecs.h"
 #include "io/safetensors.h"
 #include "train/model_config.h"
@@ -29,6 +28,8 @@ namespace packmoe::io {
 namespace {
 
 namespace fs = std::filesystem;
+using test::read_raw;
+using test::write_raw;
 using Json = nlohmann::json;
 
 // ---- an independent strict safetensors parser ---------------------------------------------------
@@ -207,21 +208,11 @@ const std::vector<std::pair<std::string, std::vector<int64_t>>>& tiny_hf_names()
 class HfWeightsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("PACKMOE_TEST_TMP");
-    fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path();
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = base / ("hf_weights_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::random_device rd;
-    seed_ = (uint64_t{rd()} << 32) | rd();
+    dir_ = test::make_test_dir("hf_weights_");
+    seed_ = test::recorded_random_seed();
     rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void TearDown() override { test::remove_test_dir(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
   // Normal values, with every 4th element a random bit pattern (NaN payloads, Inf, subnormals,
@@ -245,16 +236,6 @@ class HfWeightsTest : public ::testing::Test {
   uint64_t seed_ = 0;
   std::mt19937_64 rng_;
 };
-
-std::vector<uint8_t> read_raw(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
-}
-
-void write_raw(const std::string& p, const std::vector<uint8_t>& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-}
 
 // The F32 values HF tensor `name` must hold, indexed straight from the packed layout:
 // experts.gate_up_proj (E, 2F, H) row r of expert j at (j * 2F + r) * H, experts.down_proj

@@ -3,7 +3,6 @@
 // polyline per series with one point per finite value, axis labels), and `packmoe plot` errors as
 // a user sees them (via the binary in $PACKMOE_CLI, as test_cli.cpp does).
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -14,6 +13,7 @@
 #include <sstream>
 #include <vector>
 
+#include "common/run_cli.h"
 #include "train/metrics.h"
 #include "train/plot.h"
 
@@ -319,22 +319,8 @@ TEST(Plot, NoGradNormAndNoData) {
             "no finite loss values (nothing to plot)");
 }
 
-struct RunResult {
-  int exit_code;
-  std::string output;  // stdout + stderr
-};
-
-RunResult run_cli(const std::string& args) {
-  const char* cli = std::getenv("PACKMOE_CLI");
-  EXPECT_NE(cli, nullptr) << "PACKMOE_CLI is set by CTest";
-  std::string cmd = std::string(cli ? cli : "packmoe") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using packmoe::test::RunResult;
+using packmoe::test::run_cli;
 
 TEST(PlotCli, WritesSvg) {
   fs::path dir = temp_dir();

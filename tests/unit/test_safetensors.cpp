@@ -6,9 +6,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,29 +15,23 @@
 #include <string>
 #include <vector>
 
+#include "common/test_files.h"
+
 namespace packmoe::io {
 namespace {
 
 namespace fs = std::filesystem;
+using test::read_raw;
+using test::write_raw;
 
 class SafetensorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("PACKMOE_TEST_TMP");
-    fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path();
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = base / ("safetensors_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::random_device rd;
-    seed_ = (uint64_t{rd()} << 32) | rd();
+    dir_ = test::make_test_dir("safetensors_");
+    seed_ = test::recorded_random_seed();
     rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void TearDown() override { test::remove_test_dir(dir_); }
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
@@ -60,16 +52,6 @@ class SafetensorsTest : public ::testing::Test {
   uint64_t seed_ = 0;
   std::mt19937_64 rng_;
 };
-
-std::vector<uint8_t> read_raw(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
-}
-
-void write_raw(const std::string& p, const std::vector<uint8_t>& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-}
 
 // A file: 8-byte little-endian `declared` (default: the header length), the header, then `data`.
 std::vector<uint8_t> make_file(const std::string& header, std::vector<uint8_t> data,

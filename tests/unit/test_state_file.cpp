@@ -4,9 +4,7 @@
 #include "io/state_file.h"
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,32 +14,25 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/status_checks.h"
+#include "common/test_files.h"
 #include "io/safetensors.h"
 
 namespace packmoe::io {
 namespace {
 
 namespace fs = std::filesystem;
+using test::expect_error;
 using Json = nlohmann::json;
 
 class StateFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("PACKMOE_TEST_TMP");
-    fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path();
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = base / ("state_file_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::random_device rd;
-    seed_ = (uint64_t{rd()} << 32) | rd();
+    dir_ = test::make_test_dir("state_file_");
+    seed_ = test::recorded_random_seed();
     rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void TearDown() override { test::remove_test_dir(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
   Tensor random_tensor(DType dtype, Shape shape) {
@@ -61,14 +52,6 @@ std::vector<StateTensorSpec> specs_of(const StateTensors& ts) {
   std::vector<StateTensorSpec> out;
   for (const auto& [name, t] : ts) out.push_back({name, t.dtype(), t.shape()});
   return out;
-}
-
-void expect_error(const Status& s, const std::vector<std::string>& parts) {
-  ASSERT_FALSE(s.is_ok()) << "expected an error mentioning " << parts.front();
-  EXPECT_EQ(s.message().find('\n'), std::string::npos) << s.message();
-  for (const std::string& p : parts) {
-    EXPECT_NE(s.message().find(p), std::string::npos) << "'" << p << "' not in: " << s.message();
-  }
 }
 
 TEST_F(StateFileTest, EveryDtypeRoundTripsBitwise) {

@@ -4,9 +4,7 @@
 // check, each error naming the file; the byte tokenizer and the hash split on a fixture corpus.
 // Files go to $PACKMOE_TEST_TMP (else the system temp dir), one fresh directory per test.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/test_files.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
 
@@ -22,25 +21,16 @@ namespace packmoe::io {
 namespace {
 
 namespace fs = std::filesystem;
+using test::write_raw;
 
 class TokenDataTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* env = std::getenv("PACKMOE_TEST_TMP");
-    fs::path base = env && *env ? fs::path(env) : fs::temp_directory_path();
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = base / ("token_data_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    std::random_device rd;
-    seed_ = (uint64_t{rd()} << 32) | rd();
+    dir_ = test::make_test_dir("token_data_");
+    seed_ = test::recorded_random_seed();
     rng_.seed(seed_);
-    RecordProperty("seed", std::to_string(seed_));
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void TearDown() override { test::remove_test_dir(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
   fs::path dir_;
@@ -54,11 +44,6 @@ void put(std::vector<uint8_t>* out, T v) {
   for (size_t i = 0; i < sizeof(T); ++i) {
     out->push_back(static_cast<uint8_t>(static_cast<uint64_t>(v) >> (8 * i)));
   }
-}
-
-void write_raw(const std::string& p, const std::vector<uint8_t>& bytes) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
 
 void write_text(const std::string& p, const std::string& text) {

@@ -6,7 +6,6 @@
 // writes BF16 safetensors that a strict parser written here accepts with every HF name, and
 // --init-from-hf starts from exactly those weights.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include <tuple>
 
 #include "backend/backend.h"
+#include "common/run_cli.h"
 #include "core/codecs.h"
 #include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
@@ -36,22 +36,8 @@ using namespace packmoe;
 
 namespace {
 
-struct RunResult {
-  int exit_code;
-  std::string output;  // stdout + stderr
-};
-
-RunResult run_cli(const std::string& args) {
-  const char* cli = std::getenv("PACKMOE_CLI");
-  EXPECT_NE(cli, nullptr) << "PACKMOE_CLI is set by CTest";
-  const std::string cmd = std::string(cli ? cli : "packmoe") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using packmoe::test::RunResult;
+using packmoe::test::run_cli;
 
 fs::path temp_dir() {
   const char* env = std::getenv("PACKMOE_TEST_TMP");
