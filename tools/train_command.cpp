@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "dist/communicator.h"
+#include "dist/dist_optimizer.h"
 #include "io/hf_weights.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
@@ -257,6 +259,25 @@ Status run_train(const TrainArgs& args) {
   // ---- settings: defaults (or the checkpoint's), then the config file, then flags ----
   Result<Backend*> backend = backend_from_flag(args.device);
   if (!backend) return backend.status();
+  // Data parallelism: `mpirun -np N packmoe train ...` (CPU, MPI). Rank 0 alone prints and writes
+  // files; the other ranks report errors only (stderr).
+  std::unique_ptr<Communicator> comm;
+  if (launched_by_mpirun()) {
+    if (backend.value() != &cpu_backend())
+      return Status::error("mpirun: data parallelism runs on the CPU only for now (--device cpu)");
+    Result<CommOptions> options = comm_options_from_env();
+    if (!options) return options.status();
+    Result<std::unique_ptr<Communicator>> c = make_communicator(CommKind::kMpi, options.value());
+    if (!c) return c.status();
+    comm = std::move(c.value());
+    if (comm->size() == 1) comm.reset();
+  }
+  const bool rank0 = !comm || comm->rank() == 0;
+  if (comm && (!args.resume.empty() || !args.save_dir.empty()))
+    return Status::error("checkpoints (--resume, --save-dir) with data parallelism (world size > 1) "
+                         "are not supported yet");
+  if (!rank0 && !std::freopen("/dev/null", "w", stdout))
+    return Status::error("cannot silence stdout on rank " + std::to_string(comm->rank()));
   if (args.save_interval < 0)
     return Status::error("--save-interval = " + std::to_string(args.save_interval) +
                          " must be >= 0");
@@ -364,6 +385,7 @@ Status run_train(const TrainArgs& args) {
                  : train::Trainer::create(*backend.value(), *model, config, std::move(data),
                                           hf_weights ? &*hf_weights : nullptr);
   if (!trainer) return trainer.status();
+  if (comm) PACKMOE_RETURN_IF_ERROR(trainer.value()->enable_data_parallel(*comm, GatherMode::kBf16));
 
   // ---- outputs ----
   std::error_code ec;
@@ -372,7 +394,7 @@ Status run_train(const TrainArgs& args) {
   const std::string config_path = (fs::path(args.out) / "config.json").string();
   const std::string metrics_path = (fs::path(args.out) / "metrics.jsonl").string();
   const std::string plot_path = (fs::path(args.out) / "loss.svg").string();
-  PACKMOE_RETURN_IF_ERROR(train::save_model_config(*model, config_path));
+  if (rank0) PACKMOE_RETURN_IF_ERROR(train::save_model_config(*model, config_path));
 
   const train::ParameterCount params = train::parameter_count(*model);
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",
@@ -387,6 +409,11 @@ Status run_train(const TrainArgs& args) {
               static_cast<long long>(config.steps), static_cast<long long>(config.grad_accum_steps),
               static_cast<long long>(config.micro_batch_size),
               static_cast<long long>(config.seq_len), config.lr, config.min_lr);
+  if (comm)
+    std::printf("  data parallel: %d ranks (MPI), global batch %lld rows per step, gather mode bf16\n",
+                comm->size(),
+                static_cast<long long>(comm->size() * config.grad_accum_steps *
+                                       config.micro_batch_size));
   for (const std::string& note : start.value().notes) std::printf("  %s\n", note.c_str());
   if (checkpoint)
     std::printf("  resumed from %s at step %lld\n", checkpoint->dir.c_str(),
@@ -396,15 +423,16 @@ Status run_train(const TrainArgs& args) {
   std::fflush(stdout);
 
   train::TrainLoopOptions loop;
-  loop.metrics_path = metrics_path;
-  loop.progress_bar = isatty(STDOUT_FILENO) != 0;
+  loop.metrics_path = rank0 ? metrics_path : std::string();
+  loop.progress_bar = false;
+  if (rank0) loop.progress_bar = isatty(STDOUT_FILENO) != 0;
   loop.save_dir = args.save_dir;
   loop.save_interval = args.save_interval;
   loop.keep_last = args.keep_last;
   loop.save_primary = args.save_primary;
   Result<train::TrainSummary> summary = train::run_training(*trainer.value(), loop);
   if (!summary) return summary.status();
-  PACKMOE_RETURN_IF_ERROR(train::plot_metrics_file(metrics_path, plot_path));
+  if (rank0) PACKMOE_RETURN_IF_ERROR(train::plot_metrics_file(metrics_path, plot_path));
   const train::TrainSummary& s = summary.value();
   std::printf("done in %s: train loss %.4f -> %.4f", train::format_duration(s.seconds).c_str(),
               s.first_loss, s.last_loss);

@@ -80,7 +80,7 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       LogLine line;
       line.iteration = s.step;
       line.total_iterations = c.steps;
-      line.consumed_samples = s.step * c.grad_accum_steps * c.micro_batch_size;
+      line.consumed_samples = s.step * (s.tokens / c.seq_len);  // global: x ranks in data parallel
       line.ms_per_iteration = 1e3 * interval_seconds / static_cast<double>(interval_steps);
       const double tokens_per_s = static_cast<double>(interval_tokens) / interval_seconds;
       if (cuda) line.tflops_per_gpu = flops_per_token * tokens_per_s / 1e12;

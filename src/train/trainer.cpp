@@ -98,6 +98,7 @@ void Trainer::attach_optimizer() {
 }
 
 TrainerCheckpoint Trainer::snapshot() const {
+  PACKMOE_CHECK(!dist_, "snapshot() with data parallelism: not supported yet");
   TrainerCheckpoint c;
   c.step = step_;
   c.model = model_->config();
@@ -120,6 +121,8 @@ TrainerCheckpoint Trainer::snapshot() const {
 
 Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::string& root,
                                                                  int keep_last, bool save_primary) {
+  if (dist_)
+    return Status::error("checkpoints with data parallelism (world size > 1) are not supported yet");
   Result<io::CheckpointWriter> writer = io::CheckpointWriter::begin(root, step_, keep_last);
   if (!writer) return writer.status();
   io::CheckpointWriter& w = writer.value();
@@ -156,6 +159,8 @@ void Trainer::restore_state(const TrainerCheckpoint& c) {
 }
 
 Status Trainer::load_checkpoint(const std::string& dir) {
+  if (dist_)
+    return Status::error("checkpoints with data parallelism (world size > 1) are not supported yet");
   Result<TrainerCheckpoint> c = read_trainer_checkpoint(dir);
   if (!c) return c.status();
   PACKMOE_RETURN_IF_ERROR(check_resumable(c.value()));
@@ -175,7 +180,78 @@ Status Trainer::load_checkpoint(const std::string& dir) {
 
 bool Trainer::on_cuda() const { return model_->backend().name().rfind("cuda", 0) == 0; }
 
+Status Trainer::enable_data_parallel(Communicator& comm, GatherMode mode) {
+  if (dist_) return Status::error("data parallelism is already enabled");
+  if (step_ != 0) return Status::error("data parallelism must be enabled before the first step");
+  if (&comm.backend() != &model_->backend())
+    return Status::error("the communicator runs on another backend than the model");
+  // The layers that read their FP32 weight itself (nn/layer_ops.h f32_weight): every RMSNorm
+  // (the parameters initialised to ones) and the embedding table; they travel as FP32 replicas.
+  const std::vector<ParamSpec> specs = model_param_specs(model_->config());
+  std::vector<DistParam> params;
+  for (const NamedParam& p : model_->params()) {
+    WeightForm form = WeightForm::kPrimary;
+    for (const ParamSpec& spec : specs)
+      if (spec.name == p.name && (spec.init == ParamInit::kOnes || p.name == "model.embed_tokens.weight"))
+        form = WeightForm::kFp32;
+    params.push_back({p.param, p.weight_decay, form});
+  }
+  grads_.clear();
+  optimizer_ = AdamW(adamw_config(config_));  // its moments are dropped: DistOptimizer has its own
+  DistOptimizerConfig dc;
+  dc.adamw = adamw_config(config_);
+  dc.gather = mode;
+  dist_ = std::make_unique<DistOptimizer>(comm, std::move(params), dc);
+  comm_ = &comm;
+  return Status::ok();
+}
+
+Result<StepResult> Trainer::train_step_dist() {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t A = config_.grad_accum_steps;
+  const int world = comm_->size(), rank = comm_->rank();
+  StepResult r;
+  r.step = step_ + 1;
+  double sums[2] = {0, 0};  // lm, aux loss over this rank's micro-batches
+  for (int64_t micro = 0; micro < A; ++micro) {
+    Batch batch;
+    for (int w = 0; w < world; ++w) {  // micro-batch `rank` of every `world` consecutive ones
+      Batch b = train_sampler_.next();
+      if (w == rank) batch = std::move(b);
+    }
+    dist_->prepare_forward();
+    Result<ForwardLosses> losses = model_->forward(batch);
+    if (!losses) return losses.status();
+    dist_->prepare_backward();
+    model_->backward(dist_->loss_scale(A));
+    sums[0] += losses.value().lm_loss;
+    sums[1] += losses.value().aux_loss;
+    r.tokens += batch.batch * batch.seq * world;
+  }
+  // Rank-ordered F64 sum: with A = 1 the bits of one process accumulating every rank's loss.
+  double global[2] = {0, 0};
+  comm_->all_reduce(sums, global, 2, ReduceOp::kSum);
+  const double n = static_cast<double>(A) * static_cast<double>(world);
+  r.loss = global[0] / n;
+  r.aux_loss = global[1] / n;
+  r.lr = schedule_.at(r.step);
+  dist_->set_lr(static_cast<float>(r.lr));
+  const DistStepResult d = dist_->step(config_.grad_clip);
+  r.grad_norm = d.grad_norm;
+  if (!std::isfinite(r.loss) || !d.applied) {
+    std::ostringstream e;
+    e << "step " << r.step << ": non-finite loss " << r.loss << " or grad norm " << r.grad_norm
+      << "; nothing was updated (try a lower lr)";
+    return Status::error(e.str());
+  }
+  model_->backend().synchronize();
+  step_ = r.step;
+  r.seconds = seconds_since(start);
+  return r;
+}
+
 Result<StepResult> Trainer::train_step() {
+  if (dist_) return train_step_dist();
   const auto start = std::chrono::steady_clock::now();
   const int64_t A = config_.grad_accum_steps;
   const float loss_scale = 1.0f / static_cast<float>(A);
@@ -213,6 +289,7 @@ Result<StepResult> Trainer::train_step() {
 Result<EvalResult> Trainer::evaluate() {
   PACKMOE_CHECK(!validation_.empty(), "evaluate() without a validation set (eval_interval = 0)");
   const auto start = std::chrono::steady_clock::now();
+  if (dist_) dist_->prepare_forward();  // every rank holds all weights: each evaluates it all
   EvalResult r;
   double loss_sum = 0;
   for (const Batch& batch : validation_) {

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "dist/communicator.h"
+#include "dist/dist_optimizer.h"
 #include "io/checkpoint_dir.h"
 #include "io/token_data.h"
 #include "nn/model.h"
@@ -88,6 +90,15 @@ class Trainer {
   // no sampler change. eval_interval = 0 (no validation set): a programmer error.
   Result<EvalResult> evaluate();
 
+  // Data parallelism (docs/dist.md part 2): from now on the ZeRO-1 DistOptimizer over `comm`
+  // replaces AdamW; rank r trains on micro-batch r of every comm.size() consecutive sampler
+  // batches (global batch = size x B x A), and train_step reports the global mean loss and grad
+  // norm on every rank. N ranks are bitwise one process with grad_accum_steps x N while no step
+  // is clipped. Only before the first step; collective. Checkpoints are refused afterwards.
+  Status enable_data_parallel(Communicator& comm, GatherMode mode);
+  bool data_parallel() const { return dist_ != nullptr; }
+  DistOptimizer* dist_optimizer() { return dist_.get(); }
+
   int64_t step() const { return step_; }
   const TrainConfig& config() const { return config_; }
   Model& model() { return *model_; }
@@ -116,6 +127,9 @@ class Trainer {
   std::vector<Batch> validation_;  // (eval_batches) fixed micro-batches
   std::vector<const GroupedStorage*> grads_;  // every main_grad, in params() order
   int64_t step_ = 0;
+  Communicator* comm_ = nullptr;
+  std::unique_ptr<DistOptimizer> dist_;
+  Result<StepResult> train_step_dist();
 };
 
 }  // namespace packmoe::train
