@@ -6,6 +6,23 @@
 #include "nn/layer_ops.h"
 
 namespace packmoe {
+namespace {
+
+// x (T, heads * D) F32 rotated in place by the table: forward RoPE, or its inverse (backward).
+void rotate_in_place(Backend& b, const RopeTable& rope, const Tensor& x, int64_t heads, int64_t D,
+                     bool inverse) {
+  RopeArgs r;
+  r.tokens = x.dim(0);
+  r.heads = heads;
+  r.head_dim = D;
+  r.cos = rope.cos.data_as<const float>();
+  r.sin = rope.sin.data_as<const float>();
+  r.in = x.data_as<const float>();
+  r.out = x.data_as<float>();
+  check_op(inverse ? b.rope_backward(r) : b.rope(r), inverse ? "rope_backward" : "rope");
+}
+
+}  // namespace
 
 Attention::Attention(Backend& backend, const AttentionShape& shape, Layout layout,
                      bool grad_accum_fusion, const AttentionInit& init)
@@ -35,19 +52,9 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Rop
   q_rot_ = q_norm_.forward(q.reshaped({T * Hq, D})).reshaped({T, Hq * D});
   k_rot_ = k_norm_.forward(k.reshaped({T * Hkv, D})).reshaped({T, Hkv * D});
 
-  RopeArgs r;
-  r.tokens = T;
-  r.head_dim = D;
-  r.cos = rope.cos.data_as<const float>();
-  r.sin = rope.sin.data_as<const float>();
-  r.heads = Hq;
-  r.in = q_rot_.data_as<const float>();
-  r.out = q_rot_.data_as<float>();  // in place: the norm output is not needed again
-  check_op(b.rope(r), "rope q");
-  r.heads = Hkv;
-  r.in = k_rot_.data_as<const float>();
-  r.out = k_rot_.data_as<float>();
-  check_op(b.rope(r), "rope k");
+  // In place: the norm outputs are not needed again.
+  rotate_in_place(b, rope, q_rot_, Hq, D, false);
+  rotate_in_place(b, rope, k_rot_, Hkv, D, false);
 
   attn_ = Tensor::empty(b, DType::kF32, {T, Hq * D});
   row_max_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
@@ -98,19 +105,8 @@ Tensor Attention::backward(const Tensor& dy) {
   a.dv = dv.data_as<float>();
   check_op(b.attention_backward(a), "attention_backward");
 
-  RopeArgs r;  // inverse rotation, in place
-  r.tokens = T;
-  r.head_dim = D;
-  r.cos = rope_.cos.data_as<const float>();
-  r.sin = rope_.sin.data_as<const float>();
-  r.heads = Hq;
-  r.in = dq.data_as<const float>();
-  r.out = dq.data_as<float>();
-  check_op(b.rope_backward(r), "rope_backward q");
-  r.heads = Hkv;
-  r.in = dk.data_as<const float>();
-  r.out = dk.data_as<float>();
-  check_op(b.rope_backward(r), "rope_backward k");
+  rotate_in_place(b, rope_, dq, Hq, D, true);  // the inverse rotation
+  rotate_in_place(b, rope_, dk, Hkv, D, true);
 
   const Tensor dq_proj = q_norm_.backward(dq.reshaped({T * Hq, D}));   // (T*Hq, D)
   const Tensor dk_proj = k_norm_.backward(dk.reshaped({T * Hkv, D}));  // (T*Hkv, D)
