@@ -21,6 +21,7 @@ std::string_view op_name(Op op) {
     case Op::kSwigluBackward: return "swiglu_backward";
     case Op::kUnpermute: return "unpermute";
     case Op::kUnpermuteBackward: return "unpermute_backward";
+    case Op::kRoutingPlan: return "routing_plan";
     case Op::kCastF32ToBF16: return "cast_f32_to_bf16";
     case Op::kAddF32: return "add_f32";
     case Op::kAdamW: return "adamw";

@@ -54,6 +54,7 @@ enum class Op {
   kCrossEntropyBackward,
   kNvfp4Amax,
   kWeight2dColumnwise,
+  kRoutingPlan,
 };
 std::string_view op_name(Op op);
 
@@ -105,6 +106,7 @@ class Backend : public Allocator {
   virtual Status swiglu_backward(const SwigluBackwardArgs& args) = 0;
   virtual Status unpermute(const UnpermuteArgs& args) = 0;
   virtual Status unpermute_backward(const UnpermuteBackwardArgs& args) = 0;
+  virtual Status routing_plan(const RoutingPlanArgs& args) = 0;
 
   // Elementwise ops over segment lists (backend/elementwise.h).
   virtual Status cast_f32_to_bf16(const Segments<const float>& src,

@@ -136,22 +136,54 @@ Status validate_unpermute_backward(const UnpermuteBackwardArgs& a) {
                                {a.dw, "dw"}});
 }
 
-Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64_t experts,
-                                       int64_t top_k, int64_t align) {
-  constexpr const char* op = "routing_plan";
+namespace {
+
+Status check_plan_args(const char* op, int64_t tokens, int64_t experts, int64_t top_k,
+                       int64_t align) {
   PACKMOE_RETURN_IF_ERROR(check_router_dims(op, tokens, experts, top_k));
-  PACKMOE_RETURN_IF_ERROR(require_non_null(op, {{idx, "idx"}}));
   if (align <= 0 || align > INT32_MAX)
     return Status::error(std::string(op) + ": align must be in [1, 2^31) (1 for bf16, 32 for " +
                          "mxfp8, 16 for nvfp4), got " + num(align));
+  return Status::ok();
+}
 
+// From p.counts: padded_counts, offsets and rows.
+Status finish_plan(const char* op, RoutingPlan& p) {
+  p.padded_counts.resize(p.experts);
+  p.offsets.assign(p.experts + 1, 0);
+  for (int64_t e = 0; e < p.experts; ++e) {
+    p.padded_counts[e] = (p.counts[e] + p.align - 1) / p.align * p.align;
+    p.offsets[e + 1] = p.offsets[e] + p.padded_counts[e];
+    // Checked per expert so the running sum itself cannot overflow.
+    if (p.offsets[e + 1] > INT32_MAX)
+      return Status::error(std::string(op) + ": more than 2^31 - 1 permuted rows (T * k = " +
+                           num(p.tokens * p.top_k) + ", align " + num(p.align) +
+                           "): rows are int32 indices");
+  }
+  p.rows = p.offsets[p.experts];
+  return Status::ok();
+}
+
+RoutingPlan empty_plan(int64_t tokens, int64_t experts, int64_t top_k, int64_t align) {
   RoutingPlan p;
   p.tokens = tokens;
   p.experts = experts;
   p.top_k = top_k;
   p.align = align;
-  const int64_t slots = tokens * top_k;  // < 2^24 * 2^31: no int64 overflow
   p.counts.assign(experts, 0);
+  return p;
+}
+
+}  // namespace
+
+Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64_t experts,
+                                       int64_t top_k, int64_t align) {
+  constexpr const char* op = "routing_plan";
+  PACKMOE_RETURN_IF_ERROR(check_plan_args(op, tokens, experts, top_k, align));
+  PACKMOE_RETURN_IF_ERROR(require_non_null(op, {{idx, "idx"}}));
+
+  RoutingPlan p = empty_plan(tokens, experts, top_k, align);
+  const int64_t slots = tokens * top_k;  // < 2^24 * 2^31: no int64 overflow
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t e = idx[i];
     if (e < 0 || e >= experts)
@@ -159,17 +191,7 @@ Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64
                            "] = " + num(e) + " is not an expert in [0, " + num(experts) + ")");
     ++p.counts[e];
   }
-  p.padded_counts.resize(experts);
-  p.offsets.assign(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) {
-    p.padded_counts[e] = (p.counts[e] + align - 1) / align * align;
-    p.offsets[e + 1] = p.offsets[e] + p.padded_counts[e];
-    // Checked per expert so the running sum itself cannot overflow.
-    if (p.offsets[e + 1] > INT32_MAX)
-      return Status::error(std::string(op) + ": more than 2^31 - 1 permuted rows (T * k = " +
-                           num(slots) + ", align " + num(align) + "): rows are int32 indices");
-  }
-  p.rows = p.offsets[experts];
+  PACKMOE_RETURN_IF_ERROR(finish_plan(op, p));
 
   // Walking the pairs in (t, j) order fills each expert's rows in that order: deterministic.
   std::vector<int64_t> next(p.offsets.begin(), p.offsets.end() - 1);
@@ -180,6 +202,49 @@ Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64
     p.dest[i] = static_cast<int32_t>(r);
     p.row_slot[r] = static_cast<int32_t>(i);
   }
+  return p;
+}
+
+int64_t routing_plan_max_rows(int64_t tokens, int64_t experts, int64_t top_k, int64_t align) {
+  return tokens * top_k + experts * (align - 1);
+}
+
+Status validate_routing_plan(const RoutingPlanArgs& a) {
+  constexpr const char* op = "routing_plan";
+  PACKMOE_RETURN_IF_ERROR(check_plan_args(op, a.tokens, a.experts, a.top_k, a.align));
+  const int64_t need = routing_plan_max_rows(a.tokens, a.experts, a.top_k, a.align);
+  if (need > INT32_MAX)
+    return Status::error(std::string(op) + ": up to " + num(need) +
+                         " permuted rows: rows are int32 indices");
+  if (a.max_rows < need)
+    return Status::error(std::string(op) + ": row_slot holds " + num(a.max_rows) +
+                         " rows, the plan may need " + num(need) +
+                         " (routing_plan_max_rows)");
+  return require_non_null(
+      op, {{a.idx, "idx"}, {a.dest, "dest"}, {a.row_slot, "row_slot"}, {a.counts, "counts"}});
+}
+
+Result<RoutingPlan> routing_plan_from_counts(const int64_t* counts, int64_t tokens,
+                                             int64_t experts, int64_t top_k, int64_t align) {
+  constexpr const char* op = "routing_plan";
+  PACKMOE_RETURN_IF_ERROR(check_plan_args(op, tokens, experts, top_k, align));
+  PACKMOE_RETURN_IF_ERROR(require_non_null(op, {{counts, "counts"}}));
+  if (counts[experts] != 0)
+    return Status::error(std::string(op) + ": " + num(counts[experts]) +
+                         " router indices are not experts in [0, " + num(experts) + ")");
+  RoutingPlan p = empty_plan(tokens, experts, top_k, align);
+  int64_t total = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (counts[e] < 0)
+      return Status::error(std::string(op) + ": negative count " + num(counts[e]) +
+                           " for expert " + num(e));
+    p.counts[e] = counts[e];
+    total += counts[e];
+  }
+  if (total != tokens * top_k)
+    return Status::error(std::string(op) + ": the counts sum to " + num(total) + ", not T * k = " +
+                         num(tokens * top_k));
+  PACKMOE_RETURN_IF_ERROR(finish_plan(op, p));
   return p;
 }
 

@@ -140,7 +140,7 @@ struct AuxLossBackwardArgs {
   float* dlogits = nullptr;      // (T, E) accumulated into
 };
 
-// ---- routing plan (host) ------------------------------------------------------------------------
+// ---- routing plan (host reference) --------------------------------------------------------------
 //
 // Where each (token, choice) pair goes in the permuted buffer. Expert e owns rows
 // [offsets[e], offsets[e + 1]): first its counts[e] routed rows in increasing (t, j) order, then
@@ -163,6 +163,33 @@ struct RoutingPlan {
 // outside [0, E), or more rows than int32 addresses.
 Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64_t experts,
                                        int64_t top_k, int64_t align);
+
+// ---- routing plan on the backend ----------------------------------------------------------------
+//
+// The same plan computed where idx lives, so only the E counts travel to the host (the GEMMs'
+// token counts) instead of idx, dest and row_slot: dest and row_slot equal build_routing_plan's,
+// counts[e] its counts, and counts[E] is the number of idx entries outside [0, E) (then dest and
+// row_slot are unspecified: routing_plan_from_counts turns it into an error).
+struct RoutingPlanArgs {
+  int64_t tokens = 0;               // T
+  int64_t experts = 0;              // E
+  int64_t top_k = 0;                // k
+  int64_t align = 1;                // as build_routing_plan
+  int64_t max_rows = 0;             // row_slot capacity, >= routing_plan_max_rows(T, E, k, align)
+  const int32_t* idx = nullptr;     // (T, k)
+  int32_t* dest = nullptr;          // (T, k)
+  int32_t* row_slot = nullptr;      // (max_rows): rows past M hold -1 too
+  int64_t* counts = nullptr;        // (E + 1)
+};
+
+// The most rows a plan can have: T k routed rows plus at most align - 1 padding rows per expert.
+int64_t routing_plan_max_rows(int64_t tokens, int64_t experts, int64_t top_k, int64_t align);
+
+// The host part of a plan from the op's counts (E + 1, host memory): counts, padded_counts,
+// offsets and rows; dest and row_slot stay empty (they live in the backend's memory). Errors: an
+// expert index outside [0, E) (counts[E] > 0), counts that do not sum to T k, more rows than int32.
+Result<RoutingPlan> routing_plan_from_counts(const int64_t* counts, int64_t tokens,
+                                             int64_t experts, int64_t top_k, int64_t align);
 
 // ---- permute: tokens -> expert-sorted rows ------------------------------------------------------
 //
@@ -267,6 +294,7 @@ Status validate_swiglu(const SwigluArgs& a);
 Status validate_swiglu_backward(const SwigluBackwardArgs& a);
 Status validate_unpermute(const UnpermuteArgs& a);
 Status validate_unpermute_backward(const UnpermuteBackwardArgs& a);
+Status validate_routing_plan(const RoutingPlanArgs& a);
 
 // ---- CPU reference (backend/cpu/moe_ops_cpu.cpp): host pointers, OpenMP over tokens or rows -----
 // Each validates its arguments first; an index read from idx / dest / row_slot outside its range
@@ -281,5 +309,6 @@ Status swiglu_cpu(const SwigluArgs& a);
 Status swiglu_backward_cpu(const SwigluBackwardArgs& a);
 Status unpermute_cpu(const UnpermuteArgs& a);
 Status unpermute_backward_cpu(const UnpermuteBackwardArgs& a);
+Status routing_plan_cpu(const RoutingPlanArgs& a);
 
 }  // namespace packmoe

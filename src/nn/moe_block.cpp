@@ -117,21 +117,32 @@ Tensor MoEBlock::forward(const Tensor& x) {
     b.copy(&aux_, aux.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   }
 
-  // The plan is host work: the expert counts become the GEMMs' host token counts anyway.
-  std::vector<int32_t> idx_host(T * k);
-  b.copy(idx_host.data(), idx_.data(), idx_.nbytes(), Backend::CopyKind::kDeviceToHost);
-  Result<RoutingPlan> plan =
-      build_routing_plan(idx_host.data(), T, E, k, token_alignment(cfg_.recipe.recipe));
+  // The plan stays in the backend's memory; only the expert counts come to the host (the GEMMs'
+  // token counts): one small wait per forward.
+  const int64_t align = token_alignment(cfg_.recipe.recipe);
+  const int64_t max_rows = routing_plan_max_rows(T, E, k, align);
+  dest_ = Tensor::empty(b, DType::kI32, {T, k});
+  row_slot_ = Tensor::empty(b, DType::kI32, {max_rows});  // the first M rows are the plan's
+  const Tensor counts = Tensor::empty(b, DType::kI64, {E + 1});
+  RoutingPlanArgs rp;
+  rp.tokens = T;
+  rp.experts = E;
+  rp.top_k = k;
+  rp.align = align;
+  rp.max_rows = max_rows;
+  rp.idx = idx_.data_as<const int32_t>();
+  rp.dest = dest_.data_as<int32_t>();
+  rp.row_slot = row_slot_.data_as<int32_t>();
+  rp.counts = counts.data_as<int64_t>();
+  check_op(b.routing_plan(rp), "routing_plan");
+  std::vector<int64_t> counts_host(E + 1);
+  b.copy(counts_host.data(), counts.data(), counts.nbytes(), Backend::CopyKind::kDeviceToHost);
+  Result<RoutingPlan> plan = routing_plan_from_counts(counts_host.data(), T, E, k, align);
   PACKMOE_CHECK(plan.is_ok(),
                 "routing plan of the router's own indices: " << plan.status().message());
   plan_ = std::move(plan).value();
   has_plan_ = true;
   const int64_t M = plan_.rows;
-  dest_ = Tensor::empty(b, DType::kI32, {T, k});
-  row_slot_ = Tensor::empty(b, DType::kI32, {M});
-  b.copy(dest_.data(), plan_.dest.data(), dest_.nbytes(), Backend::CopyKind::kHostToDevice);
-  b.copy(row_slot_.data(), plan_.row_slot.data(), row_slot_.nbytes(),
-         Backend::CopyKind::kHostToDevice);
 
   // xp (M, H) BF16: each expert's tokens, then zero padding rows.
   const Tensor xp = Tensor::empty(b, DType::kBF16, {M, H});

@@ -85,7 +85,8 @@ class MoEBlock {
   // Runs FC2's and FC1's queued wgrads (-> kIdle). Only from kWgradPending.
   void backward_dw();
 
-  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests.
+  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests; its
+  // dest and row_slot stay in the backend's memory (empty here).
   const RoutingPlan& plan() const;
   // The aux loss of the last forward (without the coefficient). Needs aux_loss_coef != 0.
   float aux_loss() const;
@@ -101,9 +102,9 @@ class MoEBlock {
   float aux_ = 0.0f;
 
   // Saved by forward for backward (backend memory unless noted).
-  RoutingPlan plan_;  // host
+  RoutingPlan plan_;  // host: counts, offsets, rows
   Tensor dest_;       // (T, k) I32, the plan's
-  Tensor row_slot_;   // (M) I32, the plan's
+  Tensor row_slot_;   // (>= M) I32, the plan's (-1 past row M)
   Tensor probs_;      // (T, E) F32
   Tensor idx_;        // (T, k) I32
   Tensor w_;          // (T, k) F32

@@ -424,6 +424,63 @@ std::string row_name(const RowCase& c) {
 
 constexpr DType kDtypes[] = {DType::kF32, DType::kBF16};
 
+// The routing plan: several chunks of 4096 pairs (T k up to 131072, the qwen3_30b_a3b layer),
+// E up to the CUDA limit 1024, every alignment, skewed routings (one expert takes most pairs, many
+// experts empty). dest, row_slot (with spare rows) and counts compared whole with the CPU op.
+TEST(CudaMoeOps, RoutingPlan) {
+  SKIP_WITHOUT_GPU();
+  Tally tally("routing_plan");
+  std::mt19937_64 rng(111);
+  struct PlanCase {
+    int64_t T, E, k, align;
+    bool skewed;
+  };
+  const PlanCase cases[] = {{1, 1, 1, 1, false},     {3, 4, 2, 32, false},
+                            {513, 7, 3, 16, true},   {4096, 128, 8, 32, false},
+                            {16384, 128, 8, 1, true}, {3001, 1024, 2, 16, false},
+                            {2000, 60, 5, 32, true}};
+  for (const PlanCase& c : cases) {
+    std::vector<int32_t> idx(c.T * c.k);
+    for (int32_t& e : idx)
+      e = static_cast<int32_t>(c.skewed && rng() % 4 != 0 ? (rng() % 3) : rng() % c.E);
+    auto in = input_of(*gpu, idx);
+    const int64_t max_rows = routing_plan_max_rows(c.T, c.E, c.k, c.align) + 5;
+    Mirror dest(*gpu, idx.size() * 4), row_slot(*gpu, max_rows * 4), counts(*gpu, (c.E + 1) * 8);
+    RoutingPlanArgs a;
+    a.tokens = c.T, a.experts = c.E, a.top_k = c.k, a.align = c.align, a.max_rows = max_rows;
+    a.idx = in->h<int32_t>(), a.dest = dest.h<int32_t>(), a.row_slot = row_slot.h<int32_t>();
+    a.counts = counts.h<int64_t>();
+    expect_ok(cpu_backend().routing_plan(a));
+    a.idx = in->d<int32_t>(), a.dest = dest.d<int32_t>(), a.row_slot = row_slot.d<int32_t>();
+    a.counts = counts.d<int64_t>();
+    expect_ok(gpu->routing_plan(a));
+    const std::string name = fmt("T%ld E%ld k%ld align%ld%s", long(c.T), long(c.E), long(c.k),
+                                 long(c.align), c.skewed ? " skewed" : "");
+    dest.compare(tally, name + " dest");
+    row_slot.compare(tally, name + " row_slot");
+    counts.compare(tally, name + " counts");
+    ++tally.cases;
+  }
+  // Indices outside [0, E): counted in counts[E] the same way (dest, row_slot unspecified).
+  std::vector<int32_t> bad = {0, 5, -1, 2, 9, 1};
+  auto in = input_of(*gpu, bad);
+  Mirror dest(*gpu, 24), row_slot(*gpu, 6 * 4), counts(*gpu, 5 * 8);
+  RoutingPlanArgs a;
+  a.tokens = 3, a.experts = 4, a.top_k = 2, a.align = 1, a.max_rows = 6;
+  a.idx = in->h<int32_t>(), a.dest = dest.h<int32_t>(), a.row_slot = row_slot.h<int32_t>();
+  a.counts = counts.h<int64_t>();
+  expect_ok(cpu_backend().routing_plan(a));
+  a.idx = in->d<int32_t>(), a.dest = dest.d<int32_t>(), a.row_slot = row_slot.d<int32_t>();
+  a.counts = counts.d<int64_t>();
+  expect_ok(gpu->routing_plan(a));
+  counts.compare(tally, "bad indices counts");
+  EXPECT_EQ(counts.h<int64_t>()[4], 3);
+  a.experts = 1025, a.top_k = 1, a.max_rows = 3;
+  const Status too_many = gpu->routing_plan(a);
+  ASSERT_FALSE(too_many.is_ok());
+  EXPECT_NE(too_many.message().find("at most 1024"), std::string::npos) << too_many.message();
+}
+
 TEST(CudaMoeOps, PermuteForward) {
   SKIP_WITHOUT_GPU();
   Tally tally("permute");

@@ -559,6 +559,7 @@ class FakeDeviceBackend final : public Backend {
   Status unpermute_backward(const UnpermuteBackwardArgs& a) override {
     return unpermute_backward_cpu(a);
   }
+  Status routing_plan(const RoutingPlanArgs& a) override { return routing_plan_cpu(a); }
   Status cast_f32_to_bf16(const Segments<const float>& src,
                           const Segments<uint16_t>& dst) override {
     return cast_f32_to_bf16_cpu(src, dst);

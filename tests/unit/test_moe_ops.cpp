@@ -219,6 +219,50 @@ TEST(MoeRoutingPlan, HandCasePaddedTo32) {
   EXPECT_EQ(r16.value().dest, (std::vector<int32_t>{32, 0, 1, 16, 33, 2}));
 }
 
+// The backend op (CPU) + routing_plan_from_counts against build_routing_plan: the hand case above
+// and random routings (independent of the op's chunking: the host plan walks pairs in order).
+void expect_op_matches_host_plan(const std::vector<int32_t>& idx, int64_t T, int64_t E, int64_t k,
+                                 int64_t align) {
+  SCOPED_TRACE("T " + std::to_string(T) + " E " + std::to_string(E) + " k " + std::to_string(k) +
+               " align " + std::to_string(align));
+  Result<RoutingPlan> want = build_routing_plan(idx.data(), T, E, k, align);
+  ASSERT_TRUE(want.is_ok()) << want.status().message();
+  const RoutingPlan& w = want.value();
+  RoutingPlanArgs a;
+  a.tokens = T, a.experts = E, a.top_k = k, a.align = align;
+  a.max_rows = routing_plan_max_rows(T, E, k, align) + 3;  // spare rows must read -1 too
+  std::vector<int32_t> dest(T * k, 12345), row_slot(a.max_rows, 12345);
+  std::vector<int64_t> counts(E + 1, 777);
+  a.idx = idx.data(), a.dest = dest.data(), a.row_slot = row_slot.data(), a.counts = counts.data();
+  ASSERT_TRUE(routing_plan_cpu(a).is_ok());
+  EXPECT_EQ(dest, w.dest);
+  std::vector<int32_t> want_slots = w.row_slot;
+  want_slots.resize(a.max_rows, -1);
+  EXPECT_EQ(row_slot, want_slots);
+  EXPECT_EQ(counts[E], 0);
+  Result<RoutingPlan> got = routing_plan_from_counts(counts.data(), T, E, k, align);
+  ASSERT_TRUE(got.is_ok()) << got.status().message();
+  EXPECT_EQ(got.value().counts, w.counts);
+  EXPECT_EQ(got.value().padded_counts, w.padded_counts);
+  EXPECT_EQ(got.value().offsets, w.offsets);
+  EXPECT_EQ(got.value().rows, w.rows);
+  EXPECT_TRUE(got.value().dest.empty() && got.value().row_slot.empty());
+}
+
+TEST(MoeRoutingPlan, BackendOpEqualsHostPlan) {
+  expect_op_matches_host_plan({2, 0, 0, 1, 2, 0}, 3, 4, 2, 32);  // the hand case above
+  RANDOM_SEED(seed);
+  std::mt19937 rng(seed);
+  for (int rep = 0; rep < 20; ++rep) {
+    const int64_t E = 1 + rng() % 70, k = 1 + rng() % std::min<int64_t>(E, 8);
+    const int64_t T = 1 + rng() % 600;
+    const int64_t align = std::vector<int64_t>{1, 16, 32}[rng() % 3];
+    std::vector<int32_t> idx(T * k);
+    for (int32_t& e : idx) e = static_cast<int32_t>(rng() % E);  // repeats allowed: counts only
+    expect_op_matches_host_plan(idx, T, E, k, align);
+  }
+}
+
 // ---- permute / unpermute ------------------------------------------------------------------------
 
 TEST(MoePermute, RoundTripAndZeroPadding) {
@@ -505,6 +549,29 @@ TEST(MoeValidation, ClearErrors) {
   ub.dy = buf.data();
   ub.dyp = buf.data();
   expect_error(unpermute_backward_cpu(ub), "unpermute_backward: dw is null");
+}
+
+TEST(MoeRoutingPlan, BadIndicesAndCountsAreErrors) {
+  const std::vector<int32_t> idx = {2, 0, 7, 1, -1, 0};  // two entries outside [0, 4)
+  RoutingPlanArgs a;
+  a.tokens = 3, a.experts = 4, a.top_k = 2, a.align = 16;
+  a.max_rows = routing_plan_max_rows(3, 4, 2, 16);
+  EXPECT_EQ(a.max_rows, 6 + 4 * 15);
+  std::vector<int32_t> dest(6), row_slot(a.max_rows);
+  std::vector<int64_t> counts(5);
+  a.idx = idx.data(), a.dest = dest.data(), a.row_slot = row_slot.data(), a.counts = counts.data();
+  ASSERT_TRUE(routing_plan_cpu(a).is_ok());
+  EXPECT_EQ(counts, (std::vector<int64_t>{2, 1, 1, 0, 2}));
+  expect_error(routing_plan_from_counts(counts.data(), 3, 4, 2, 16).status(),
+               "2 router indices are not experts in [0, 4)");
+  const std::vector<int64_t> short_counts = {2, 1, 1, 0, 0};  // sums to 4, not 6
+  expect_error(routing_plan_from_counts(short_counts.data(), 3, 4, 2, 16).status(),
+               "the counts sum to 4, not T * k = 6");
+  a.max_rows -= 1;
+  expect_error(routing_plan_cpu(a), "row_slot holds 65 rows, the plan may need 66");
+  a.max_rows += 1;
+  a.counts = nullptr;
+  expect_error(routing_plan_cpu(a), "routing_plan: counts is null");
 }
 
 }  // namespace

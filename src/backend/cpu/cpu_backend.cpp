@@ -98,6 +98,7 @@ Status CpuBackend::unpermute(const UnpermuteArgs& a) { return unpermute_cpu(a); 
 Status CpuBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
   return unpermute_backward_cpu(a);
 }
+Status CpuBackend::routing_plan(const RoutingPlanArgs& a) { return routing_plan_cpu(a); }
 Status CpuBackend::cast_f32_to_bf16(const Segments<const float>& src,
                                     const Segments<uint16_t>& dst) {
   return cast_f32_to_bf16_cpu(src, dst);

@@ -1,6 +1,7 @@
 // CPU reference of the MoE non-GEMM ops (backend/moe_ops.h). OpenMP splits work by token, row or
 // expert only; every reduction runs inside one iteration in the order moe_ops.h defines, so the
 // bits never depend on the thread count.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -277,6 +278,25 @@ Status unpermute_backward_cpu(const UnpermuteBackwardArgs& a) {
         return load(a.dy_dtype, a.dy, t * H + h) * load(a.yp_dtype, a.yp, r * H + h);
       });
     }
+  return Status::ok();
+}
+
+// build_routing_plan's arrays, written where the op's arguments point.
+Status routing_plan_cpu(const RoutingPlanArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_routing_plan(a));
+  const int64_t slots = a.tokens * a.top_k;
+  std::fill(a.counts, a.counts + a.experts + 1, int64_t{0});
+  for (int64_t i = 0; i < slots; ++i) {
+    const int32_t e = a.idx[i];
+    ++a.counts[e >= 0 && e < a.experts ? e : a.experts];
+  }
+  if (a.counts[a.experts] != 0) return Status::ok();  // dest, row_slot unspecified
+  Result<RoutingPlan> p = build_routing_plan(a.idx, a.tokens, a.experts, a.top_k, a.align);
+  if (!p) return p.status();
+  const RoutingPlan& plan = p.value();
+  std::copy(plan.dest.begin(), plan.dest.end(), a.dest);
+  std::copy(plan.row_slot.begin(), plan.row_slot.end(), a.row_slot);
+  std::fill(a.row_slot + plan.rows, a.row_slot + a.max_rows, int32_t{-1});
   return Status::ok();
 }
 

@@ -67,6 +67,7 @@ class CudaBackend final : public Backend {
   Status swiglu_backward(const SwigluBackwardArgs& args) override;
   Status unpermute(const UnpermuteArgs& args) override;
   Status unpermute_backward(const UnpermuteBackwardArgs& args) override;
+  Status routing_plan(const RoutingPlanArgs& args) override;
   Status cast_f32_to_bf16(const Segments<const float>& src, const Segments<uint16_t>& dst) override;
   Status add_f32(const Segments<float>& dst, const Segments<const float>& src) override;
   Status adamw(const AdamWArgs& args) override;
