@@ -1,8 +1,9 @@
 // CUDA grouped GEMM (backend/grouped_gemm.h) against an FP64 reference computed here from the very
 // bytes the GPU reads (operands quantized by the CPU quantizers, decoded in double with
 // core/codecs.h): relative Frobenius error <= 1e-5 for FP32 output. Every case runs on each
-// implementation (cuBLASLt, and the sm_90a wgmma kernel with its own tile choice, forced 256-wide
-// tiles on 3 CTAs and 128-wide tiles on 1 CTA, so CTAs walk many tiles), each twice: packed
+// implementation (cuBLASLt, and the sm_90a wgmma kernel with its own tile choice, 256-wide tiles
+// on 2 clusters of 2 CTAs and 128-wide tiles on 1 CTA without a cluster, so CTAs walk many
+// tiles), each twice: packed
 // operands / host m and per-expert buffers / device m, and the two outputs must be the same bytes;
 // sentinel gaps catch writes outside a group's slice. Skips when no GPU is visible.
 #include <gtest/gtest.h>
@@ -276,35 +277,34 @@ HostOperand make_operand(const Logical& l, const Recipe& rc, Role role, bool red
 // take (odd row lengths) and GPUs other than sm_90 run cuBLASLt under every variant.
 struct Variant {
   const char* name;
-  const char* impl;    // PACKMOE_GEMM_IMPL
-  const char* tile_n;  // PACKMOE_GEMM_SM90_TILE_N, or null for the heuristic
-  const char* ctas;    // PACKMOE_GEMM_SM90_CTAS, or null for the whole GPU
+  const char* impl;     // PACKMOE_GEMM_IMPL
+  const char* tile_n;   // PACKMOE_GEMM_SM90_TILE_N, or null for the heuristic
+  const char* cluster;  // PACKMOE_GEMM_SM90_CLUSTER, or null for the heuristic
+  const char* ctas;     // PACKMOE_GEMM_SM90_CTAS, or null for the whole GPU
 };
 const Variant kVariants[] = {
-    {"cublas", "cublas", nullptr, nullptr},
-    {"sm90", "sm90", nullptr, nullptr},
-    {"sm90/n256/3cta", "sm90", "256", "3"},
-    {"sm90/n128/1cta", "sm90", "128", "1"},
+    {"cublas", "cublas", nullptr, nullptr, nullptr},
+    {"sm90", "sm90", nullptr, nullptr, nullptr},
+    {"sm90/n256/c2/4", "sm90", "256", "2", "4"},
+    {"sm90/n128/c1/1", "sm90", "128", "1", "1"},
 };
-
-void set_env(const char* name, const char* value) {
-  if (value != nullptr)
-    setenv(name, value, 1);
-  else
-    unsetenv(name);
-}
+const char* const kVariantVars[] = {"PACKMOE_GEMM_IMPL", "PACKMOE_GEMM_SM90_TILE_N",
+                                    "PACKMOE_GEMM_SM90_CLUSTER", "PACKMOE_GEMM_SM90_CTAS"};
 
 // Sets the variant's variables for its lifetime; restores the defaults after.
 class UseVariant {
  public:
   explicit UseVariant(const Variant& v) {
-    set_env("PACKMOE_GEMM_IMPL", v.impl);
-    set_env("PACKMOE_GEMM_SM90_TILE_N", v.tile_n);
-    set_env("PACKMOE_GEMM_SM90_CTAS", v.ctas);
+    const char* values[] = {v.impl, v.tile_n, v.cluster, v.ctas};
+    for (int i = 0; i < 4; ++i) {
+      if (values[i] != nullptr)
+        setenv(kVariantVars[i], values[i], 1);
+      else
+        unsetenv(kVariantVars[i]);
+    }
   }
   ~UseVariant() {
-    for (const char* n : {"PACKMOE_GEMM_IMPL", "PACKMOE_GEMM_SM90_TILE_N", "PACKMOE_GEMM_SM90_CTAS"})
-      unsetenv(n);
+    for (const char* n : kVariantVars) unsetenv(n);
   }
 };
 

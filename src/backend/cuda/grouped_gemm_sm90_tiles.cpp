@@ -37,7 +37,14 @@ Sm90Tiles choose_sm90_tiles(const std::vector<int64_t>& mk, const std::vector<in
                             int64_t nk, int sms) {
   const double wide = estimated_time(mk, kred, nk, sms, 256, 1.0);
   const double narrow = estimated_time(mk, kred, nk, sms, 128, 0.85);
-  return Sm90Tiles{narrow < wide ? 128 : 256};
+  return Sm90Tiles{narrow < wide ? 128 : 256, 1};
+}
+
+int32_t sm90_band(int bn, int64_t kred, int64_t n_tiles) {
+  constexpr int64_t kBandBytes = int64_t{16} << 20;
+  const int64_t b_tile = static_cast<int64_t>(bn) * kred * 2;
+  return static_cast<int32_t>(std::clamp<int64_t>(kBandBytes / std::max<int64_t>(b_tile, 1), 1,
+                                                  std::max<int64_t>(n_tiles, 1)));
 }
 
 }  // namespace packmoe
