@@ -1,18 +1,24 @@
 // The sm_90a grouped GEMM (grouped_gemm_sm90.h): a persistent, warp-specialized wgmma kernel.
+// Design notes and measurements: docs/gemm-sm90.md.
 //
 // Work: the output of every active group is cut into kSm90TileM x BN tiles (BN from the tile
-// heuristic, grouped_gemm_sm90_tiles.h); tile indices run over all groups (group g owns
-// [tile_begin_g, tile_begin_g + m_tiles_g * n_tiles), n fastest, so CTAs running at the same time
-// share A rows and B columns through L2). CTA b takes tiles b, b + grid, ... (grid = #SMs).
+// heuristic, grouped_gemm_sm90_tiles.h). A cluster of kCluster CTAs (1 or 2) takes one work unit
+// at a time: with 2, two m-tiles that share their n-tile (each CTA loads half of the B tile and
+// multicasts it to both) or, for the last m-tile of a group with an odd count, two n-tiles that
+// share it (A multicast). Units run over all groups (table of unit_begin per group, read on the
+// device); inside a group in bands of n-tiles whose B fits in L2, the band's m-rows one after
+// the other. Cluster c takes units c, c + clusters, ... (a persistent grid of resident CTAs).
 //
 // CTA = 3 warpgroups. Warpgroup 0 gives its registers away (setmaxnreg) and one thread of it is the
-// producer: per 64-deep reduction step it waits for a free shared-memory stage, announces the
-// stage's bytes on the stage's `full` mbarrier and issues TMA loads of the A (128 x 64) and B
-// (64 x BN) tiles. Warpgroups 1 and 2 are the consumers, rows [0, 64) and [64, 128) of the tile:
-// per stage they wait on `full`, issue four m64nBNk16 wgmmas (FP32 accumulators in registers),
-// and release the stage on its `empty` mbarrier once those wgmmas have completed (one step later,
-// so the tensor cores always have the next stage queued). After the last step each consumer writes
-// its 64 x BN fragment straight from registers: rows >= mk and columns >= nk are masked.
+// producer: per 64-deep reduction step it waits until the stage is free in every CTA of the
+// cluster (`empty` mbarrier), announces the stage's bytes on its `full` mbarrier and issues the
+// TMA loads of the A (128 x 64) and B (64 x BN) tiles. Warpgroups 1 and 2 are the consumers, rows
+// [0, 64) and [64, 128) of the tile: per stage they wait on `full`, issue four m64nBNk16 wgmmas
+// (FP32 accumulators in registers) and release the stage in both CTAs once those wgmmas have
+// completed (one step later, so the tensor cores always have the next stage queued). After the
+// last step each consumer writes its 64 x BN fragment into 16 KB of swizzled shared memory and one
+// thread stores it with TMA (clipped at the group's rows and columns; FP32 accumulation into
+// main_grad is a TMA reduce-add), while the warpgroup goes on with the next unit.
 //
 // Shared memory, 128-byte swizzle (the TMA maps and the wgmma descriptors agree on it):
 //   K-major operand (rows x 64 reduction elements): row r at r * 128 B, 8-row atoms of 1024 B; a
@@ -25,7 +31,8 @@
 //
 // Exactness and determinism: the products of BF16 values are exact in FP32 and each output is the
 // FP32 sum over the reduction in a fixed order (64-wide steps, wgmma's internal order inside a
-// step); no split-K, no atomics. The same shapes give the same bytes, wherever the operands live.
+// step); no split-K, no atomics (the reduce-add touches each element once). The same shapes give
+// the same bytes, wherever the operands live.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>

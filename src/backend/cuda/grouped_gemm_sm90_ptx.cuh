@@ -146,11 +146,13 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
                    : "memory");
 }
-// One arrival on the barrier at `bar`'s offset in CTA `rank` of this cluster.
+// One arrival on the barrier at `bar`'s offset in CTA `rank` of this cluster. CTA-scope release
+// (the default) is enough: the arriving thread wrote nothing the other CTA reads; its wgmmas'
+// shared-memory reads are complete (wgmma.wait_group) before it arrives.
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_addr(bar)),
       "r"(rank)
       : "memory");
 }

@@ -13,7 +13,7 @@ constexpr int kSm90TileK = 64;
 
 struct Sm90Tiles {
   int bn = 256;     // output columns per tile
-  int cluster = 1;  // CTAs per cluster; 2: pairs share one operand tile through TMA multicast
+  int cluster = 2;  // CTAs per cluster; 2: pairs share one operand tile through TMA multicast
 };
 
 // mk / kred per group (0 = no work), nk output columns, sms the multiprocessor count.
