@@ -764,6 +764,14 @@ TEST(CudaGroupedGemm, RejectsBadArguments) {
   const Status s = gpu->grouped_gemm(a);
   EXPECT_FALSE(s.is_ok()) << "16 tokens in an MXFP8 group";
   std::printf("[gemm cuda] rejects: %s\n", s.message().c_str());
+  a.lhs.format = a.rhs.format = OperandFormat::kBF16;
+  a.lhs.scale = a.rhs.scale = {};
+  a.m = {32};
+  setenv("PACKMOE_GEMM_IMPL", "fast", 1);
+  const Status e = gpu->grouped_gemm(a);
+  unsetenv("PACKMOE_GEMM_IMPL");
+  EXPECT_FALSE(e.is_ok()) << "an unknown PACKMOE_GEMM_IMPL";
+  std::printf("[gemm cuda] rejects: %s\n", e.message().c_str());
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
-// Grouped GEMM on CUDA, first version: every operand becomes BF16 (MXFP8 and NVFP4 are dequantized
-// EXACTLY, one launch per operand over all groups) and each group is one cuBLASLt matmul with true
-// FP32 accumulation, all on be.stream(). Invariant: a group's algorithm is a function of
+// Grouped GEMM on CUDA, the entry point: every operand becomes BF16 (MXFP8 and NVFP4 are
+// dequantized EXACTLY, one launch per operand over all groups), then either the sm_90a wgmma kernel
+// runs all groups in one launch (grouped_gemm_sm90.cu; chosen by choose_impl from the device and
+// the shapes) or each group is one cuBLASLt matmul with true FP32 accumulation, all on
+// be.stream(). Invariant: the implementation and a group's algorithm are functions of
 // (op, m_g, N, K, out dtype) only, never of where its pointers live, so a packed (E, N, K) weight
 // and E separate buffers give the same bytes. Host synchronisation: only when `m_device` is given
 // (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
@@ -682,9 +684,12 @@ Sm90Gemm sm90_geometry(const GroupedGemmArgs& a, const std::vector<int64_t>& m) 
 // PACKMOE_GEMM_IMPL=cublas forces cuBLASLt; otherwise (unset, `auto` or `sm90`) the sm_90a kernel
 // runs on compute capability 9.0 wherever its shape rules allow (grouped_gemm_sm90.h). The choice
 // depends on the device and the shapes only, never on pointers.
-Impl choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+Result<Impl> choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
   const char* env = std::getenv("PACKMOE_GEMM_IMPL");
-  if (env != nullptr && std::string(env) == "cublas") return Impl::kCublasLt;
+  const std::string want = env != nullptr ? env : "auto";
+  if (want == "cublas") return Impl::kCublasLt;
+  if (want != "auto" && want != "sm90")
+    return Status::error("PACKMOE_GEMM_IMPL must be auto, sm90 or cublas (got '" + want + "')");
   if (!sm90_gemm_device_ok(be)) return Impl::kCublasLt;
   return sm90_gemm_shape_ok(sm90_geometry(a, m)) ? Impl::kSm90 : Impl::kCublasLt;
 }
@@ -859,7 +864,9 @@ Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args) {
   PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, m));
   GemmState& st = state_of(be);
   std::lock_guard<std::mutex> lock(st.mu);
-  return run_grouped(be, st, args, m, choose_impl(be, args, m));
+  Result<Impl> impl = choose_impl(be, args, m);
+  if (!impl.is_ok()) return impl.status();
+  return run_grouped(be, st, args, m, impl.value());
 }
 
 }  // namespace packmoe
