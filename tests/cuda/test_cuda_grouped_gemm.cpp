@@ -1,13 +1,17 @@
 // CUDA grouped GEMM (backend/grouped_gemm.h) against an FP64 reference computed here from the very
 // bytes the GPU reads (operands quantized by the CPU quantizers, decoded in double with
-// core/codecs.h): relative Frobenius error <= 1e-5 for FP32 output. Every case also runs twice,
-// packed operands / host m and per-expert buffers / device m, and the two outputs must be the
-// same bytes; sentinel gaps catch writes outside a group's slice. Skips when no GPU is visible.
+// core/codecs.h): relative Frobenius error <= 1e-5 for FP32 output. Every case runs on each
+// implementation (cuBLASLt, and the sm_90a wgmma kernel with its own tile choice, 256-wide tiles
+// on 2 clusters of 2 CTAs and 128-wide tiles on 1 CTA without a cluster, so CTAs walk many
+// tiles), each twice: packed
+// operands / host m and per-expert buffers / device m, and the two outputs must be the same bytes;
+// sentinel gaps catch writes outside a group's slice. Skips when no GPU is visible.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -266,6 +270,44 @@ HostOperand make_operand(const Logical& l, const Recipe& rc, Role role, bool red
   return o;
 }
 
+// ---- implementations ------------------------------------------------------------------------------
+
+// How the CUDA backend is told which grouped GEMM to run (grouped_gemm_cublas.cu and
+// grouped_gemm_sm90.cu read these variables at every call). Shapes the sm_90a kernel does not
+// take (odd row lengths) and GPUs other than sm_90 run cuBLASLt under every variant.
+struct Variant {
+  const char* name;
+  const char* impl;     // PACKMOE_GEMM_IMPL
+  const char* tile_n;   // PACKMOE_GEMM_SM90_TILE_N, or null for the heuristic
+  const char* cluster;  // PACKMOE_GEMM_SM90_CLUSTER, or null for the heuristic
+  const char* ctas;     // PACKMOE_GEMM_SM90_CTAS, or null for the whole GPU
+};
+const Variant kVariants[] = {
+    {"cublas", "cublas", nullptr, nullptr, nullptr},
+    {"sm90", "sm90", nullptr, nullptr, nullptr},
+    {"sm90/n256/c2/4", "sm90", "256", "2", "4"},
+    {"sm90/n128/c1/1", "sm90", "128", "1", "1"},
+};
+const char* const kVariantVars[] = {"PACKMOE_GEMM_IMPL", "PACKMOE_GEMM_SM90_TILE_N",
+                                    "PACKMOE_GEMM_SM90_CLUSTER", "PACKMOE_GEMM_SM90_CTAS"};
+
+// Sets the variant's variables for its lifetime; restores the defaults after.
+class UseVariant {
+ public:
+  explicit UseVariant(const Variant& v) {
+    const char* values[] = {v.impl, v.tile_n, v.cluster, v.ctas};
+    for (int i = 0; i < 4; ++i) {
+      if (values[i] != nullptr)
+        setenv(kVariantVars[i], values[i], 1);
+      else
+        unsetenv(kVariantVars[i]);
+    }
+  }
+  ~UseVariant() {
+    for (const char* n : kVariantVars) unsetenv(n);
+  }
+};
+
 // ---- one case ------------------------------------------------------------------------------------
 
 struct Case {
@@ -376,6 +418,10 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
   return r;
 }
 
+void check_variant(Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
+                   const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
+                   const std::vector<std::vector<double>>& ref, const std::vector<bool>& product_zero);
+
 void run_case(Backend& gpu, const Case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
   const size_t G = c.m.size();
@@ -441,6 +487,20 @@ void run_case(Backend& gpu, const Case& c, uint64_t seed) {
       }
   }
 
+  for (const Variant& variant : kVariants) {
+    check_variant(gpu, c, variant, lhs, rhs, init, ref, product_zero);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// Runs `c` on one implementation (packed / host m, then per-expert / device m) and checks it.
+void check_variant(Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
+                   const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
+                   const std::vector<std::vector<double>>& ref, const std::vector<bool>& product_zero) {
+  const size_t G = c.m.size();
+  const int64_t N = c.n, K = c.k;
+  const size_t el = c.out == DType::kBF16 ? 2 : 4;
+  const UseVariant use(variant);
   const Placement second = c.misaligned ? Placement::kMisaligned : Placement::kDiscrete;
   const RunOut a = run_gpu(gpu, c, lhs, rhs, init, Placement::kPacked, false);
   const RunOut b = run_gpu(gpu, c, lhs, rhs, init, second, true);
@@ -489,9 +549,10 @@ void run_case(Backend& gpu, const Case& c, uint64_t seed) {
   for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
   char line[512];
   std::snprintf(line, sizeof line,
-                "[gemm cuda] %-5s %-16s out=%-4s N=%-4lld K=%-4lld m={%s}%s%s groups=%zu "
+                "[gemm cuda] %-14s %-5s %-16s out=%-4s N=%-4lld K=%-4lld m={%s}%s%s groups=%zu "
                 "rel_err=%.3e worst_group=%.3e packed==discrete=%s",
-                op_name_of(c.op), c.recipe.name().c_str(), c.out == DType::kBF16 ? "bf16" : "f32",
+                variant.name, op_name_of(c.op), c.recipe.name().c_str(),
+                c.out == DType::kBF16 ? "bf16" : "f32",
                 static_cast<long long>(N), static_cast<long long>(K), ms.c_str(),
                 c.accumulate ? " acc" : "", c.tag.c_str(), G, rel, worst_group,
                 differing == 0 ? "yes" : "NO");
@@ -510,7 +571,9 @@ struct Shape {
 };
 
 // Token counts are multiples of `align` (32 MXFP8, 16 NVFP4, 1 BF16): E = 1, uneven splits with
-// empty groups first, in the middle and last, and a realistic reduction length.
+// empty groups first, in the middle and last, a realistic reduction length, and tiles of the
+// sm_90a kernel (128 x 128 or 128 x 256 outputs, 64-deep reduction steps) left partial in M, N
+// and K.
 std::vector<Shape> shapes(int64_t align) {
   const int64_t a = align == 1 ? 32 : align;
   std::vector<Shape> s = {
@@ -518,8 +581,10 @@ std::vector<Shape> shapes(int64_t align) {
       {{a, 0, 3 * a, 2 * a, 0, 5 * a}, 96, 128},
       {{0, a, 7 * a, 2 * a, a, 0, 4 * a, 3 * a}, 160, 64},
       {{8 * a, 0, 4 * a}, 256, 512},
+      {{5 * a, 0, 9 * a}, 288, 352},  // partial M, N and K tiles in every op
   };
   if (align == 1) s.push_back({{1, 0, 7, 33, 5}, 24, 40});  // ragged tokens, odd leading dims
+  if (align == 1) s.push_back({{130, 0, 257, 1}, 264, 200});  // ragged tokens, partial tiles
   if (align == 16) s.push_back({{16, 48, 0, 80}, 48, 80});  // NVFP4: 16-token groups
   return s;
 }
@@ -699,6 +764,14 @@ TEST(CudaGroupedGemm, RejectsBadArguments) {
   const Status s = gpu->grouped_gemm(a);
   EXPECT_FALSE(s.is_ok()) << "16 tokens in an MXFP8 group";
   std::printf("[gemm cuda] rejects: %s\n", s.message().c_str());
+  a.lhs.format = a.rhs.format = OperandFormat::kBF16;
+  a.lhs.scale = a.rhs.scale = {};
+  a.m = {32};
+  setenv("PACKMOE_GEMM_IMPL", "fast", 1);
+  const Status e = gpu->grouped_gemm(a);
+  unsetenv("PACKMOE_GEMM_IMPL");
+  EXPECT_FALSE(e.is_ok()) << "an unknown PACKMOE_GEMM_IMPL";
+  std::printf("[gemm cuda] rejects: %s\n", e.message().c_str());
 }
 
 }  // namespace

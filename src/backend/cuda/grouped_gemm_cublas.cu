@@ -1,6 +1,8 @@
-// Grouped GEMM on CUDA, first version: every operand becomes BF16 (MXFP8 and NVFP4 are dequantized
-// EXACTLY, one launch per operand over all groups) and each group is one cuBLASLt matmul with true
-// FP32 accumulation, all on be.stream(). Invariant: a group's algorithm is a function of
+// Grouped GEMM on CUDA, the entry point: every operand becomes BF16 (MXFP8 and NVFP4 are
+// dequantized EXACTLY, one launch per operand over all groups), then either the sm_90a wgmma kernel
+// runs all groups in one launch (grouped_gemm_sm90.cu; chosen by choose_impl from the device and
+// the shapes) or each group is one cuBLASLt matmul with true FP32 accumulation, all on
+// be.stream(). Invariant: the implementation and a group's algorithm are functions of
 // (op, m_g, N, K, out dtype) only, never of where its pointers live, so a packed (E, N, K) weight
 // and E separate buffers give the same bytes. Host synchronisation: only when `m_device` is given
 // (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
@@ -38,6 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,6 +50,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/grouped_gemm_sm90.h"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
@@ -647,10 +651,51 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
   return Status::ok();
 }
 
-// ---- the cuBLASLt implementation -----------------------------------------------------------
+// ---- the implementations ------------------------------------------------------------------------
 
-Status run_cublas(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
-                  const std::vector<int64_t>& m) {
+// The implementations behind the one entry point: the sm_90a wgmma kernel (grouped_gemm_sm90.cu)
+// and one cuBLASLt matmul per group, the fallback and the baseline. Both read the same prepared
+// BF16 operands.
+enum class Impl { kCublasLt, kSm90 };
+
+// The sm_90a kernel's view of the op (pointers left empty): output rows mk_g, reduction kred_g,
+// output columns nk, and which operands are K-major. The kernel's A is always the lhs (X or dY),
+// B the rhs (W or X). Shapes only.
+Sm90Gemm sm90_geometry(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+  Sm90Gemm p;
+  const size_t G = m.size();
+  const bool nvfp4 = a.lhs.format == OperandFormat::kNvfp4;  // columnwise copies stored transposed
+  p.nk = a.op == GemmOp::kFprop ? a.n : a.k;
+  for (size_t g = 0; g < G; ++g) {
+    const bool active = m[g] > 0;
+    switch (a.op) {
+      case GemmOp::kFprop: p.mk.push_back(m[g]), p.kred.push_back(active ? a.k : 0); break;
+      case GemmOp::kDgrad: p.mk.push_back(m[g]), p.kred.push_back(active ? a.n : 0); break;
+      case GemmOp::kWgrad: p.mk.push_back(active ? a.n : 0), p.kred.push_back(m[g]); break;
+    }
+  }
+  p.a_k_major = a.op != GemmOp::kWgrad || nvfp4;  // wgrad reads dY (m, N): MN-major
+  p.b_k_major = a.op == GemmOp::kFprop || nvfp4;  // dgrad W (N, K), wgrad X (m, K): MN-major
+  p.out_bf16 = a.out_dtype == DType::kBF16;
+  p.accumulate = a.accumulate;
+  return p;
+}
+
+// PACKMOE_GEMM_IMPL=cublas forces cuBLASLt; otherwise (unset, `auto` or `sm90`) the sm_90a kernel
+// runs on compute capability 9.0 wherever its shape rules allow (grouped_gemm_sm90.h). The choice
+// depends on the device and the shapes only, never on pointers.
+Result<Impl> choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+  const char* env = std::getenv("PACKMOE_GEMM_IMPL");
+  const std::string want = env != nullptr ? env : "auto";
+  if (want == "cublas") return Impl::kCublasLt;
+  if (want != "auto" && want != "sm90")
+    return Status::error("PACKMOE_GEMM_IMPL must be auto, sm90 or cublas (got '" + want + "')");
+  if (!sm90_gemm_device_ok(be)) return Impl::kCublasLt;
+  return sm90_gemm_shape_ok(sm90_geometry(a, m)) ? Impl::kSm90 : Impl::kCublasLt;
+}
+
+Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
+                   const std::vector<int64_t>& m, Impl impl) {
   const size_t G = m.size();
   const int64_t N = a.n, K = a.k;
   const OperandFormat f = a.lhs.format;
@@ -711,7 +756,7 @@ Status run_cublas(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
   const int64_t d_rows = a.op == GemmOp::kFprop ? N : K;
   // alpha: 1, or NVFP4's per-group S_dec(lhs) * S_dec(rhs) on the device (no host round trip).
   const float* alpha_nvfp4 = nullptr;
-  if (f == OperandFormat::kNvfp4) {
+  if (f == OperandFormat::kNvfp4 && impl == Impl::kCublasLt) {
     float* al = static_cast<float*>(st.alpha.get(be, G * d_rows * sizeof(float)));
     st.alpha.take_grown();
     const int64_t n = static_cast<int64_t>(G) * d_rows;
@@ -737,12 +782,24 @@ Status run_cublas(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
       PACKMOE_CUDA_CHECK(cudaMemcpyAsync(out[g], a.out[g], bytes, cudaMemcpyDeviceToDevice, s));
   }
 
+  if (impl == Impl::kSm90) {
+    Sm90Gemm p = sm90_geometry(a, m);
+    p.a = lhs.ptr;
+    p.b = rhs.ptr;
+    p.out = out;
+    if (f == OperandFormat::kNvfp4) {
+      p.alpha_lhs = static_cast<const float*>(a.lhs.decode_scale);
+      p.alpha_rhs = static_cast<const float*>(a.rhs.decode_scale);
+    }
+    PACKMOE_RETURN_IF_ERROR(grouped_gemm_sm90(be, p));
+  }
+
   // Column-major view of our row-major matrices: a stored row-major (r, c) matrix is the
   // column-major (c, r) matrix with leading dimension c. Per op, D (M, Nc) = op(A) op(B):
   //   fprop  Y^T (N, m)  = W (N,K)        [stored (N,K): T]   . X^T  [stored (m,K): N]
   //   dgrad  dX^T (K, m) = W^T (K,N)      [(N,K): N | NVFP4 (K,N): T] . dY^T [(m,N): N]
   //   wgrad  dW^T (K, N) = X^T (K,m)      [(m,K): N | NVFP4 (K,m): T] . dY   [(m,N): T | (N,m): N]
-  for (size_t g = 0; g < G; ++g) {
+  for (size_t g = 0; g < G && impl == Impl::kCublasLt; ++g) {
     if (!active[g]) continue;
     const Stored& sa = rhs.shape[g];  // A is always the rhs (W or X)
     const Stored& sb = lhs.shape[g];  // B is always the lhs (X or dY)
@@ -787,12 +844,6 @@ Status run_cublas(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
   return Status::ok();
 }
 
-// The implementations behind the one entry point. A custom sm_90 kernel (grouped_gemm_sm90.cu)
-// joins here, chosen by format / shape; cuBLASLt stays the fallback and the baseline.
-enum class Impl { kCublasLt };
-
-Impl choose_impl(const GroupedGemmArgs&, const std::vector<int64_t>&) { return Impl::kCublasLt; }
-
 }  // namespace
 
 Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args) {
@@ -813,10 +864,9 @@ Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args) {
   PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, m));
   GemmState& st = state_of(be);
   std::lock_guard<std::mutex> lock(st.mu);
-  switch (choose_impl(args, m)) {
-    case Impl::kCublasLt: return run_cublas(be, st, args, m);
-  }
-  return Status::error("grouped_gemm: no implementation");
+  Result<Impl> impl = choose_impl(be, args, m);
+  if (!impl.is_ok()) return impl.status();
+  return run_grouped(be, st, args, m, impl.value());
 }
 
 }  // namespace packmoe

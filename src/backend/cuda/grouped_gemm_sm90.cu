@@ -1,0 +1,599 @@
+// The sm_90a grouped GEMM (grouped_gemm_sm90.h): a persistent, warp-specialized wgmma kernel.
+// Design notes and measurements: docs/gemm-sm90.md.
+//
+// Work: the output of every active group is cut into kSm90TileM x BN tiles (BN from the tile
+// heuristic, grouped_gemm_sm90_tiles.h). A cluster of kCluster CTAs (1 or 2) takes one work unit
+// at a time: with 2, two m-tiles that share their n-tile (each CTA loads half of the B tile and
+// multicasts it to both) or, for the last m-tile of a group with an odd count, two n-tiles that
+// share it (A multicast). Units run over all groups (table of unit_begin per group, read on the
+// device); inside a group in bands of n-tiles whose B fits in L2, the band's m-rows one after
+// the other. Cluster c takes units c, c + clusters, ... (a persistent grid of resident CTAs).
+//
+// CTA = 3 warpgroups. Warpgroup 0 gives its registers away (setmaxnreg) and one thread of it is the
+// producer: per 64-deep reduction step it waits until the stage is free in every CTA of the
+// cluster (`empty` mbarrier), announces the stage's bytes on its `full` mbarrier and issues the
+// TMA loads of the A (128 x 64) and B (64 x BN) tiles. Warpgroups 1 and 2 are the consumers, rows
+// [0, 64) and [64, 128) of the tile: per stage they wait on `full`, issue four m64nBNk16 wgmmas
+// (FP32 accumulators in registers) and release the stage in both CTAs once those wgmmas have
+// completed (one step later, so the tensor cores always have the next stage queued). After the
+// last step each consumer writes its 64 x BN fragment into 16 KB of swizzled shared memory and one
+// thread stores it with TMA (clipped at the group's rows and columns; FP32 accumulation into
+// main_grad is a TMA reduce-add), while the warpgroup goes on with the next unit.
+//
+// Shared memory, 128-byte swizzle (the TMA maps and the wgmma descriptors agree on it):
+//   K-major operand (rows x 64 reduction elements): row r at r * 128 B, 8-row atoms of 1024 B; a
+//     wgmma k16 step advances the descriptor's start by 32 B inside the swizzle row.
+//   MN-major operand (64 reduction rows x 64 output elements per 8 KB block, blocks along MN):
+//     reduction row k at k * 128 B; leading byte offset = 8192 (next 64 MN elements), stride byte
+//     offset = 1024 (next 8 reduction rows); a k16 step advances the start by 2048 B.
+// Partial tiles: TMA fills elements outside a group's tensor with zeros, so rows beyond m_g add
+// exact zeros to a wgrad reduction and partial M / N / K tiles need no special path.
+//
+// Exactness and determinism: the products of BF16 values are exact in FP32 and each output is the
+// FP32 sum over the reduction in a fixed order (64-wide steps, wgmma's internal order inside a
+// step); no split-K, no atomics (the reduce-add touches each element once). The same shapes give
+// the same bytes, wherever the operands live.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "backend/cuda/grouped_gemm_sm90.h"
+#include "backend/cuda/grouped_gemm_sm90_ptx.cuh"
+#include "backend/cuda/grouped_gemm_sm90_tiles.h"
+
+namespace packmoe {
+namespace {
+
+using namespace sm90;
+
+constexpr int kThreads = 384;            // producer warpgroup + 2 consumer warpgroups
+constexpr int kBox = 64;                 // elements in one 128-byte swizzle row
+constexpr int kBlockBytes = kBox * kSm90TileK * 2;  // one 64 x 64 BF16 box: 8 KB
+constexpr int kEpiBytes = 16384;         // epilogue staging per consumer warpgroup
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kSm90TileK == kBox, "one swizzle row per reduction step");
+
+template <int BN>
+struct Layout {
+  static constexpr int kABytes = kSm90TileM * kSm90TileK * 2;
+  static constexpr int kBBytes = BN * kSm90TileK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = BN == 256 ? 4 : 6;
+  static constexpr int kEpiOffset = kStages * kStageBytes;
+  static constexpr int kBarOffset = kEpiOffset + 2 * kEpiBytes;
+  static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + 1024-byte align
+};
+
+// One active group on the device. Work comes in units of one tile per CTA of the cluster: for a
+// cluster of 2, pairs of m-tiles sharing an n-tile (B multicast) and, when m_tiles is odd, the
+// last m-tile's pairs of n-tiles (A multicast). Unit order: bands of `band` n-tiles, m-rows of
+// the band one after the other, n fastest (the band's B stays in L2 while its rows pass).
+struct GroupTiles {
+  int32_t mk, kred;
+  int32_t unit_begin;
+  int32_t m_tiles;
+  int32_t band;
+  int32_t group;  // the caller's group index (alpha); tensor maps are indexed like this table
+};
+
+struct Params {
+  const CUtensorMap* a_maps;  // per table row: A, boxes (64 reduction, 64 rows) / (64 rows, 64)
+  const CUtensorMap* b_maps;  // B, boxes (64 reduction, BN / 2 cols) / (64 cols, 64 reduction)
+  const CUtensorMap* c_maps;  // output, boxes (64 or 32 cols, 64 rows)
+  const GroupTiles* groups;
+  int32_t num_groups, total_units, n_tiles, nk;
+  int32_t out_mode;  // 0: FP32, 1: BF16, 2: FP32 added to the output
+  const float* alpha_lhs;
+  const float* alpha_rhs;
+};
+
+__device__ __forceinline__ int find_group(const GroupTiles* t, int count, int unit) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (t[mid].unit_begin <= unit)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// This CTA's tile of a unit. `shares_b`: the cluster's CTAs share the n-tile (else the m-tile).
+struct TileAt {
+  int gi, m0, n0;
+  bool shares_b;
+};
+
+template <int BN, int kCluster>
+__device__ __forceinline__ TileAt tile_of(const Params& p, int unit, int rank, GroupTiles& g) {
+  TileAt t;
+  t.gi = find_group(p.groups, p.num_groups, unit);
+  g = p.groups[t.gi];
+  const int u = unit - g.unit_begin;
+  const int rows = g.m_tiles / kCluster;  // m-rows of units that pair m-tiles
+  const int paired = rows * p.n_tiles;
+  int mt, nt;
+  if (u < paired) {
+    const int per_band = rows * g.band;
+    const int band = u / per_band;
+    const int width = min(g.band, p.n_tiles - band * g.band);
+    const int o = u - band * per_band;
+    mt = (o / width) * kCluster + rank;
+    nt = band * g.band + o % width;
+    t.shares_b = true;
+  } else {  // cluster of 2, odd m_tiles: the last m-tile, pairs of n-tiles
+    mt = g.m_tiles - 1;
+    nt = (u - paired) * kCluster + rank;
+    t.shares_b = false;
+  }
+  t.m0 = mt * kSm90TileM;
+  t.n0 = nt * BN;
+  return t;
+}
+
+template <int BN, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_step(float (&acc)[BN / 2], uint64_t da, uint64_t db,
+                                           uint32_t scale_d) {
+  if constexpr (BN == 256)
+    wgmma_m64n256k16<kTransA, kTransB>(acc, da, db, scale_d);
+  else
+    wgmma_m64n128k16<kTransA, kTransB>(acc, da, db, scale_d);
+}
+
+// Loads box `part` (0 or 1) of half an operand tile: own (this CTA only) or multicast to both.
+__device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, uint64_t* bar, int c0,
+                                         int c1, bool multicast) {
+  if (multicast)
+    tma_load_2d_multicast(dst, map, bar, c0, c1, 0x3);
+  else
+    tma_load_2d(dst, map, bar, c0, c1);
+}
+
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+__device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint64_t* full,
+                                        uint64_t* empty, int rank) {
+  using L = Layout<BN>;
+  constexpr int kHalfB = L::kBBytes / 2;  // bytes of BN / 2 columns
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
+    GroupTiles g;
+    const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
+    const CUtensorMap* am = p.a_maps + at.gi;
+    const CUtensorMap* bm = p.b_maps + at.gi;
+    tensormap_acquire(am);
+    tensormap_acquire(bm);
+    // With a cluster, the shared operand is loaded half by each CTA, multicast to both.
+    const bool mc_a = kCluster == 2 && !at.shares_b, mc_b = kCluster == 2 && at.shares_b;
+    const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
+    for (int ks = 0; ks < k_steps; ++ks) {
+      mbar_wait(&empty[stage], phase ^ 1);  // free in every CTA of the cluster
+      uint8_t* sa = smem + stage * L::kStageBytes;
+      uint8_t* sb = sa + L::kABytes;
+      uint64_t* bar = &full[stage];
+      mbar_arrive_expect_tx(bar, L::kStageBytes);
+      const int k0 = ks * kSm90TileK;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // A: rows [64 h, 64 h + 64)
+        if (mc_a && h != rank) continue;
+        const int r0 = at.m0 + h * 64;
+        if constexpr (kAKMajor)
+          load_box(sa + h * kBlockBytes, am, bar, k0, r0, mc_a);
+        else
+          load_box(sa + h * kBlockBytes, am, bar, r0, k0, mc_a);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // B: columns [BN / 2 h, BN / 2 (h + 1))
+        if (mc_b && h != rank) continue;
+        const int c0 = at.n0 + h * (BN / 2);
+        if constexpr (kBKMajor) {
+          load_box(sb + h * kHalfB, bm, bar, k0, c0, mc_b);
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 128; ++j)
+            load_box(sb + h * kHalfB + j * kBlockBytes, bm, bar, c0 + j * kBox, k0, mc_b);
+        }
+      }
+      if (++stage == L::kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// Consumer warpgroup `half` (0: tile rows [0, 64), 1: [64, 128)), thread t of it.
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t* full,
+                                        uint64_t* empty, int rank, int half, int t) {
+  using L = Layout<BN>;
+  constexpr int kTransA = kAKMajor ? 0 : 1, kTransB = kBKMajor ? 0 : 1;
+  // Descriptor steps per k16: 32 B inside the swizzle row (K-major), two 8-row atoms (MN-major).
+  constexpr uint32_t kStepA = kAKMajor ? 32 : 2048, kStepB = kBKMajor ? 32 : 2048;
+  constexpr uint32_t kLboA = kAKMajor ? 16 : kBlockBytes, kLboB = kBKMajor ? 16 : kBlockBytes;
+  const uint32_t smem_base = smem_addr(smem);
+  const uint32_t epi = smem_base + L::kEpiOffset + half * kEpiBytes;
+  uint8_t* epi_ptr = smem + L::kEpiOffset + half * kEpiBytes;
+  const int warp = t / 32, lane = t % 32;
+  const int bar_id = 1 + half;
+  float acc[BN / 2];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
+    GroupTiles g;
+    const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
+    const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
+    int prev = 0;
+    for (int ks = 0; ks < k_steps; ++ks) {
+      mbar_wait(&full[stage], phase);
+      // This warpgroup's 64 rows of A: the second 8 KB (64 rows x 128 B, or the second MN box).
+      const uint32_t sa = smem_base + stage * L::kStageBytes + half * kBlockBytes;
+      const uint32_t sb = smem_base + stage * L::kStageBytes + L::kABytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kSm90TileK / 16; ++kk) {
+        const uint64_t da = wgmma_desc(sa + kk * kStepA, kLboA, 1024);
+        const uint64_t db = wgmma_desc(sb + kk * kStepB, kLboB, 1024);
+        wgmma_step<BN, kTransA, kTransB>(acc, da, db, (ks | kk) != 0 ? 1u : 0u);
+      }
+      wgmma_commit();
+      if (ks > 0) {
+        wgmma_wait<1>();  // the previous step's wgmmas are done: its stage is free
+        if (t == 0) {
+          if constexpr (kCluster == 2) {
+            mbar_arrive_cluster(&empty[prev], 0);
+            mbar_arrive_cluster(&empty[prev], 1);
+          } else {
+            mbar_arrive(&empty[prev]);
+          }
+        }
+      }
+      prev = stage;
+      if (++stage == L::kStages) stage = 0, phase ^= 1;
+    }
+    wgmma_wait<0>();
+    if (t == 0) {
+      if constexpr (kCluster == 2) {
+        mbar_arrive_cluster(&empty[prev], 0);
+        mbar_arrive_cluster(&empty[prev], 1);
+      } else {
+        mbar_arrive(&empty[prev]);
+      }
+    }
+
+    // Epilogue: the fragment (row 16 warp + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)) is
+    // written into 16 KB of shared memory in the output map's 128-byte swizzled boxes of 64 rows,
+    // then one thread stores the boxes with TMA (clipped at mk and nk) while the warpgroup goes on.
+    const int row0 = at.m0 + half * 64;
+    const CUtensorMap* cm = p.c_maps + at.gi;
+    if (t == 0) tensormap_acquire(cm);
+    const float alpha = p.alpha_lhs != nullptr ? p.alpha_lhs[g.group] * p.alpha_rhs[g.group] : 1.0f;
+    const bool scaled = p.alpha_lhs != nullptr;
+    const int r_lo = warp * 16 + lane / 4;  // rows r_lo and r_lo + 8 of the 64
+    const uint32_t sw = static_cast<uint32_t>(r_lo % 8);  // the same for r_lo + 8
+    constexpr int kBf16Chunks = BN / 128, kF32Chunks = BN / 64;  // 16 KB each
+    const bool bf16 = p.out_mode == 1;
+    const int chunks = bf16 ? kBf16Chunks : kF32Chunks;
+    const int chunk_cols = bf16 ? 128 : 64;
+    const int box_cols = bf16 ? 64 : 32;
+#pragma unroll
+    for (int c = 0; c < kF32Chunks; ++c) {
+      if (c >= chunks) break;
+      if (t == 0) bulk_wait_all<true>();  // the last store from this buffer has read it
+      named_barrier_sync(bar_id, 128);
+      if (bf16) {
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {  // 8 columns each, 2 boxes of 64 columns
+          const int j = (c * 16 + jj) % (BN / 8);
+          const uint32_t box = jj / 8, chunk16 = (jj % 8);  // 16-byte chunk of the 128-byte row
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float v0 = acc[4 * j + 2 * i], v1 = acc[4 * j + 2 * i + 1];
+            if (scaled) v0 *= alpha, v1 *= alpha;
+            const __nv_bfloat162 h = __floats2bfloat162_rn(v0, v1);
+            const uint32_t r = r_lo + 8 * i;
+            st_shared_b32(epi + box * 8192 + r * 128 + ((chunk16 ^ sw) << 4) + (lane % 4) * 4,
+                          *reinterpret_cast<const uint32_t*>(&h));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {  // 8 columns each, 2 boxes of 32 columns
+          const int j = c * 8 + jj;
+          const uint32_t box = jj / 4;
+          const uint32_t chunk16 = (jj % 4) * 2 + (lane % 4) / 2;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float v0 = acc[4 * j + 2 * i], v1 = acc[4 * j + 2 * i + 1];
+            if (scaled) v0 *= alpha, v1 *= alpha;
+            const uint32_t r = r_lo + 8 * i;
+            st_shared_v2_f32(epi + box * 8192 + r * 128 + ((chunk16 ^ sw) << 4) + (lane % 2) * 8,
+                             v0, v1);
+          }
+        }
+      }
+      fence_async_shared();
+      named_barrier_sync(bar_id, 128);
+      if (t == 0 && row0 < g.mk) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int col = at.n0 + c * chunk_cols + b * box_cols;
+          if (col >= p.nk) continue;
+          if (p.out_mode == 2)
+            tma_store_2d<true>(cm, epi_ptr + b * 8192, col, row0);
+          else
+            tma_store_2d<false>(cm, epi_ptr + b * 8192, col, row0);
+        }
+        bulk_commit();
+      }
+    }
+  }
+  if (t == 0) bulk_wait_all<false>();
+}
+
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __grid_constant__ Params p) {
+  using L = Layout<BN>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarOffset);
+  uint64_t* empty = full + L::kStages;
+  const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      mbar_init(&full[s], 1);               // the producer's expect_tx arrival (+ the bytes)
+      mbar_init(&empty[s], 2 * kCluster);   // each consumer warpgroup of the cluster
+    }
+    mbar_init_fence();
+  }
+  if constexpr (kCluster == 2)
+    cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
+  else
+    __syncthreads();
+  const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
+  if (wg == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster>(p, smem, full, empty, rank);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    consume<BN, kAKMajor, kBKMajor, kCluster>(p, smem, full, empty, rank, wg - 1, t);
+  }
+  // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
+  if constexpr (kCluster == 2) cluster_sync();
+}
+
+// ---- host ---------------------------------------------------------------------------------------
+
+// 2-D tensor (outer, inner) row-major of BF16 or FP32, box (box_outer, box_inner), 128-byte swizzle.
+struct MapKey {
+  const void* ptr;
+  int64_t inner, outer;
+  int box_inner, box_outer;
+  bool f32;
+  bool operator==(const MapKey& o) const {
+    return ptr == o.ptr && inner == o.inner && outer == o.outer && box_inner == o.box_inner &&
+           box_outer == o.box_outer && f32 == o.f32;
+  }
+};
+struct MapKeyHash {
+  size_t operator()(const MapKey& k) const {
+    size_t h = std::hash<const void*>()(k.ptr);
+    for (int64_t v : {k.inner, k.outer, static_cast<int64_t>(k.box_inner),
+                      static_cast<int64_t>(k.box_outer), static_cast<int64_t>(k.f32)})
+      h = h * 0x9E3779B97F4A7C15ull + static_cast<size_t>(v);
+    return h;
+  }
+};
+
+class MapCache {
+ public:
+  // Encoded maps are pure functions of the key; the cache only saves host time (weights keep
+  // their pointers from call to call).
+  const CUtensorMap& get(const MapKey& k) {
+    auto it = maps_.find(k);
+    if (it != maps_.end()) return it->second;
+    if (maps_.size() >= kMaxMaps) maps_.clear();
+    CUtensorMap m;
+    const int el = k.f32 ? 4 : 2;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k.inner), static_cast<cuuint64_t>(k.outer)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k.inner) * el};
+    const cuuint32_t box[2] = {static_cast<cuuint32_t>(k.box_inner),
+                               static_cast<cuuint32_t>(k.box_outer)};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    const CUresult r = encode()(
+        &m, k.f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+        const_cast<void*>(k.ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    PACKMOE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r)
+                                         << ") for a (" << k.outer << ", " << k.inner << ") "
+                                         << (k.f32 ? "FP32" : "BF16") << " tensor");
+    return maps_.emplace(k, m).first->second;
+  }
+
+  std::mutex mu;
+
+ private:
+  static constexpr size_t kMaxMaps = size_t{1} << 16;
+  static PFN_cuTensorMapEncodeTiled_v12000 encode() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+      void* f = nullptr;
+      cudaDriverEntryPointQueryResult q{};
+      PACKMOE_CUDA_CHECK(
+          cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+      PACKMOE_CHECK(q == cudaDriverEntryPointSuccess && f != nullptr,
+                    "the driver has no cuTensorMapEncodeTiled");
+      return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+    }();
+    return fn;
+  }
+  std::unordered_map<MapKey, CUtensorMap, MapKeyHash> maps_;
+};
+
+MapCache& map_cache() {
+  static auto* c = new MapCache();  // leaked: lives as long as the process-wide backend
+  return *c;
+}
+
+// Test and tuning knobs: PACKMOE_GEMM_SM90_TILE_N (128 | 256) forces the tile width,
+// PACKMOE_GEMM_SM90_CLUSTER (1 | 2) the cluster size, PACKMOE_GEMM_SM90_CTAS sets the persistent
+// grid (a small grid makes every CTA walk many tiles), PACKMOE_GEMM_SM90_VERBOSE prints each
+// launch's shape on stderr.
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : 0;
+}
+
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+void launch(CudaBackend& be, const Params& p) {
+  auto kernel = grouped_gemm_sm90_kernel<BN, kAKMajor, kBKMajor, kCluster>;
+  constexpr int kSmem = Layout<BN>::kSmemBytes;
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = be.stream();
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // CTAs the GPU holds at once (whole clusters), found once per instantiation.
+  static const int resident = [&] {
+    PACKMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    if (kCluster == 1) return be.sm_count();
+    cfg.gridDim = dim3(be.sm_count() / kCluster * kCluster);
+    int clusters = 0;
+    PACKMOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+    PACKMOE_CHECK(clusters > 0, "grouped_gemm_sm90: no cluster of " << kCluster << " fits");
+    return clusters * kCluster;
+  }();
+  // PACKMOE_GEMM_SM90_CTAS replaces the resident count (tests: a few CTAs walk many tiles).
+  const int cap = env_int("PACKMOE_GEMM_SM90_CTAS");
+  const int64_t limit = cap > 0 ? std::max(kCluster, cap / kCluster * kCluster) : resident;
+  const int64_t grid = std::min<int64_t>(static_cast<int64_t>(p.total_units) * kCluster, limit);
+  if (std::getenv("PACKMOE_GEMM_SM90_VERBOSE") != nullptr)
+    std::fprintf(stderr, "grouped_gemm_sm90: BN %d cluster %d, %d units, grid %lld (resident %d)\n",
+                 BN, kCluster, p.total_units, static_cast<long long>(grid), resident);
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  PACKMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+template <int BN, int kCluster>
+void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k) {
+  if (a_k && b_k) return launch<BN, true, true, kCluster>(be, p);
+  if (a_k && !b_k) return launch<BN, true, false, kCluster>(be, p);
+  if (!a_k && !b_k) return launch<BN, false, false, kCluster>(be, p);
+  PACKMOE_CHECK(false, "grouped_gemm_sm90: MN-major A with K-major B is not instantiated");
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool sm90_gemm_device_ok(CudaBackend& be) {
+  static std::mutex mu;
+  static std::unordered_map<int, bool> ok;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = ok.find(be.device_index());
+  if (it != ok.end()) return it->second;
+  int major = 0, minor = 0;
+  PACKMOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, be.device_index()));
+  PACKMOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, be.device_index()));
+  return ok[be.device_index()] = major == 9 && minor == 0;
+}
+
+bool sm90_gemm_shape_ok(const Sm90Gemm& p) {
+  constexpr int64_t kMax = int64_t{1} << 31;
+  if (p.nk <= 0 || p.nk % 8 != 0 || p.nk >= kMax) return false;
+  if (p.a_k_major == false && p.b_k_major == true) return false;
+  if (p.accumulate && p.out_bf16) return false;
+  for (size_t g = 0; g < p.mk.size(); ++g) {
+    const int64_t mk = p.mk[g], kred = p.kred[g];
+    if (mk <= 0 || kred <= 0) continue;
+    if (mk >= kMax || kred >= kMax) return false;
+    if ((p.a_k_major ? kred : mk) % 8 != 0) return false;  // A row length
+    if (p.b_k_major && kred % 8 != 0) return false;         // B row length (else nk)
+  }
+  return true;
+}
+
+Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
+  if (!sm90_gemm_shape_ok(p)) return Status::error("grouped_gemm_sm90: unsupported shape");
+  const size_t G = p.mk.size();
+  Sm90Tiles tiles = choose_sm90_tiles(p.mk, p.kred, p.nk, be.sm_count());
+  const int forced_n = env_int("PACKMOE_GEMM_SM90_TILE_N");
+  if (forced_n == 128 || forced_n == 256) tiles.bn = forced_n;
+  const int forced_c = env_int("PACKMOE_GEMM_SM90_CLUSTER");
+  if (forced_c == 1 || forced_c == 2) tiles.cluster = forced_c;
+  const int bn = tiles.bn, cl = tiles.cluster;
+  const int64_t n_tiles = (p.nk + bn - 1) / bn;
+  const bool f32_out = !p.out_bf16;
+
+  std::vector<GroupTiles> table;
+  std::vector<CUtensorMap> amaps, bmaps, cmaps;
+  int64_t total = 0;
+  {
+    MapCache& cache = map_cache();
+    std::lock_guard<std::mutex> lock(cache.mu);
+    for (size_t g = 0; g < G; ++g) {
+      const int64_t mk = p.mk[g], kred = p.kred[g];
+      if (mk <= 0 || kred <= 0) continue;
+      PACKMOE_CHECK(aligned16(p.a[g]) && aligned16(p.b[g]) && aligned16(p.out[g]),
+                    "grouped_gemm_sm90: group " << g << " has a pointer off 16-byte alignment");
+      const int64_t m_tiles = (mk + kSm90TileM - 1) / kSm90TileM;
+      const int64_t units = m_tiles / cl * n_tiles + (m_tiles % cl) * ((n_tiles + cl - 1) / cl);
+      table.push_back(GroupTiles{static_cast<int32_t>(mk), static_cast<int32_t>(kred),
+                                 static_cast<int32_t>(total), static_cast<int32_t>(m_tiles),
+                                 sm90_band(bn, kred, n_tiles), static_cast<int32_t>(g)});
+      total += units;
+      amaps.push_back(p.a_k_major ? cache.get({p.a[g], kred, mk, kBox, 64, false})
+                                  : cache.get({p.a[g], mk, kred, kBox, kSm90TileK, false}));
+      bmaps.push_back(p.b_k_major ? cache.get({p.b[g], kred, p.nk, kBox, bn / 2, false})
+                                  : cache.get({p.b[g], p.nk, kred, kBox, kSm90TileK, false}));
+      cmaps.push_back(cache.get({p.out[g], p.nk, mk, f32_out ? 32 : 64, 64, f32_out}));
+    }
+  }
+  if (total == 0) return Status::ok();
+  PACKMOE_CHECK(total < (int64_t{1} << 30), "grouped_gemm_sm90: " << total << " work units");
+
+  // One upload: [A maps][B maps][C maps][group table]; the staging buffers are 256-byte aligned
+  // and a CUtensorMap is 64-byte aligned.
+  const size_t n = table.size();
+  const size_t maps_bytes = n * sizeof(CUtensorMap);
+  std::vector<uint8_t> blob(3 * maps_bytes + n * sizeof(GroupTiles));
+  std::memcpy(blob.data(), amaps.data(), maps_bytes);
+  std::memcpy(blob.data() + maps_bytes, bmaps.data(), maps_bytes);
+  std::memcpy(blob.data() + 2 * maps_bytes, cmaps.data(), maps_bytes);
+  std::memcpy(blob.data() + 3 * maps_bytes, table.data(), n * sizeof(GroupTiles));
+  const auto* dev = static_cast<const uint8_t*>(be.upload(blob.data(), blob.size()));
+
+  Params k{};
+  k.a_maps = reinterpret_cast<const CUtensorMap*>(dev);
+  k.b_maps = reinterpret_cast<const CUtensorMap*>(dev + maps_bytes);
+  k.c_maps = reinterpret_cast<const CUtensorMap*>(dev + 2 * maps_bytes);
+  k.groups = reinterpret_cast<const GroupTiles*>(dev + 3 * maps_bytes);
+  k.num_groups = static_cast<int32_t>(n);
+  k.total_units = static_cast<int32_t>(total);
+  k.n_tiles = static_cast<int32_t>(n_tiles);
+  k.nk = static_cast<int32_t>(p.nk);
+  k.out_mode = p.out_bf16 ? 1 : p.accumulate ? 2 : 0;
+  k.alpha_lhs = p.alpha_lhs;
+  k.alpha_rhs = p.alpha_rhs;
+  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, p.a_k_major, p.b_k_major);
+  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, p.a_k_major, p.b_k_major);
+  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, p.a_k_major, p.b_k_major);
+  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, p.a_k_major, p.b_k_major);
+  return Status::ok();
+}
+
+}  // namespace packmoe
