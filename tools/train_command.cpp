@@ -469,8 +469,9 @@ Status run_train(const TrainArgs& args) {
 
   train::TrainLoopOptions loop;
   loop.metrics_path = rank0 ? metrics_path : std::string();
-  loop.progress_bar = false;
-  if (rank0) loop.progress_bar = isatty(STDOUT_FILENO) != 0;
+  // Under mpirun a rank's stdout is a pseudo-terminal even when the job's output goes to a file:
+  // no bar there.
+  loop.progress_bar = !launched_by_mpirun() && isatty(STDOUT_FILENO) != 0;
   loop.save_dir = args.save_dir;
   loop.save_interval = args.save_interval;
   loop.keep_last = args.keep_last;
