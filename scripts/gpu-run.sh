@@ -103,7 +103,8 @@ fi
 
 # Data parallelism: the small preset, 10 steps of 16 x 512 tokens per GPU, on 1 GPU (plain) and on
 # 2 (mpirun -np 2, NCCL) in each gather mode; the log line of steps 6-10 (ms/step, tokens/s of the
-# job) and the bytes all-gathered per step from the startup summary (dp.log).
+# job) and the bytes all-gathered per step from the startup summary (dp.log). Each run: at most 2
+# minutes (measured: 5-10 s each, the whole section under 2 minutes).
 if [ $run_dp = 1 ]; then
   if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
     note "dp: skipped (needs 2 GPUs)"
@@ -120,11 +121,11 @@ if [ $run_dp = 1 ]; then
     for r in bf16 mxfp8 nvfp4; do
       args=(train --preset small --device cuda --recipe "$r" --steps 10 --micro-batch 16 --seq-len 512
             --warmup 2 --eval-interval 0 --log-interval 5 --data "text:$corpus/text.txt")
-      log=$(build-gpu/packmoe "${args[@]}" --out "$corpus/dp1_$r" 2>&1 | tee -a "$OUT/dp.log")
+      log=$(timeout 120 build-gpu/packmoe "${args[@]}" --out "$corpus/dp1_$r" 2>&1 | tee -a "$OUT/dp.log")
       dp_note "$r 1 GPU" "$log"
       for m in bf16 lowp reuse-grad-buffer; do
-        log=$("${mpi[@]}" build-gpu/packmoe "${args[@]}" --gather-mode "$m" --out "$corpus/dp2_${r}_$m" 2>&1 |
-              tee -a "$OUT/dp.log")
+        log=$(timeout 120 "${mpi[@]}" build-gpu/packmoe "${args[@]}" --gather-mode "$m" \
+                --out "$corpus/dp2_${r}_$m" 2>&1 | tee -a "$OUT/dp.log")
         dp_note "$r 2 GPUs $m" "$log"
       done
     done
