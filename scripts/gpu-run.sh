@@ -5,19 +5,21 @@
 # ./gpu-out): build.log tests.log peers.log bench.log summary.txt and the peers' JSON.
 # `packmoe train` of the `small` preset in each recipe measures tokens/s and MFU (train.log).
 # With build-hfcheck carried, the transformers check of hf_export_check.py runs too.
-# Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests] [--no-train]
+# On 2+ GPUs, data parallelism: the small preset on 1 GPU and on 2 (mpirun -np 2), each gather mode.
+# Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests] [--no-train] [--no-dp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-run_peer=1 run_bench=1 run_tests=1 run_train=1
+run_peer=1 run_bench=1 run_tests=1 run_train=1 run_dp=1
 for a in "$@"; do
   case "$a" in
     --no-peer) run_peer=0 ;;
     --no-bench) run_bench=0 ;;
     --no-tests) run_tests=0 ;;
     --no-train) run_train=0 ;;
+    --no-dp) run_dp=0 ;;
     *) echo "gpu-run: unknown flag $a" >&2; exit 2 ;;
   esac
 done
@@ -97,6 +99,37 @@ if [ $run_train = 1 ]; then
             | grep -E "iteration +30/" | tail -1)
     note "train small $r: ${line:-FAILED (see train.log)}"
   done
+fi
+
+# Data parallelism: the small preset, 10 steps of 16 x 512 tokens per GPU, on 1 GPU (plain) and on
+# 2 (mpirun -np 2, NCCL) in each gather mode; the log line of steps 6-10 (ms/step, tokens/s of the
+# job) and the bytes all-gathered per step from the startup summary (dp.log). Each run: at most 2
+# minutes (measured: 5-10 s each, the whole section under 2 minutes).
+if [ $run_dp = 1 ]; then
+  if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+    note "dp: skipped (needs 2 GPUs)"
+  else
+    corpus=$(mktemp -d)
+    cat README.md docs/*.md src/*/*.h > "$corpus/text.txt"
+    mpi=(mpirun --allow-run-as-root --oversubscribe -np 2 -x NCCL_NVLS_ENABLE=0)
+    dp_note() {  # label, log text
+      local it bytes
+      it=$(grep -E "iteration +10/" <<<"$2" | sed -E 's/.*per iteration \(ms\): ([0-9.]+).*tokens\/s: ([0-9]+).*/\1 ms\/step, \2 tokens\/s/')
+      bytes=$(grep -oE "[0-9.]+ MB all-gathered \([0-9.]+ B/param\)" <<<"$2")
+      note "dp small $1: ${it:-FAILED (see dp.log)}${bytes:+, $bytes per step}"
+    }
+    for r in bf16 mxfp8 nvfp4; do
+      args=(train --preset small --device cuda --recipe "$r" --steps 10 --micro-batch 16 --seq-len 512
+            --warmup 2 --eval-interval 0 --log-interval 5 --data "text:$corpus/text.txt")
+      log=$(timeout 120 build-gpu/packmoe "${args[@]}" --out "$corpus/dp1_$r" 2>&1 | tee -a "$OUT/dp.log")
+      dp_note "$r 1 GPU" "$log"
+      for m in bf16 lowp reuse-grad-buffer; do
+        log=$(timeout 120 "${mpi[@]}" build-gpu/packmoe "${args[@]}" --gather-mode "$m" \
+                --out "$corpus/dp2_${r}_$m" 2>&1 | tee -a "$OUT/dp.log")
+        dp_note "$r 2 GPUs $m" "$log"
+      done
+    done
+  fi
 fi
 
 {

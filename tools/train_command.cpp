@@ -71,6 +71,41 @@ struct Source {
 
 // "fortunes" | "text:PATH" | "megatron:PREFIX" | "llmc:SHARD". Text splits itself into train and
 // validation by document hash; token files are one dataset each.
+// Where the job runs: one process on `device`, or under mpirun one rank per process (on CUDA one
+// GPU each: NCCL; on the CPU: MPI).
+struct Placement {
+  Backend* backend = nullptr;
+  std::unique_ptr<Communicator> comm;  // null: one process (also mpirun -np 1)
+};
+
+// Under mpirun the communicator comes first: on CUDA it selects this rank's GPU
+// (OMPI_COMM_WORLD_LOCAL_RANK) before anything creates the CUDA backend; `auto` means CUDA when
+// a GPU is visible.
+Result<Placement> place_job(const std::string& device) {
+  Placement p;
+  if (!launched_by_mpirun()) {
+    Result<Backend*> b = backend_from_flag(device);
+    if (!b) return b.status();
+    p.backend = b.value();
+    return p;
+  }
+  bool cuda = false;
+  if (device == "cuda" || (device == "auto" && visible_cuda_devices() > 0)) {
+    cuda = true;
+  } else if (device != "cpu" && device != "auto") {
+    return backend_from_flag(device).status();  // names the legal values
+  }
+  Result<CommOptions> options = comm_options_from_env();
+  if (!options) return options.status();
+  Result<std::unique_ptr<Communicator>> c =
+      make_communicator(cuda ? CommKind::kNccl : CommKind::kMpi, options.value());
+  if (!c) return c.status();
+  p.comm = std::move(c.value());
+  p.backend = &p.comm->backend();
+  if (p.comm->size() == 1) p.comm.reset();
+  return p;
+}
+
 Result<Source> load_source(const std::string& spec, const char* flag) {
   const size_t colon = spec.find(':');
   const std::string kind = spec.substr(0, colon);
@@ -120,7 +155,7 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "defaults) and/or a \"train\" object whose keys are the long names of the options below\n"
       "(steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr, warmup_steps,\n"
       "decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval, eval_batches,\n"
-      "log_interval, seed, recipe, layout, primary).\n"
+      "log_interval, seed, recipe, layout, primary, gather_mode).\n"
       "Checkpoints: --save-dir ROOT writes ROOT/step-XXXXXXXX (FP32 masters as Hugging Face\n"
       "safetensors, config.json, AdamW moments, trainer_state.json) every --save-interval steps\n"
       "and after the last, keeping the newest --keep-last. --resume continues one bitwise as if\n"
@@ -140,6 +175,15 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
   cmd->add_option("--primary", args.primary,
                   "experts' primary weight: low (the quantized bytes are the parameter) or high "
                   "(BF16, quantized at every forward) (default: low)");
+  cmd->add_option(
+      "--gather-mode", args.gather_mode,
+      "how data parallelism (mpirun -np N) all-gathers the updated weights each step; all give\n"
+      "the same weights:\n"
+      "  bf16: the BF16 master shards; every rank quantizes whole packs (2 B/param)\n"
+      "  lowp: each rank quantizes its own rows and the quantized bytes travel (MXFP8 2D about\n"
+      "        1, NVFP4 about 0.56 B/param)\n"
+      "  reuse-grad-buffer: as bf16, through the gradient buffer's memory (no extra buffer)\n"
+      "(default: bf16)");
   add_train_flag(cmd, args, "--steps", &train::TrainConfig::steps, "optimizer steps");
   add_train_flag(cmd, args, "--micro-batch", &train::TrainConfig::micro_batch_size,
                  "rows per micro-batch (B)");
@@ -257,21 +301,10 @@ Result<Start> resolve_start(const TrainArgs& args) {
 
 Status run_train(const TrainArgs& args) {
   // ---- settings: defaults (or the checkpoint's), then the config file, then flags ----
-  Result<Backend*> backend = backend_from_flag(args.device);
-  if (!backend) return backend.status();
-  // Data parallelism: `mpirun -np N packmoe train ...` (CPU, MPI). Rank 0 alone prints and writes
-  // files; the other ranks report errors only (stderr).
-  std::unique_ptr<Communicator> comm;
-  if (launched_by_mpirun()) {
-    if (backend.value() != &cpu_backend())
-      return Status::error("mpirun: data parallelism runs on the CPU only for now (--device cpu)");
-    Result<CommOptions> options = comm_options_from_env();
-    if (!options) return options.status();
-    Result<std::unique_ptr<Communicator>> c = make_communicator(CommKind::kMpi, options.value());
-    if (!c) return c.status();
-    comm = std::move(c.value());
-    if (comm->size() == 1) comm.reset();
-  }
+  Result<Placement> placed = place_job(args.device);
+  if (!placed) return placed.status();
+  Backend* const backend = placed.value().backend;
+  std::unique_ptr<Communicator> comm = std::move(placed.value().comm);
   const bool rank0 = !comm || comm->rank() == 0;
   if (comm && (!args.resume.empty() || !args.save_dir.empty()))
     return Status::error("checkpoints (--resume, --save-dir) with data parallelism (world size > 1) "
@@ -347,6 +380,11 @@ Status run_train(const TrainArgs& args) {
     if (!p) return p.status();
     config.precision.primary = p.value();
   }
+  if (args.cmd->count("--gather-mode")) {
+    Result<GatherMode> m = parse_gather_mode(args.gather_mode);
+    if (!m) return Status::error("--gather-mode: " + m.status().message());
+    config.gather_mode = m.value();
+  }
   PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
   if (checkpoint && checkpoint->step >= config.steps)
     return Status::error("--resume: " + checkpoint->dir + " is at step " +
@@ -381,11 +419,12 @@ Status run_train(const TrainArgs& args) {
   const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
 
   Result<std::unique_ptr<train::Trainer>> trainer =
-      checkpoint ? train::Trainer::resume(*backend.value(), *checkpoint, config, std::move(data))
-                 : train::Trainer::create(*backend.value(), *model, config, std::move(data),
+      checkpoint ? train::Trainer::resume(*backend, *checkpoint, config, std::move(data))
+                 : train::Trainer::create(*backend, *model, config, std::move(data),
                                           hf_weights ? &*hf_weights : nullptr);
   if (!trainer) return trainer.status();
-  if (comm) PACKMOE_RETURN_IF_ERROR(trainer.value()->enable_data_parallel(*comm, GatherMode::kBf16));
+  if (comm)
+    PACKMOE_RETURN_IF_ERROR(trainer.value()->enable_data_parallel(*comm, config.gather_mode));
 
   // ---- outputs ----
   std::error_code ec;
@@ -399,7 +438,7 @@ Status run_train(const TrainArgs& args) {
   const train::ParameterCount params = train::parameter_count(*model);
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",
               static_cast<long long>(params.total), static_cast<long long>(params.active),
-              backend.value()->name().c_str());
+              backend->name().c_str());
   std::printf("  experts: recipe %s, primary %s, layout %s | data: %s, %lld train / %lld "
               "validation tokens\n",
               recipe_name(config.precision.recipe.recipe), train::primary_name(config.precision.primary),
@@ -409,11 +448,17 @@ Status run_train(const TrainArgs& args) {
               static_cast<long long>(config.steps), static_cast<long long>(config.grad_accum_steps),
               static_cast<long long>(config.micro_batch_size),
               static_cast<long long>(config.seq_len), config.lr, config.min_lr);
-  if (comm)
-    std::printf("  data parallel: %d ranks (MPI), global batch %lld rows per step, gather mode bf16\n",
-                comm->size(),
+  if (comm) {
+    const GatherTraffic& t = trainer.value()->dist_optimizer()->traffic();
+    std::printf("  data parallel: %d ranks (%s), global batch %lld rows per step; gather mode %s: "
+                "%.2f MB all-gathered (%.4f B/param), %.2f MB reduce-scattered per step\n",
+                comm->size(), std::string(comm_kind_name(comm->kind())).c_str(),
                 static_cast<long long>(comm->size() * config.grad_accum_steps *
-                                       config.micro_batch_size));
+                                       config.micro_batch_size),
+                std::string(gather_mode_name(config.gather_mode)).c_str(),
+                static_cast<double>(t.all_gather_bytes) / 1e6, t.bytes_per_element(),
+                static_cast<double>(t.reduce_scatter_bytes) / 1e6);
+  }
   for (const std::string& note : start.value().notes) std::printf("  %s\n", note.c_str());
   if (checkpoint)
     std::printf("  resumed from %s at step %lld\n", checkpoint->dir.c_str(),
@@ -424,8 +469,9 @@ Status run_train(const TrainArgs& args) {
 
   train::TrainLoopOptions loop;
   loop.metrics_path = rank0 ? metrics_path : std::string();
-  loop.progress_bar = false;
-  if (rank0) loop.progress_bar = isatty(STDOUT_FILENO) != 0;
+  // Under mpirun a rank's stdout is a pseudo-terminal even when the job's output goes to a file:
+  // no bar there.
+  loop.progress_bar = !launched_by_mpirun() && isatty(STDOUT_FILENO) != 0;
   loop.save_dir = args.save_dir;
   loop.save_interval = args.save_interval;
   loop.keep_last = args.keep_last;

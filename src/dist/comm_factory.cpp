@@ -31,6 +31,14 @@ Result<std::unique_ptr<Communicator>> make_communicator(CommKind kind, const Com
   return Status::error("unknown communicator kind");
 }
 
+int visible_cuda_devices() {
+#if defined(PACKMOE_WITH_CUDA)
+  return cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
 Result<std::unique_ptr<Communicator>> make_communicator(Device device) {
   Result<CommOptions> options = comm_options_from_env();
   if (!options) return options.status();

@@ -101,6 +101,18 @@ class Communicator {
   // backend stream.
   void barrier();
 
+  // ---- overlap with the backend's work ------------------------------------------------------
+  // A stream for collectives that run beside the backend's own work: NCCL's own CUDA stream (high
+  // priority); kBackendStream for host communicators, whose calls stay blocking. The caller
+  // orders it with the two fences below, both no-ops on host communicators.
+  virtual StreamHandle side_stream() { return kBackendStream; }
+  // Work queued on side_stream() from now on starts after all work queued on the backend stream
+  // so far (an event recorded there, waited for on the side stream).
+  virtual void side_waits_for_backend() {}
+  // Work queued on the backend stream from now on starts after all work queued on side_stream()
+  // so far.
+  virtual void backend_waits_for_side() {}
+
   // Prints "[rank r/N] packmoe: <kind> <op> (call #k) failed: <why>; aborting the job" (the call
   // number when a collective is in flight) and terminates every rank (MPI_Abort; NCCL:
   // ncclCommAbort first). Never returns.
@@ -178,6 +190,10 @@ Result<std::unique_ptr<Communicator>> make_mpi_communicator(Backend& host_backen
 // kLocal for host buffers and a one-rank kNccl for CUDA.
 CommKind comm_kind_for(Device device);
 bool launched_by_mpirun();
+// CUDA devices visible to this process, counted without creating the CUDA backend (which would
+// bind the process to GPU 0 before a multi-rank job picks one GPU per rank); 0 in builds without
+// CUDA or when none is usable.
+int visible_cuda_devices();
 
 // kLocal / kMpi use the CPU backend. kNccl selects GPU OMPI_COMM_WORLD_LOCAL_RANK before the CUDA
 // backend is first created (so create the communicator before any CUDA work), bootstraps NCCL

@@ -100,6 +100,14 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
   }
 
   traffic_.param_elements = plan_.param_elements();
+  traffic_.reduce_scatter_bytes = plan_.total() * static_cast<int64_t>(sizeof(float));
+  bucket_params_.assign(plan_.buckets().size(), 0);
+  for (int p = 0; p < plan_.params(); ++p) {
+    size_t b = 0;
+    while (plan_.buckets()[b].end <= plan_.slot(p).offset) ++b;  // buckets hold whole params
+    bucket_of_.push_back(b);
+    ++bucket_params_[b];
+  }
   switch (cfg_.gather) {
     case GatherMode::kBf16:
       bf16_image_.emplace(*be_, plan_.total() * sizeof(uint16_t));
@@ -145,12 +153,27 @@ void DistOptimizer::prepare_forward() {
                 "prepare_forward in grad buffer state " << grad_buffer_state_name(grads_.state()));
 }
 
-void DistOptimizer::prepare_backward() {
+void DistOptimizer::prepare_backward(bool last_of_step) {
   grads_.advance(GradBufferState::kAccumulating,
                  "prepare_backward; a forward needs prepare_forward first");
+  overlap_armed_ = last_of_step;
+  if (last_of_step) {
+    bucket_waiting_ = bucket_params_;
+    param_ready_.assign(params_.size(), false);
+  }
+}
+
+void DistOptimizer::grad_ready(int p) {
+  if (!overlap_armed_) return;
+  PACKMOE_CHECK(p >= 0 && p < plan_.params() && !param_ready_[p],
+                "grad_ready(" << p << "): not a param, or reported twice in one backward");
+  param_ready_[p] = true;
+  const size_t b = bucket_of_[p];
+  if (--bucket_waiting_[b] == 0) grads_.reduce_scatter_bucket(b);
 }
 
 DistStepResult DistOptimizer::step(double max_norm) {
+  overlap_armed_ = false;
   grads_.reduce_scatter();
   const FlatRange sh = shard();
   const float* grads = grads_.data();

@@ -65,6 +65,7 @@ struct GatherTraffic {
   int64_t all_reduce_bytes = 0;  // lowp NVFP4: the per-expert amax (F32 each)
   int64_t fp32_bytes = 0;        // of all_gather_bytes: the FP32 replicas (WeightForm::kFp32)
   int64_t param_elements = 0;    // parameters' elements, no padding
+  int64_t reduce_scatter_bytes = 0;  // the step's reduce-scatter: the FP32 grad buffer, padded
   double bytes_per_element() const {
     return static_cast<double>(all_gather_bytes) / static_cast<double>(param_elements);
   }
@@ -97,11 +98,18 @@ class DistOptimizer {
   // gradients is prepare_forward's zeroing. Collective.
   void gather_params();
   // Before each backward: Zeroed | Accumulating -> Accumulating (anything else aborts).
-  void prepare_backward();
+  // `last_of_step`: no further backward runs before step(), so grad_ready may start each bucket's
+  // reduce-scatter as soon as its gradients are final (overlapped with the rest of backward).
+  void prepare_backward(bool last_of_step = false);
+  // Param p's gradient of the current backward is final (its last write queued on the backend).
+  // After prepare_backward(true), the last param of a bucket to become final launches that
+  // bucket's reduce-scatter (GradBuffer::reduce_scatter_bucket); otherwise nothing. The result is
+  // bitwise the same as reducing every bucket in step(): the same calls on the same bytes.
+  void grad_ready(int p);
   // Accumulating -> Reduced -> ParamsStaged (or -> Zeroed when the norm is not finite): the
-  // reduce-scatter, the global norm (all-reduce of this shard's FP64 sum of squares), the clip
-  // scale min(1, max_norm / (norm + 1e-6)) (max_norm <= 0: no clipping), AdamW on the shard,
-  // staging for the gather. Collective.
+  // reduce-scatter of the buckets grad_ready has not launched, the global norm (all-reduce of
+  // this shard's FP64 sum of squares), the clip scale min(1, max_norm / (norm + 1e-6))
+  // (max_norm <= 0: no clipping), AdamW on the shard, staging for the gather. Collective.
   DistStepResult step(double max_norm = 0.0);
   void set_lr(float lr) { cfg_.adamw.lr = lr; }
   float lr() const { return cfg_.adamw.lr; }
@@ -160,6 +168,13 @@ class DistOptimizer {
   DeviceBuffer norm_;               // (1) F64
   int64_t steps_ = 0;
   GatherTraffic traffic_;
+  // Overlap: the bucket of each param, and per bucket the params whose gradient is not final yet
+  // in the step's last backward (armed by prepare_backward(true)).
+  std::vector<size_t> bucket_of_;    // (P)
+  std::vector<int> bucket_params_;   // (buckets) params per bucket
+  std::vector<int> bucket_waiting_;  // (buckets) while armed
+  std::vector<bool> param_ready_;    // (P) while armed
+  bool overlap_armed_ = false;
 
   // kBf16: (total) BF16 image of the flat buffer. kLowp: the shard's BF16 rows, the per-expert
   // amax of every NVFP4 param ((sum E) F32; amax_offset[p] its slice, -1 for others) and one

@@ -52,9 +52,17 @@ class GradBuffer {
   int64_t size() const { return plan_->total(); }
   FlatRange shard() const { return plan_->shard(comm_->rank()); }
 
-  // Sum over ranks into this rank's shard, bucket by bucket (reduce_scatterv in place):
-  // Accumulating -> Reduced.
+  // Overlap with backward: bucket b's sum over ranks into this rank's part of it, launched while
+  // backward still runs (Accumulating; each bucket at most once per step) once every gradient in
+  // it is final. Queued on the communicator's side stream after all backend work so far (host
+  // communicators: done on return). From then on no further backward may start
+  // (prepare_backward aborts) until reduce_scatter() ends the step's reduction.
+  void reduce_scatter_bucket(size_t b);
+  // Sum over ranks into this rank's shard, bucket by bucket (reduce_scatterv in place), the
+  // buckets not launched yet on the backend stream, then the backend stream waits for the
+  // launched ones: Accumulating -> Reduced.
   void reduce_scatter();
+  bool reducing() const { return launched_count_ > 0; }  // some bucket launched this step
   // Every element = 0; the caller's transition says why.
   void fill_zero();
   std::vector<uint8_t> download() const { return buffer_.download(); }
@@ -64,6 +72,10 @@ class GradBuffer {
   const ShardPlan* plan_;
   DeviceBuffer buffer_;
   GradBufferState state_ = GradBufferState::kZeroed;
+  std::vector<bool> launched_;  // (buckets) reduce-scattered ahead by reduce_scatter_bucket
+  size_t launched_count_ = 0;
+
+  void launch(size_t b, StreamHandle stream);  // bucket b's in-place reduce_scatterv
 };
 
 }  // namespace packmoe

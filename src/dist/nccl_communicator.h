@@ -17,4 +17,7 @@ namespace packmoe {
 Result<std::unique_ptr<Communicator>> make_nccl_communicator(std::unique_ptr<Communicator> host,
                                                              const CommOptions& options);
 
+// cudaGetDeviceCount, 0 on error (no driver, no device); creates no backend and selects no GPU.
+int cuda_device_count();
+
 }  // namespace packmoe

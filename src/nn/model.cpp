@@ -12,6 +12,9 @@ struct Model::Impl {
   std::vector<std::unique_ptr<DecoderLayer>> layers;
   std::unique_ptr<RmsNorm> final_norm;
   std::unique_ptr<GroupedLinear> lm_head;  // (1, V, H)
+  // params() indices: [first, end) of each decoder layer, the final norm, the untied LM head.
+  std::vector<std::pair<size_t, size_t>> layer_params;
+  size_t final_norm_param = 0, lm_head_param = 0;
 
   // RoPE table of the last batch shape (positions 0..S-1 per row).
   int64_t rope_batch = 0, rope_seq = 0;
@@ -121,37 +124,47 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
   m.final_norm = std::make_unique<RmsNorm>(backend, layout, eps, weight(init, "model.norm.weight"));
 
   // The parameter list, in model_param_specs order, with the linear that owns each (null for the
-  // norms and the untied embedding).
+  // norms and the untied embedding) and whether a layer reads its FP32 weight (norms, embedding).
   const std::vector<ParamSpec> specs = model_param_specs(c);
-  std::vector<std::pair<GroupedParam*, GroupedLinear*>> order;
-  auto add_linear = [&](GroupedLinear& l) { order.emplace_back(&l.param(), &l); };
+  struct Entry {
+    GroupedParam* param;
+    GroupedLinear* linear;
+    bool reads_fp32;
+  };
+  std::vector<Entry> order;
+  auto add_linear = [&](GroupedLinear& l) { order.push_back({&l.param(), &l, false}); };
+  auto add_fp32 = [&](GroupedParam& p) { order.push_back({&p, nullptr, true}); };
   if (m.embed)
-    order.emplace_back(m.embed.get(), nullptr);
-  else
-    add_linear(*m.lm_head);
+    add_fp32(*m.embed);
+  else  // tied: the embedding lookup reads the LM head's FP32 weight
+    order.push_back({&m.lm_head->param(), m.lm_head.get(), true});
   for (auto& layer : m.layers) {
+    const size_t first = order.size();
     Attention& a = layer->attention();
-    order.emplace_back(&layer->input_norm().param(), nullptr);
+    add_fp32(layer->input_norm().param());
     for (GroupedLinear* l : {&a.q_proj(), &a.k_proj(), &a.v_proj(), &a.o_proj()}) add_linear(*l);
-    order.emplace_back(&a.q_norm().param(), nullptr);
-    order.emplace_back(&a.k_norm().param(), nullptr);
-    order.emplace_back(&layer->post_norm().param(), nullptr);
+    add_fp32(a.q_norm().param());
+    add_fp32(a.k_norm().param());
+    add_fp32(layer->post_norm().param());
     if (MoEBlock* moe = layer->moe()) {
       for (GroupedLinear* l : {&moe->router(), &moe->fc1(), &moe->fc2()}) add_linear(*l);
     } else {
       add_linear(layer->mlp()->gate_up());
       add_linear(layer->mlp()->down());
     }
+    m.layer_params.emplace_back(first, order.size());
   }
-  order.emplace_back(&m.final_norm->param(), nullptr);
+  m.final_norm_param = order.size();
+  add_fp32(m.final_norm->param());
+  m.lm_head_param = order.size();
   if (!c.tie_word_embeddings) add_linear(*m.lm_head);
   PACKMOE_CHECK(order.size() == specs.size(), "Model: parameter list out of step with the specs");
   std::vector<std::string> linear_names;
   for (size_t i = 0; i < specs.size(); ++i) {
-    params_.push_back({specs[i].name, order[i].first, specs[i].weight_decay});
-    order[i].first->create_master();
-    if (order[i].second) {
-      linears_.push_back(order[i].second);
+    params_.push_back({specs[i].name, order[i].param, specs[i].weight_decay, order[i].reads_fp32});
+    order[i].param->create_master();
+    if (order[i].linear) {
+      linears_.push_back(order[i].linear);
       linear_names.push_back(specs[i].name);
     }
   }
@@ -291,20 +304,43 @@ void Model::backward(float loss_scale) {
   check_op(b.cross_entropy_backward(ce), "cross_entropy_backward");
   m.logits = m.ce_max = m.ce_sum = Tensor{};
 
-  Tensor dx = m.final_norm->backward(
-      m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate));  // (T, H)
-  for (auto it = m.layers.rbegin(); it != m.layers.rend(); ++it)
-    dx = (*it)->backward(dx, loss_scale);
+  Tensor dlm = m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate);  // (T, H)
+  if (m.embed) grad_ready(m.lm_head_param, m.lm_head_param + 1);  // tied: after the embedding
+  Tensor dx = m.final_norm->backward(dlm);  // (T, H)
+  grad_ready(m.final_norm_param, m.final_norm_param + 1);
+  for (size_t i = m.layers.size(); i-- > 0;) {
+    dx = m.layers[i]->backward(dx, loss_scale);
+    grad_ready(m.layer_params[i].first, m.layer_params[i].second);
+  }
 
+  // The table's gradient is summed over this micro-batch's tokens from zero, then added to
+  // main_grad as one sum, as the GEMM epilogues add theirs: so N data-parallel ranks, each adding
+  // its micro-batch's sum, give bitwise what one process accumulating the N micro-batches gives
+  // (docs/dist.md; tied, the LM head's sum lands between them and only the bound holds).
+  const Tensor dtable = Tensor::empty(b, DType::kF32, {V, H});
+  b.fill_zero(dtable.data(), dtable.nbytes());
   EmbeddingBackwardArgs eb;
   eb.tokens = T;
   eb.vocab = V;
   eb.hidden = H;
   eb.ids = m.ids.data_as<const int32_t>();
   eb.dout = dx.data_as<const float>();
-  eb.dtable = f32_grad(m.embedding());
+  eb.dtable = dtable.data_as<float>();
   check_op(b.embedding_backward(eb), "embedding_backward");
+  Segments<float> grad;
+  grad.ptr.push_back(f32_grad(m.embedding()));
+  grad.n = V * H;
+  Segments<const float> sum;
+  sum.ptr.push_back(dtable.data_as<const float>());
+  sum.n = V * H;
+  check_op(b.add_f32(grad, sum), "embedding gradient accumulation");
+  grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;
+}
+
+void Model::grad_ready(size_t first, size_t end) const {
+  if (!grad_ready_) return;
+  for (size_t i = first; i < end; ++i) grad_ready_(i);
 }
 
 void Model::zero_grad() {

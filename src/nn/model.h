@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -91,12 +92,21 @@ struct ForwardLosses {
 class DecoderLayer;   // nn/decoder_layer.h
 class GroupedLinear;  // nn/grouped_linear.h
 
-// A parameter with its name (a ModelWeights key) and whether AdamW decays it.
+// A parameter with its name (a ModelWeights key), whether AdamW decays it, and whether a layer
+// reads its FP32 weight itself (nn/layer_ops.h f32_weight: every RMSNorm and the embedding table,
+// also when tied to the LM head) rather than only its primary weight, so that data parallelism
+// must keep a full FP32 replica of it on every rank (dist/dist_optimizer.h WeightForm::kFp32).
 struct NamedParam {
   std::string name;
   GroupedParam* param;  // (1, N, K) for dense weights (norms: (1, 1, D)), (E, N, K) for experts
   bool weight_decay;
+  bool reads_fp32 = false;
 };
+
+// Called by Model::backward with a params() index once that parameter's gradient of this backward
+// is final: every write into its main_grad is queued on the backend (the CPU backend: done).
+// Fired once per parameter per backward, after the backward of the layer that owns it.
+using GradReadyHook = std::function<void(size_t param_index)>;
 
 enum class ModelState {
   kIdle,         // nothing saved
@@ -134,8 +144,12 @@ class Model {
   Result<ForwardLosses> forward(const Batch& batch);
   // Backward of the last forward for the loss loss_scale * (lm_loss + coef * aux_loss): every
   // gradient is ADDED into its main_grad. Only from kForwardDone (-> kIdle).
+  // Fires the grad-ready hook (if any) for each parameter as its gradient becomes final.
   void backward(float loss_scale);
   void zero_grad();  // every main_grad = 0
+  // Installs (or, empty, removes) the hook backward fires per parameter: data parallelism starts
+  // a bucket's gradient reduce-scatter as soon as all its parameters are final.
+  void set_grad_ready_hook(GradReadyHook hook) { grad_ready_ = std::move(hook); }
 
  private:
   Backend* backend_;
@@ -144,6 +158,8 @@ class Model {
   ModelState state_ = ModelState::kIdle;
   std::vector<NamedParam> params_;
   std::vector<GroupedLinear*> linears_;  // model_linear_names order
+  GradReadyHook grad_ready_;
+  void grad_ready(size_t first, size_t end) const;  // the hook for params() [first, end)
 
   struct Impl;  // layers and saved activations (nn/model.cpp)
   std::unique_ptr<Impl> impl_;

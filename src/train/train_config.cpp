@@ -128,6 +128,7 @@ json train_config_to_json(const TrainConfig& c) {
   j["recipe"] = recipe_name(c.precision.recipe.recipe);
   j["layout"] = layout_name(c.precision.layout);
   j["primary"] = primary_name(c.precision.primary);
+  j["gather_mode"] = gather_mode_name(c.gather_mode);
   return j;
 }
 
@@ -170,6 +171,12 @@ Status apply_train_json(const json& j, TrainConfig* c) {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->log_interval));
     } else if (key == "seed") {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->seed));
+    } else if (key == "gather_mode") {
+      std::string name;
+      PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));
+      Result<GatherMode> m = parse_gather_mode(name);
+      if (!m) return m.status();
+      c->gather_mode = m.value();
     } else if (key == "recipe" || key == "layout" || key == "primary") {
       std::string name;
       PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/status.h"
+#include "dist/dist_optimizer.h"
 #include "nn/model.h"
 #include "train/lr_schedule.h"
 
@@ -35,6 +36,9 @@ struct TrainConfig {
   uint64_t seed = 1234;           // weight init (random_model_weights) and NVFP4 stochastic rounding
   // Expert precision and every parameter's layout. precision.recipe.sr_seed is replaced by seed.
   ModelPrecision precision;
+  // How data parallelism (mpirun) all-gathers updated parameters; no effect on one rank. All modes
+  // give bitwise the same weights (docs/dist.md); they differ in bytes moved and memory.
+  GatherMode gather_mode = GatherMode::kBf16;
 };
 
 // One error per bad value, naming the field, e.g. "micro_batch_size = 0 must be >= 1"; also
@@ -54,7 +58,7 @@ const char* primary_name(PrimaryWeight primary);
 nlohmann::json train_config_to_json(const TrainConfig& config);
 
 // Overwrites the fields present in `json` (an object whose keys are the field names above plus
-// "recipe", "layout", "primary"); an unknown key or a wrong type is an error naming the key.
+// "recipe", "layout", "primary"; gather_mode by name: bf16, lowp, reuse-grad-buffer); an unknown key or a wrong type is an error naming the key.
 Status apply_train_json(const nlohmann::json& json, TrainConfig* config);
 
 }  // namespace packmoe::train

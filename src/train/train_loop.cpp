@@ -36,7 +36,8 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
     if (!w) return w.status();
     metrics.emplace(std::move(w.value()));
   }
-  const double flops_per_token = trainer.flops_per_token();
+  // tokens/s is the job's (every rank's tokens); TFLOP/s and MFU are per GPU.
+  const double gpu_flops_per_token = trainer.flops_per_token() / trainer.world_size();
   const bool cuda = trainer.on_cuda();
   const auto start = std::chrono::steady_clock::now();
   auto elapsed = [&] {
@@ -65,8 +66,8 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
     rec.grad_norm = s.grad_norm;
     rec.tokens_per_s = static_cast<double>(s.tokens) / s.seconds;
     if (cuda) {
-      rec.tflops = flops_per_token * rec.tokens_per_s / 1e12;
-      rec.mfu = flops_per_token * rec.tokens_per_s / kH200PeakFlops;
+      rec.tflops = gpu_flops_per_token * rec.tokens_per_s / 1e12;
+      rec.mfu = gpu_flops_per_token * rec.tokens_per_s / kH200PeakFlops;
     }
     rec.elapsed_s = elapsed();
     if (metrics) PACKMOE_RETURN_IF_ERROR(metrics->write(rec));
@@ -83,7 +84,7 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       line.consumed_samples = s.step * (s.tokens / c.seq_len);  // global: x ranks in data parallel
       line.ms_per_iteration = 1e3 * interval_seconds / static_cast<double>(interval_steps);
       const double tokens_per_s = static_cast<double>(interval_tokens) / interval_seconds;
-      if (cuda) line.tflops_per_gpu = flops_per_token * tokens_per_s / 1e12;
+      if (cuda) line.tflops_per_gpu = gpu_flops_per_token * tokens_per_s / 1e12;
       line.learning_rate = s.lr;
       line.lm_loss = interval_loss / static_cast<double>(interval_steps);
       line.load_balancing_loss = interval_aux / static_cast<double>(interval_steps);
@@ -95,7 +96,7 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       if (cuda) {
         char mfu[64];
         std::snprintf(mfu, sizeof mfu, " MFU: %.1f%% |",
-                      100.0 * tokens_per_s * flops_per_token / kH200PeakFlops);
+                      100.0 * tokens_per_s * gpu_flops_per_token / kH200PeakFlops);
         text += mfu;
       }
       print_line(o, text);

@@ -180,29 +180,30 @@ Status Trainer::load_checkpoint(const std::string& dir) {
 
 bool Trainer::on_cuda() const { return model_->backend().name().rfind("cuda", 0) == 0; }
 
-Status Trainer::enable_data_parallel(Communicator& comm, GatherMode mode) {
+Status Trainer::enable_data_parallel(Communicator& comm, GatherMode mode, int64_t bucket_elems) {
   if (dist_) return Status::error("data parallelism is already enabled");
   if (step_ != 0) return Status::error("data parallelism must be enabled before the first step");
   if (&comm.backend() != &model_->backend())
     return Status::error("the communicator runs on another backend than the model");
-  // The layers that read their FP32 weight itself (nn/layer_ops.h f32_weight): every RMSNorm
-  // (the parameters initialised to ones) and the embedding table; they travel as FP32 replicas.
-  const std::vector<ParamSpec> specs = model_param_specs(model_->config());
+  // The layers that read their FP32 weight itself (every norm, the embedding table) get full
+  // FP32 replicas; the rest is gathered in `mode`.
   std::vector<DistParam> params;
-  for (const NamedParam& p : model_->params()) {
-    WeightForm form = WeightForm::kPrimary;
-    for (const ParamSpec& spec : specs)
-      if (spec.name == p.name && (spec.init == ParamInit::kOnes || p.name == "model.embed_tokens.weight"))
-        form = WeightForm::kFp32;
-    params.push_back({p.param, p.weight_decay, form});
-  }
+  for (const NamedParam& p : model_->params())
+    params.push_back(
+        {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
   grads_.clear();
   optimizer_ = AdamW(adamw_config(config_));  // its moments are dropped: DistOptimizer has its own
   DistOptimizerConfig dc;
   dc.adamw = adamw_config(config_);
   dc.gather = mode;
+  dc.bucket_elems = bucket_elems;
   dist_ = std::make_unique<DistOptimizer>(comm, std::move(params), dc);
   comm_ = &comm;
+  loss_sums_ = std::make_unique<DeviceBuffer>(comm.backend(), 2 * sizeof(double));
+  // params() order is the DistOptimizer's: each bucket's reduce-scatter starts in the step's last
+  // backward as soon as the bucket's gradients are final.
+  model_->set_grad_ready_hook(
+      [dist = dist_.get()](size_t p) { dist->grad_ready(static_cast<int>(p)); });
   return Status::ok();
 }
 
@@ -222,15 +223,19 @@ Result<StepResult> Trainer::train_step_dist() {
     dist_->prepare_forward();
     Result<ForwardLosses> losses = model_->forward(batch);
     if (!losses) return losses.status();
-    dist_->prepare_backward();
+    dist_->prepare_backward(/*last_of_step=*/micro == A - 1);
     model_->backward(dist_->loss_scale(A));
     sums[0] += losses.value().lm_loss;
     sums[1] += losses.value().aux_loss;
     r.tokens += batch.batch * batch.seq * world;
   }
-  // Rank-ordered F64 sum: with A = 1 the bits of one process accumulating every rank's loss.
+  // Rank-ordered F64 sum (MPI; NCCL with 2 ranks is one rounding, the same): with A = 1 the bits
+  // of one process accumulating every rank's loss. In the communicator's memory (NCCL: device).
+  loss_sums_->upload({reinterpret_cast<const uint8_t*>(sums), sizeof sums});
+  double* dev_sums = static_cast<double*>(loss_sums_->get());
+  comm_->all_reduce(dev_sums, dev_sums, 2, ReduceOp::kSum);
   double global[2] = {0, 0};
-  comm_->all_reduce(sums, global, 2, ReduceOp::kSum);
+  std::memcpy(global, loss_sums_->download().data(), sizeof global);
   const double n = static_cast<double>(A) * static_cast<double>(world);
   r.loss = global[0] / n;
   r.aux_loss = global[1] / n;

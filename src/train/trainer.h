@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/device_buffer.h"
 #include "dist/communicator.h"
 #include "dist/dist_optimizer.h"
 #include "io/checkpoint_dir.h"
@@ -94,9 +95,15 @@ class Trainer {
   // replaces AdamW; rank r trains on micro-batch r of every comm.size() consecutive sampler
   // batches (global batch = size x B x A), and train_step reports the global mean loss and grad
   // norm on every rank. N ranks are bitwise one process with grad_accum_steps x N while no step
-  // is clipped. Only before the first step; collective. Checkpoints are refused afterwards.
-  Status enable_data_parallel(Communicator& comm, GatherMode mode);
+  // is clipped (MPI, and NCCL with 2 ranks; but the embedding, docs/dist.md). Parameters whose
+  // NamedParam::reads_fp32 is set travel as FP32 replicas; the model's grad-ready hook starts each
+  // gradient bucket's reduce-scatter during the step's last backward. Only before the first step;
+  // collective. Checkpoints are refused afterwards.
+  // bucket_elems: the reduce-scatter unit (DistOptimizerConfig).
+  Status enable_data_parallel(Communicator& comm, GatherMode mode,
+                              int64_t bucket_elems = DistOptimizerConfig{}.bucket_elems);
   bool data_parallel() const { return dist_ != nullptr; }
+  int world_size() const { return comm_ ? comm_->size() : 1; }  // GPUs (or CPU ranks) training
   DistOptimizer* dist_optimizer() { return dist_.get(); }
 
   int64_t step() const { return step_; }
@@ -129,6 +136,7 @@ class Trainer {
   int64_t step_ = 0;
   Communicator* comm_ = nullptr;
   std::unique_ptr<DistOptimizer> dist_;
+  std::unique_ptr<DeviceBuffer> loss_sums_;  // (2) F64 in comm_'s memory: the loss all-reduce
   Result<StepResult> train_step_dist();
 };
 

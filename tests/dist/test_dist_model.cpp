@@ -2,9 +2,11 @@
 // parameter a GroupedParam, dense ones with E = 1) trained by DistOptimizer under Local and MPI:
 // each rank's micro-batch loss, the masters and every primary weight equal one process
 // accumulating all ranks' micro-batches with the plain AdamW, bitwise, for one recipe per gather
-// mode. The model's masters exist before the optimizer (Model makes them from its init), so this
+// mode, with each gradient bucket's reduce-scatter started during backward (the grad-ready
+// hook). The model's masters exist before the optimizer (Model makes them from its init), so this
 // also covers taking the shard from a full master; norms and the embedding table, which layers
-// read in FP32, run as WeightForm::kFp32 (full FP32 replicas refreshed by an FP32 all-gather).
+// read in FP32 (NamedParam::reads_fp32), run as WeightForm::kFp32 (full FP32 replicas refreshed
+// by an FP32 all-gather).
 #include <cstring>
 #include <memory>
 #include <random>
@@ -43,18 +45,6 @@ std::vector<std::vector<uint8_t>> model_primaries(const Model& m) {
   return out;
 }
 
-// The layers that read their FP32 weight itself (nn/layer_ops.h f32_weight): every RMSNorm (the
-// parameters initialised to ones) and the embedding table. The Model does not say so itself yet.
-WeightForm weight_form(const std::string& name) {
-  for (const ParamSpec& spec : model_param_specs(tiny()))
-    if (spec.name == name)
-      return spec.init == ParamInit::kOnes || name == "model.embed_tokens.weight"
-                 ? WeightForm::kFp32
-                 : WeightForm::kPrimary;
-  ADD_FAILURE() << "no parameter " << name;
-  return WeightForm::kPrimary;
-}
-
 struct ModelCase {
   const char* name;
   ModelPrecision precision;
@@ -89,9 +79,12 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
     Model model(b, config, c.precision, init);
     std::vector<DistParam> params;
     for (const NamedParam& p : model.params())
-      params.push_back({p.param, p.weight_decay, weight_form(p.name)});
+      params.push_back(
+          {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
     DistOptimizer opt(comm(), params, {kAdamW, c.mode, int64_t{1} << 14});
     EXPECT_GT(opt.plan().buckets().size(), 2u);
+    // Each bucket's reduce-scatter starts during backward once its gradients are final.
+    model.set_grad_ready_hook([&opt](size_t p) { opt.grad_ready(static_cast<int>(p)); });
 
     const float scale = 1.0f / static_cast<float>(world);
     for (int s = 0; s < 3; ++s) {
@@ -118,8 +111,9 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
 
       opt.prepare_forward();
       const ForwardLosses mine = model.forward(micro_batch(g_seed, s, comm().rank())).value();
-      opt.prepare_backward();
+      opt.prepare_backward(/*last_of_step=*/true);
       model.backward(opt.loss_scale(1));
+      EXPECT_TRUE(opt.grad_buffer().reducing());
       const DistStepResult r = opt.step();
       EXPECT_EQ(mine.lm_loss, ref_losses[comm().rank()].lm_loss);
       EXPECT_EQ(mine.aux_loss, ref_losses[comm().rank()].aux_loss);

@@ -1,7 +1,8 @@
 // NcclCommunicator: the collectives over NCCL on device memory, one GPU per rank, queued on a
-// stream (the CUDA backend's by default). Invariants: even sizes use NCCL's collective, uneven
-// ones a group of rooted calls, chosen from the sizes alone (so every rank takes the same path and
-// repeated calls give the same bits); floating-point sums follow NCCL's order, not rank order.
+// stream (the CUDA backend's by default, or its own side stream, fenced by events, to overlap).
+// Invariants: even sizes use NCCL's collective, uneven ones a group of rooted calls, chosen from
+// the sizes alone (so every rank takes the same path and repeated calls give the same bits);
+// floating-point sums follow NCCL's order, not rank order.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -49,6 +50,16 @@ class NcclCommunicator final : public Communicator {
         cuda_(cuda),
         host_(std::move(host)),
         comm_(comm) {
+    int least = 0, greatest = 0;  // greatest: the highest priority (numerically lowest)
+    // (this->cuda: the parameter `cuda` hides the checking member here)
+    this->cuda("create", cudaDeviceGetStreamPriorityRange(&least, &greatest),
+               "cudaDeviceGetStreamPriorityRange");
+    this->cuda("create", cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest),
+               "cudaStreamCreateWithPriority");
+    this->cuda("create", cudaEventCreateWithFlags(&backend_done_, cudaEventDisableTiming),
+               "cudaEventCreateWithFlags");
+    this->cuda("create", cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming),
+               "cudaEventCreateWithFlags");
     start_watchdog();
   }
 
@@ -56,6 +67,10 @@ class NcclCommunicator final : public Communicator {
     stop_watchdog();
     ncclCommFinalize(comm_);  // flushes the queued collectives
     ncclCommDestroy(comm_);
+    cudaStreamSynchronize(side_);
+    cudaStreamDestroy(side_);
+    cudaEventDestroy(backend_done_);
+    cudaEventDestroy(side_done_);
     for (const Pending& p : pending_) cudaEventDestroy(p.event);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   }
@@ -139,7 +154,20 @@ class NcclCommunicator final : public Communicator {
 
   void do_barrier() override {
     cuda("barrier", cudaStreamSynchronize(cuda_.stream()), "cudaStreamSynchronize");
+    cuda("barrier", cudaStreamSynchronize(side_), "cudaStreamSynchronize");
     host_->barrier();
+  }
+
+  StreamHandle side_stream() override { return side_; }
+
+  void side_waits_for_backend() override {
+    cuda("overlap", cudaEventRecord(backend_done_, cuda_.stream()), "cudaEventRecord");
+    cuda("overlap", cudaStreamWaitEvent(side_, backend_done_, 0), "cudaStreamWaitEvent");
+  }
+
+  void backend_waits_for_side() override {
+    cuda("overlap", cudaEventRecord(side_done_, side_), "cudaEventRecord");
+    cuda("overlap", cudaStreamWaitEvent(cuda_.stream(), side_done_, 0), "cudaStreamWaitEvent");
   }
 
   void exchange_host(const void* mine, void* all, int64_t bytes) override {
@@ -209,6 +237,9 @@ class NcclCommunicator final : public Communicator {
   CudaBackend& cuda_;
   std::unique_ptr<Communicator> host_;
   ncclComm_t comm_;
+  cudaStream_t side_ = nullptr;         // side_stream(): overlapped collectives
+  cudaEvent_t backend_done_ = nullptr;  // side_waits_for_backend's fence
+  cudaEvent_t side_done_ = nullptr;     // backend_waits_for_side's fence
   std::mutex pending_mutex_;  // the watchdog thread retires completed events
   std::deque<Pending> pending_;
   std::vector<cudaEvent_t> free_events_;
@@ -221,6 +252,15 @@ Status bootstrap_error(Communicator& host, const std::string& why) {
 }
 
 }  // namespace
+
+int cuda_device_count() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return devices;
+}
 
 Result<std::unique_ptr<Communicator>> make_nccl_communicator(std::unique_ptr<Communicator> host,
                                                              const CommOptions& options) {

@@ -1,0 +1,183 @@
+// Data-parallel training through the Trainer (docs/dist.md part 2), shared by
+// tests/dist/test_dist_train.cpp (Local / MPI, host memory) and test_nccl_dist_train.cpp (NCCL,
+// one GPU per rank): N ranks, each taking every N-th micro-batch of the sampler, against one
+// process with grad_accum_steps = N on the same backend, over 3 steps of the tiny preset (untied
+// embedding), no clipping. Expected: losses bitwise, grad norm within 1e-12 relative (FP64 sums of
+// squares in other chunks), every master bitwise. Small buckets make the grad-ready hook launch
+// reduce-scatters in the middle of backward (the overlap), which must not change a bit.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/dist_main.h"
+#include "nn/model.h"
+#include "train/model_config.h"
+#include "train/trainer.h"
+
+namespace packmoe::dist_checks {
+
+using dist_test::comm;
+using dist_test::run_all;
+
+// Every gradient, the embedding table's included, is added to main_grad as one per-micro-batch sum
+// (GEMM epilogues, norm reductions, the table's scatter-add into zeros), so the rank-ordered sum of
+// the ranks' buffers is bitwise one process's accumulation (docs/dist.md).
+inline constexpr const char* kEmbedding = "model.embed_tokens.weight";
+inline constexpr double kNormBound = 1e-12;  // relative
+
+struct TrainCase {
+  const char* name;
+  Recipe recipe;
+  GatherMode mode;
+  int64_t bucket_elems;  // 4096: about one tiny parameter per bucket, launched during backward
+};
+
+inline const TrainCase kTrainCases[] = {
+    {"bf16, bf16 gather, one bucket", Recipe::kBF16, GatherMode::kBf16, int64_t{1} << 24},
+    {"bf16, reuse-grad-buffer, small buckets", Recipe::kBF16, GatherMode::kReuseGradBuffer, 4096},
+    {"mxfp8, lowp, small buckets", Recipe::kMxfp8, GatherMode::kLowp, 4096},
+};
+
+inline train::TrainData corpus() {
+  train::TrainData d;
+  std::string text;
+  for (int i = 0; i < 400; ++i)
+    text += "line " + std::to_string(i * 7919 % 1013) + " of the packmoe dist corpus\n";
+  for (unsigned char c : text) d.train.tokens.push_back(c);
+  return d;
+}
+
+inline train::TrainConfig train_config(int64_t accum, Recipe recipe, uint64_t seed) {
+  train::TrainConfig c;
+  c.steps = 3;
+  c.micro_batch_size = 2;
+  c.seq_len = 16;
+  c.grad_accum_steps = accum;
+  c.warmup_steps = 1;
+  c.eval_interval = 0;
+  c.grad_clip = 0;  // bitwise needs an unclipped step (docs/dist.md)
+  c.seed = seed;
+  c.precision.recipe.recipe = recipe;
+  return c;
+}
+
+TEST(DistTrain, NRanksEqualOneProcessWithNMicroBatches) {
+  const int world = comm().size();
+  Backend& b = comm().backend();
+  const ModelConfig model = train::model_config_preset("tiny").value();
+  const uint64_t seed = dist_test::g_seed % 100000;
+  for (const TrainCase& tc : kTrainCases) {
+    SCOPED_TRACE(tc.name);
+    auto ref =
+        train::Trainer::create(b, model, train_config(world, tc.recipe, seed), corpus()).value();
+    auto dp = train::Trainer::create(b, model, train_config(1, tc.recipe, seed), corpus()).value();
+    ASSERT_TRUE(dp->enable_data_parallel(comm(), tc.mode, tc.bucket_elems).is_ok());
+    ASSERT_EQ(dp->world_size(), world);
+    for (int s = 0; s < 3; ++s) {
+      SCOPED_TRACE("step " + std::to_string(s + 1));
+      const train::StepResult r = ref->train_step().value();
+      const train::StepResult d = dp->train_step().value();
+      EXPECT_EQ(d.loss, r.loss);
+      EXPECT_EQ(d.aux_loss, r.aux_loss);
+      EXPECT_EQ(d.tokens, r.tokens);
+      EXPECT_LE(std::fabs(d.grad_norm - r.grad_norm) / r.grad_norm, kNormBound);
+      if (comm().rank() == 0)
+        std::printf(
+            "[dist train] %s: %d rank(s) step %d: loss %.17g (1 process %.17g), grad norm "
+            "rel diff %.3g\n",
+            tc.name, world, s + 1, d.loss, r.loss,
+            std::fabs(d.grad_norm - r.grad_norm) / r.grad_norm);
+    }
+    const FullOptimizerState st = dp->dist_optimizer()->gather_state();
+    const ModelWeights masters = ref->model().master_weights();
+    const std::vector<NamedParam>& params = dp->model().params();
+    ASSERT_EQ(st.master.size(), params.size());
+    int differing = 0;
+    for (size_t p = 0; p < params.size(); ++p) {
+      const Tensor& t = masters.at(params[p].name);
+      ASSERT_EQ(t.nbytes(), st.master[p].size() * sizeof(float)) << params[p].name;
+      const float* want = static_cast<const float*>(t.data());
+      double worst = 0;
+      for (size_t i = 0; i < st.master[p].size(); ++i)
+        worst = std::max(worst, std::fabs(static_cast<double>(st.master[p][i]) - want[i]));
+      const bool same = std::memcmp(t.data(), st.master[p].data(), t.nbytes()) == 0;
+      differing += same ? 0 : 1;
+      EXPECT_TRUE(same) << params[p].name << " max diff " << worst;
+    }
+    if (comm().rank() == 0)
+      std::printf("[dist train] %s: %zu masters, %d not bitwise equal\n", tc.name, params.size(),
+                  differing);
+  }
+}
+
+// The Model flag drives the FP32 replicas: every norm and the embedding table, nothing else.
+TEST(DistTrain, NormsAndTheEmbeddingReadFp32) {
+  Backend& b = comm().backend();
+  const ModelConfig model = train::model_config_preset("tiny").value();
+  auto t = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, 1), corpus()).value();
+  const std::vector<ParamSpec> specs = model_param_specs(model);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const bool expected = specs[i].init == ParamInit::kOnes || specs[i].name == kEmbedding;
+    EXPECT_EQ(t->model().params()[i].reads_fp32, expected) << specs[i].name;
+  }
+}
+
+// The grad-ready hook reports every parameter exactly once per backward, from the last layer's to
+// the embedding table's (whose gradient, the last written, also ends a tied LM head's).
+TEST(DistTrain, BackwardReportsEveryParameterOnceEmbeddingLast) {
+  Backend& b = comm().backend();
+  const ModelConfig model = train::model_config_preset("tiny").value();
+  auto t = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, 1), corpus()).value();
+  std::vector<size_t> order;
+  t->model().set_grad_ready_hook([&order](size_t p) { order.push_back(p); });
+  const Batch batch = t->train_sampler().next();
+  for (int pass = 0; pass < 2; ++pass) {
+    order.clear();
+    ASSERT_TRUE(t->model().forward(batch).is_ok());
+    t->model().backward(1.0f);
+    std::vector<size_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    ASSERT_EQ(sorted.size(), t->model().params().size());
+    for (size_t i = 0; i < sorted.size(); ++i) EXPECT_EQ(sorted[i], i);
+    EXPECT_EQ(order.back(), 0u) << "the embedding table is reported last";
+  }
+  t->model().set_grad_ready_hook({});
+  ASSERT_TRUE(t->model().forward(batch).is_ok());
+  order.clear();
+  t->model().backward(1.0f);
+  EXPECT_TRUE(order.empty());
+}
+
+// Once a bucket's reduce-scatter has begun, a further backward would add gradients that never
+// reach the sum: it aborts (one rank: death tests fork).
+TEST(DistTrain, ABackwardAfterTheOverlappedReduceScatterAborts) {
+  if (comm().size() > 1 || comm().kind() == CommKind::kNccl)
+    GTEST_SKIP() << "death tests run with one rank, on the CPU";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  Backend& b = comm().backend();
+  const ModelConfig model = train::model_config_preset("tiny").value();
+  auto t = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, 1), corpus()).value();
+  ASSERT_TRUE(t->enable_data_parallel(comm(), GatherMode::kBf16, 4096).is_ok());
+  DistOptimizer& opt = *t->dist_optimizer();
+  const Batch batch = t->train_sampler().next();
+  opt.prepare_forward();
+  ASSERT_TRUE(t->model().forward(batch).is_ok());
+  opt.prepare_backward(/*last_of_step=*/true);
+  t->model().backward(opt.loss_scale(1));
+  EXPECT_TRUE(opt.grad_buffer().reducing());
+  ASSERT_TRUE(t->model().forward(batch).is_ok());
+  EXPECT_DEATH(opt.prepare_backward(), "began their reduce-scatter");
+  const DistStepResult r = opt.step();
+  EXPECT_TRUE(r.applied);
+  EXPECT_FALSE(opt.grad_buffer().reducing());
+}
+
+}  // namespace packmoe::dist_checks

@@ -1,0 +1,104 @@
+// `mpirun -np 2 packmoe train --device cpu` end to end: the CLI's data-parallel job (MPI, the
+// gather mode flag, rank 0 alone printing and writing) against the same command as one process
+// with --grad-accum 2: the losses in metrics.jsonl are bitwise equal (JSON keeps every double
+// exactly), the grad norms within 1e-12 relative. Runs the binaries CTest names in
+// PACKMOE_MPIEXEC and PACKMOE_CLI.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common/run_cli.h"
+#include "common/test_files.h"
+
+namespace packmoe::test {
+namespace {
+
+std::string env_or_fail(const char* name) {
+  const char* v = std::getenv(name);
+  EXPECT_NE(v, nullptr) << name << " is set by CTest";
+  return v ? v : "";
+}
+
+// The command's stdout + stderr and exit code, run through the shell.
+RunResult run_shell(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::vector<nlohmann::json> read_metrics(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  std::vector<nlohmann::json> records;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) records.push_back(nlohmann::json::parse(line));
+  return records;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
+  const std::filesystem::path dir = make_test_dir("dist_train_cli_");
+  const std::string corpus = (dir / "corpus.txt").string();
+  {
+    std::ofstream out(corpus);
+    for (int doc = 0; doc < 60; ++doc) {
+      for (int line = 0; line < 5; ++line)
+        out << "document " << doc << " line " << (doc * 7919 + line * 104729) % 1013
+            << " of the data-parallel cli corpus\n";
+      out << "%\n";
+    }
+  }
+  const uint64_t seed = recorded_random_seed() % 100000;
+  const std::string common = " train --device cpu --steps 3 --micro-batch 2 --seq-len 16 --warmup 1 "
+                             "--grad-clip 0 --eval-interval 0 --log-interval 1 --recipe mxfp8 "
+                             "--seed " + std::to_string(seed) + " --data text:" + corpus;
+  const std::string cli = env_or_fail("PACKMOE_CLI");
+  const RunResult dp = run_shell(env_or_fail("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
+                                 common + " --gather-mode lowp --out " + (dir / "dp").string());
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_EQ(count(dp.output, "packmoe train:"), 1u) << "rank 0 alone prints:\n" << dp.output;
+  EXPECT_NE(dp.output.find("data parallel: 2 ranks (mpi)"), std::string::npos) << dp.output;
+  EXPECT_NE(dp.output.find("gather mode lowp"), std::string::npos) << dp.output;
+  const RunResult one = run_shell(cli + common + " --grad-accum 2 --out " + (dir / "one").string());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+
+  const std::vector<nlohmann::json> a = read_metrics((dir / "dp" / "metrics.jsonl").string());
+  const std::vector<nlohmann::json> b = read_metrics((dir / "one" / "metrics.jsonl").string());
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t s = 0; s < a.size(); ++s) {
+    SCOPED_TRACE("step " + std::to_string(s + 1));
+    EXPECT_EQ(a[s]["loss"].get<double>(), b[s]["loss"].get<double>());
+    const double na = a[s]["grad_norm"].get<double>(), nb = b[s]["grad_norm"].get<double>();
+    EXPECT_LE(std::fabs(na - nb) / nb, 1e-12);
+  }
+  remove_test_dir(dir);
+}
+
+TEST(DistTrainCli, BadGatherModeIsOneErrorLine) {
+  const RunResult r = run_cli("train --device cpu --steps 1 --gather-mode fp8");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+  EXPECT_NE(r.output.find("--gather-mode: unknown parameter gather mode 'fp8' (bf16, lowp, "
+                          "reuse-grad-buffer)"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace packmoe::test
