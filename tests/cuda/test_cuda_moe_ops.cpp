@@ -383,12 +383,14 @@ struct RowCase {
 };
 
 // H: 1 and odd (2-byte units / scalar chunks), 6 (12-byte rows), multiples of 8 (16-byte
-// path), 4096; align 1 / 16 / 32; empty experts; misaligned pointers.
+// path), 520 and 4096 (unpermute_backward's wide dw path, with and without a tail); align
+// 1 / 16 / 32; empty experts; misaligned pointers.
 std::vector<RowCase> row_cases() {
   return {
       {1, 1, 1, 1, 1, 0, 0},       {64, 8, 2, 64, 16, 2, 0},   {100, 16, 4, 4096, 32, 5, 0},
       {37, 6, 3, 3, 1, 1, 0},      {50, 10, 2, 129, 16, 0, 0}, {77, 5, 5, 6, 32, 0, 0},
       {20, 4, 2, 256, 1, 1, 1},    {300, 64, 8, 24, 16, 24, 0}, {9, 3, 3, 40, 32, 0, 3},
+      {40, 12, 3, 520, 16, 2, 0},  // 520 = two 256-element wide slices + an 8-element tail
   };
 }
 

@@ -529,11 +529,16 @@ __global__ void __launch_bounds__(Config::kThreads)
 }
 
 // One launch, two independent parts: CTAs [0, dyp_blocks) write dyp row chunks; the rest give one
-// warp to each pair (t, j) for dw[t, j] = R32 sum_h dy[t, h] * yp[dest[t, j], h].
+// warp to each pair (t, j) for dw[t, j] = R32 sum_h dy[t, h] * yp[dest[t, j], h]. dw_vec (rows of
+// whole 8-element chunks, 16-byte aligned): lane l multiplies elements 8l .. 8l + 7 of each
+// 256-element slice with wide loads, and the products pass through shared memory so that lane s
+// still adds h = s, s + 32, s + 64, ... in order: the R32 sum's bits.
 template <typename TYp, typename TDy, typename TDyp, bool kVec>
 __global__ void __launch_bounds__(Config::kThreads)
     unpermute_backward_kernel(const __grid_constant__ UnpermuteBackwardArgs a,
-                              unsigned dyp_blocks) {
+                              unsigned dyp_blocks, bool dw_vec) {
+  constexpr int kSlice = 32 * Config::kChunk;  // elements a warp multiplies per wide step
+  __shared__ float products[Config::kWarps][kSlice];
   const int64_t H = a.hidden, k = a.top_k;
   const TDy* dy = static_cast<const TDy*>(a.dy);
   const TYp* yp = static_cast<const TYp*>(a.yp);
@@ -565,7 +570,22 @@ __global__ void __launch_bounds__(Config::kThreads)
   const TDy* dy_t = dy + t * H;  // (H)
   const TYp* yp_r = yp + r * H;  // (H)
   float acc = 0.0f;
-  for (int64_t h = lane; h < H; h += 32) acc = acc + to_f32(dy_t[h]) * to_f32(yp_r[h]);
+  int64_t h0 = 0;  // elements done by the wide path
+  if (dw_vec) {
+    float* prod = products[threadIdx.x >> 5];
+    for (; h0 + kSlice <= H; h0 += kSlice) {
+      float u[Config::kChunk], v[Config::kChunk];
+      load_chunk<TDy, true>(dy_t + h0 + Config::kChunk * lane, u, Config::kChunk);
+      load_chunk<TYp, true>(yp_r + h0 + Config::kChunk * lane, v, Config::kChunk);
+#pragma unroll
+      for (int q = 0; q < Config::kChunk; ++q) prod[Config::kChunk * lane + q] = u[q] * v[q];
+      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < Config::kChunk; ++m) acc = acc + prod[lane + 32 * m];
+      __syncwarp();
+    }
+  }
+  for (int64_t h = h0 + lane; h < H; h += 32) acc = acc + to_f32(dy_t[h]) * to_f32(yp_r[h]);
   acc = r32_butterfly(acc);
   if (lane == 0) a.dw[pair] = acc;
 }
@@ -754,6 +774,7 @@ Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
   PACKMOE_CHECK(uint64_t{dyp_blocks} + dw_blocks < (uint64_t{1} << 31), "grid too large");
   const unsigned grid = dyp_blocks + dw_blocks;
   const bool vec = rows_vectorizable(a.hidden, {a.dy, a.dyp});
+  const bool dw_vec = rows_vectorizable(a.hidden, {a.dy, a.yp});
   with_elem(a.yp_dtype, [&](auto yp) {
     with_elem(a.dy_dtype, [&](auto dy) {
       with_elem(a.dyp_dtype, [&](auto dyp) {
@@ -762,10 +783,10 @@ Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
         using TDyp = elem_t<decltype(dyp)>;
         if (vec)
           unpermute_backward_kernel<TYp, TDy, TDyp, true>
-              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks);
+              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks, dw_vec);
         else
           unpermute_backward_kernel<TYp, TDy, TDyp, false>
-              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks);
+              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks, dw_vec);
       });
     });
   });
