@@ -12,9 +12,10 @@
 //     bounds against one process with A = 3 continuing the same checkpoint, which shows that the
 //     re-split state is exact (bf16, mxfp8).
 //   NVFP4 with 1 or 3: each rank draws its own stochastic rounding, so other draws: kSr bounds.
-// Bad checkpoints (a missing shard file, a corrupted shard, a shard plan of another model, a
-// shard of another save) give one error line on every rank and leave the trainer as it was; the
-// ranks agree on the lowest failing rank's error.
+// A single-process checkpoint loads into 2 and 3 ranks (the kOrder bounds against one process
+// with 2 or 3 micro-batches continuing it). Bad checkpoints (a missing shard file, a corrupted
+// shard, a shard plan of another model, a shard of another save) give one error line on every rank
+// and leave the trainer as it was; the ranks agree on the lowest failing rank's error.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -463,6 +464,51 @@ TEST(DistCheckpoint, LoadWithAnyRankCountAndContinue) {
               Expect::kSummationOrder);
     }
   }
+}
+
+// A single-process checkpoint (written by rank 0 of the save job, no data parallelism) loads into
+// N ranks: they continue as one process with N micro-batches per step continuing it does (the
+// kOrder bounds), MXFP8 (32-row shard units).
+fs::path single_process_root() { return g_dir / "ckpt_one_process"; }
+
+TEST(DistCheckpoint, SaveWithOneProcess) {
+  if (g_mode != "save") GTEST_SKIP() << "load job";
+  if (comm().rank() == 0) {
+    auto t = make(config(Recipe::kMxfp8, g_seed % 1000003, 2, 1), false);
+    History h;
+    train_steps(*t, kSaveAt, &h);
+    Result<io::CheckpointWriter::Committed> saved =
+        t->save_checkpoint(single_process_root().string(), 1);
+    ASSERT_TRUE(saved.is_ok()) << saved.status().message();
+  }
+  comm().barrier();
+}
+
+TEST(DistCheckpoint, OneProcessCheckpointLoadsIntoAnyRankCount) {
+  if (g_mode != "load") GTEST_SKIP() << "save job";
+  const int world = comm().size();
+  if (world == 1) GTEST_SKIP() << "one process into one process: tests/e2e/test_checkpoint_e2e";
+  const uint64_t seed = saved_seed();
+  Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(
+      (single_process_root() / io::checkpoint_dir_name(kSaveAt)).string());
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ(c.value().world_size, 1);
+  EXPECT_FALSE(c.value().shard_plan.has_value());
+  auto t = train::Trainer::create(comm().backend(), tiny(), config(Recipe::kMxfp8, seed, 2, 1),
+                                  corpus(), &c.value().masters)
+               .value();
+  ASSERT_TRUE(t->enable_data_parallel(comm(), GatherMode::kBf16).is_ok());
+  ASSERT_TRUE(t->load_checkpoint(c.value()).is_ok());
+  EXPECT_EQ(t->model().grad_sr_offsets(), c.value().sr_offsets);  // every rank: the only ones
+  History got;
+  train_steps(*t, kSteps - kSaveAt, &got);
+  auto one = train::Trainer::resume(comm().backend(), c.value(),
+                                    config(Recipe::kMxfp8, seed, 2, world), corpus())
+                 .value();
+  History want;
+  train_steps(*one, kSteps - kSaveAt, &want);
+  compare("mxfp8 1 -> " + std::to_string(world) + " vs 1 process, A = " + std::to_string(world),
+          param_names(*t), got, state_of(*t), want, state_of(*one), Expect::kSummationOrder);
 }
 
 // The agreement every collective save and load relies on: one status for all ranks, the lowest
