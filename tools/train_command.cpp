@@ -219,12 +219,19 @@ struct Start {
 };
 
 // With data parallelism: the ranks agree on one status (train::agree_on_status), and an error is
-// printed once, by rank 0; the others silence stderr and just exit non-zero. Collective.
+// printed once, here, by rank 0 (main's "packmoe: error:" line), before a barrier: a rank that
+// exits non-zero makes mpirun kill the others, which could otherwise take rank 0's line with it.
+// Then every rank silences stderr, so main's own line goes nowhere. Collective.
 Status agreed(Communicator* comm, Status status) {
-  if (comm) status = train::agree_on_status(*comm, status);
-  if (!status.is_ok() && comm && comm->rank() != 0) {
-    [[maybe_unused]] std::FILE* silenced = std::freopen("/dev/null", "w", stderr);  // else N lines
+  if (!comm) return status;
+  status = train::agree_on_status(*comm, status);
+  if (status.is_ok()) return status;
+  if (comm->rank() == 0) {
+    std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
+    std::fflush(stderr);
   }
+  comm->barrier();
+  [[maybe_unused]] std::FILE* silenced = std::freopen("/dev/null", "w", stderr);
   return status;
 }
 

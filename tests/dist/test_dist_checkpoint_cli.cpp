@@ -6,12 +6,15 @@
 // bounds of tests/dist/test_dist_checkpoint.cpp (the same model: the tiny preset without the
 // load-balancing loss, which would make rows grouped otherwise another objective); `packmoe
 // export-hf` reads the checkpoints of
-// every rank count. A damaged checkpoint ends a 2-rank resume non-zero with one error line.
+// every rank count. A rank killed at a random moment (often mid-save) leaves only complete
+// checkpoints, and 3 ranks resume the newest. A damaged checkpoint ends a 2- or 3-rank resume
+// non-zero with one error line.
 // Needs $PACKMOE_CLI, $PACKMOE_MPIEXEC, $PACKMOE_TEST_TMP (set by CTest).
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -168,6 +171,45 @@ TEST_F(DistCheckpointCli, CrashThenResumeWithAnotherRankCountContinuesTheRun) {
         io::load_hf_weights((crashed / "hf").string(), train::model_config_preset("tiny").value())
             .is_ok());
   }
+}
+
+// A real crash: rank 1 killed (SIGKILL) at a random moment of a run that saves after every step,
+// often in the middle of a save. Whatever the moment, every step-* directory left is a complete,
+// valid checkpoint, and 3 ranks resume the newest one (removing the dead writer's temporary
+// directory at their first commit).
+TEST_F(DistCheckpointCli, KilledRankLeavesOnlyCompleteCheckpointsAndTheRunResumes) {
+  const fs::path root = dir_ / "ckpt";
+  std::mt19937_64 rng(std::random_device{}());
+  const int sleep_ms = 1000 + static_cast<int>(rng() % 1000);
+  const std::string script = env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " +
+                             env("PACKMOE_CLI") + " " + common(2, 1, 100000) +
+                             " --save-interval 1 --keep-last 3 --save-dir " + root.string() +
+                             " --out " + (dir_ / "out").string() + " > " + (dir_ / "log").string() +
+                             " 2>&1 & m=$!; sleep " + std::to_string(sleep_ms / 1000.0) +
+                             "; kill -9 $(pgrep -P $m | tail -1); wait $m";
+  const int status = std::system(("timeout 120 bash -c '" + script + "'").c_str());
+  EXPECT_NE(status, 0) << "the killed job must fail";
+  int64_t newest = 0;
+  int tmp_dirs = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".tmp-", 0) == 0) ++tmp_dirs;
+    if (name.rfind("step-", 0) != 0) continue;
+    Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(e.path().string());
+    EXPECT_TRUE(c.is_ok()) << c.status().message();
+    if (c.is_ok()) newest = std::max(newest, c.value().step);
+  }
+  std::printf(
+      "[dist ckpt cli] killed after %d ms: newest checkpoint step %lld, %d temporary "
+      "directories left\n",
+      sleep_ms, static_cast<long long>(newest), tmp_dirs);
+  const Outcome resumed =
+      run(3, common(2, 1, newest + 2) + " --resume auto --save-interval 1 --keep-last 3 " +
+                 "--save-dir " + root.string() + " --out " + (dir_ / "out").string());
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  for (const fs::directory_entry& e : fs::directory_iterator(root))
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path();
+  EXPECT_TRUE(fs::exists(root / io::checkpoint_dir_name(newest + 2)));
 }
 
 TEST_F(DistCheckpointCli, DamagedCheckpointEndsEveryRankWithOneErrorLine) {
