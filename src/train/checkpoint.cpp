@@ -171,7 +171,9 @@ Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* 
     PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "unit_rows", 1, &g.unit_rows));
     PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "offset", 0, &offset));
     const int64_t numel = shape_numel(specs[p].shape);
-    if (g.experts > numel || g.rows > numel || g.cols > numel || g.numel() != numel)
+    const bool fits = g.experts <= numel && g.rows <= numel / g.experts &&
+                      g.cols <= numel / (g.experts * g.rows);  // so E * N * K cannot overflow
+    if (!fits || g.numel() != numel)
       return r.error("shard_plan.params[" + std::to_string(p) + "] (" + std::to_string(g.experts) +
                      ", " + std::to_string(g.rows) + ", " + std::to_string(g.cols) +
                      ") does not hold " + specs[p].name + " of shape " +
