@@ -127,9 +127,9 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "and after the last, keeping the newest --keep-last (under mpirun the AdamW state is one\n"
       "optimizer shard file per rank, and any rank count resumes it). --resume continues one\n"
       "bitwise as if never interrupted (its settings are the base, the config file and flags\n"
-      "override them;\n"
-      "--layout, --recipe and --primary may change); --init-from-hf starts a new run from\n"
-      "Hugging Face weights. `packmoe export-hf` turns a checkpoint into a Hugging Face model.");
+      "override them; --layout, --recipe and --primary may change); --init-from-hf starts a new\n"
+      "run from Hugging Face weights. `packmoe export-hf` turns a checkpoint into a Hugging Face\n"
+      "model.");
   args.cmd = cmd;
   cmd->add_option("--config", args.config_file, "JSON config file (model keys and/or \"train\")");
   cmd->add_option("--preset", args.preset,
