@@ -21,6 +21,7 @@
 #include "tools/commands.h"
 #include "train/checkpoint.h"
 #include "train/plot.h"
+#include "train/rank_agreement.h"
 #include "train/train_loop.h"
 #include "train/trainer.h"
 
@@ -158,10 +159,12 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "log_interval, seed, recipe, layout, primary, gather_mode).\n"
       "Checkpoints: --save-dir ROOT writes ROOT/step-XXXXXXXX (FP32 masters as Hugging Face\n"
       "safetensors, config.json, AdamW moments, trainer_state.json) every --save-interval steps\n"
-      "and after the last, keeping the newest --keep-last. --resume continues one bitwise as if\n"
-      "never interrupted (its settings are the base, the config file and flags override them;\n"
-      "--layout, --recipe and --primary may change); --init-from-hf starts a new run from\n"
-      "Hugging Face weights. `packmoe export-hf` turns a checkpoint into a Hugging Face model.");
+      "and after the last, keeping the newest --keep-last (under mpirun the AdamW state is one\n"
+      "optimizer shard file per rank, and any rank count resumes it). --resume continues one\n"
+      "bitwise as if never interrupted (its settings are the base, the config file and flags\n"
+      "override them; --layout, --recipe and --primary may change); --init-from-hf starts a new\n"
+      "run from Hugging Face weights. `packmoe export-hf` turns a checkpoint into a Hugging Face\n"
+      "model.");
   args.cmd = cmd;
   cmd->add_option("--config", args.config_file, "JSON config file (model keys and/or \"train\")");
   cmd->add_option("--preset", args.preset,
@@ -259,6 +262,23 @@ struct Start {
   std::vector<std::string> notes;                      // printed once the run starts
 };
 
+// With data parallelism: the ranks agree on one status (train::agree_on_status), and an error is
+// printed once, here, by rank 0 (main's "packmoe: error:" line), before a barrier: a rank that
+// exits non-zero makes mpirun kill the others, which could otherwise take rank 0's line with it.
+// Then every rank silences stderr, so main's own line goes nowhere. Collective.
+Status agreed(Communicator* comm, Status status) {
+  if (!comm) return status;
+  status = train::agree_on_status(*comm, status);
+  if (status.is_ok()) return status;
+  if (comm->rank() == 0) {
+    std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
+    std::fflush(stderr);
+  }
+  comm->barrier();
+  [[maybe_unused]] std::FILE* silenced = std::freopen("/dev/null", "w", stderr);
+  return status;
+}
+
 Result<Start> resolve_start(const TrainArgs& args) {
   Start start;
   if (!args.resume.empty() && !args.init_from_hf.empty())
@@ -306,9 +326,6 @@ Status run_train(const TrainArgs& args) {
   Backend* const backend = placed.value().backend;
   std::unique_ptr<Communicator> comm = std::move(placed.value().comm);
   const bool rank0 = !comm || comm->rank() == 0;
-  if (comm && (!args.resume.empty() || !args.save_dir.empty()))
-    return Status::error("checkpoints (--resume, --save-dir) with data parallelism (world size > 1) "
-                         "are not supported yet");
   if (!rank0 && !std::freopen("/dev/null", "w", stdout))
     return Status::error("cannot silence stdout on rank " + std::to_string(comm->rank()));
   if (args.save_interval < 0)
@@ -318,8 +335,8 @@ Status run_train(const TrainArgs& args) {
     return Status::error("--keep-last = " + std::to_string(args.keep_last) + " must be >= 1");
   if (args.save_dir.empty() && (args.cmd->count("--save-interval") || args.save_primary))
     return Status::error("--save-interval and --save-primary need --save-dir");
-  Result<Start> start = resolve_start(args);
-  if (!start) return start.status();
+  Result<Start> start = resolve_start(args);  // every rank reads and checks the checkpoint
+  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), start ? Status::ok() : start.status()));
   const std::optional<train::TrainerCheckpoint>& checkpoint = start.value().checkpoint;
 
   train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
@@ -418,13 +435,19 @@ Status run_train(const TrainArgs& args) {
   const int64_t train_tokens = static_cast<int64_t>(data.train.tokens.size());
   const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
 
+  // Data parallelism resumes in place after enable_data_parallel: its optimizer takes the
+  // checkpoint's state re-split for this job's world size.
+  const ModelWeights* init =
+      checkpoint ? &checkpoint->masters : (hf_weights ? &*hf_weights : nullptr);
   Result<std::unique_ptr<train::Trainer>> trainer =
-      checkpoint ? train::Trainer::resume(*backend, *checkpoint, config, std::move(data))
-                 : train::Trainer::create(*backend, *model, config, std::move(data),
-                                          hf_weights ? &*hf_weights : nullptr);
+      checkpoint && !comm
+          ? train::Trainer::resume(*backend, *checkpoint, config, std::move(data))
+          : train::Trainer::create(*backend, *model, config, std::move(data), init);
   if (!trainer) return trainer.status();
   if (comm)
     PACKMOE_RETURN_IF_ERROR(trainer.value()->enable_data_parallel(*comm, config.gather_mode));
+  if (comm && checkpoint)
+    PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer.value()->load_checkpoint(*checkpoint)));
 
   // ---- outputs ----
   std::error_code ec;
@@ -461,8 +484,9 @@ Status run_train(const TrainArgs& args) {
   }
   for (const std::string& note : start.value().notes) std::printf("  %s\n", note.c_str());
   if (checkpoint)
-    std::printf("  resumed from %s at step %lld\n", checkpoint->dir.c_str(),
-                static_cast<long long>(checkpoint->step));
+    std::printf("  resumed from %s at step %lld (saved by %lld rank(s), continued by %d)\n",
+                checkpoint->dir.c_str(), static_cast<long long>(checkpoint->step),
+                static_cast<long long>(checkpoint->world_size), comm ? comm->size() : 1);
   if (hf_weights)
     std::printf("  initialised from Hugging Face weights in %s\n", args.init_from_hf.c_str());
   std::fflush(stdout);
@@ -477,7 +501,7 @@ Status run_train(const TrainArgs& args) {
   loop.keep_last = args.keep_last;
   loop.save_primary = args.save_primary;
   Result<train::TrainSummary> summary = train::run_training(*trainer.value(), loop);
-  if (!summary) return summary.status();
+  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), summary ? Status::ok() : summary.status()));
   if (rank0) PACKMOE_RETURN_IF_ERROR(train::plot_metrics_file(metrics_path, plot_path));
   const train::TrainSummary& s = summary.value();
   std::printf("done in %s: train loss %.4f -> %.4f", train::format_duration(s.seconds).c_str(),

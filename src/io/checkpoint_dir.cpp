@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
@@ -82,6 +83,18 @@ std::optional<pid_t> parse_tmp_pid(const std::string& name) {
   if (i == pid_begin || i - pid_begin > 9 || (i < name.size() && name[i] != '-'))
     return std::nullopt;
   return static_cast<pid_t>(std::stol(name.substr(pid_begin, i - pid_begin)));
+}
+
+// Whether `pid` runs on this host. kill(pid, 0) succeeds for a zombie too: a process that died
+// (e.g. a rank killed mid-save) but that no parent has reaped yet, which can take seconds in a
+// container; /proc/<pid>/stat's state 'Z' counts as not running.
+bool process_running(pid_t pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc: kill's answer stands
+  const size_t name_end = line.rfind(')');     // "pid (comm) state ..."; comm may hold ')'
+  return name_end == std::string::npos || name_end + 2 >= line.size() || line[name_end + 2] != 'Z';
 }
 
 std::string tmp_name(int64_t step, const std::string& suffix = "") {
@@ -402,7 +415,7 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
   for (const fs::directory_entry& e : rit) {
     const std::optional<pid_t> pid = parse_tmp_pid(e.path().filename().string());
     if (!pid || *pid == ::getpid()) continue;
-    if (::kill(*pid, 0) != 0 && errno == ESRCH) stale.push_back(e.path().string());
+    if (!process_running(*pid)) stale.push_back(e.path().string());
   }
   for (const std::string& dir : stale) remove_dir(dir, dir);
   return done;

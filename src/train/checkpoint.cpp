@@ -2,12 +2,18 @@
 // export. The reader checks the whole directory before it returns anything.
 #include "train/checkpoint.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend.h"
+#include "io/atomic_file.h"
 #include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
@@ -20,12 +26,47 @@ using nlohmann::json;
 
 constexpr const char* kStateFormat = "packmoe-trainer-state";
 constexpr int64_t kStateVersion = 1;
+constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 
 std::string in_dir(const std::string& dir, const char* file) {
   return (fs::path(dir) / file).string();
 }
 
 // ---- trainer_state.json -------------------------------------------------------------------------
+
+// "shard_plan": the saving job's layout and, per rank, its shard file and SR offsets.
+json shard_plan_json(const TrainerCheckpoint& c) {
+  const SavedShardPlan& plan = *c.shard_plan;
+  const std::vector<ParamSpec> specs = model_param_specs(c.model);
+  PACKMOE_CHECK(plan.params.size() == specs.size() && plan.offsets.size() == specs.size(),
+                "a shard plan of " << plan.params.size() << " parameters for " << specs.size());
+  PACKMOE_CHECK(
+      static_cast<int64_t>(plan.shards.size()) == c.world_size &&
+          c.rank_sr_offsets.size() == plan.shards.size(),
+      "a shard plan of " << plan.shards.size() << " ranks for world size " << c.world_size);
+  json params = json::array();
+  for (size_t p = 0; p < specs.size(); ++p) {
+    const ParamGeometry& g = plan.params[p];
+    params.push_back({{"name", specs[p].name},
+                      {"experts", g.experts},
+                      {"rows", g.rows},
+                      {"cols", g.cols},
+                      {"unit_rows", g.unit_rows},
+                      {"offset", plan.offsets[p]}});
+  }
+  json shards = json::array();
+  for (size_t r = 0; r < plan.shards.size(); ++r)
+    shards.push_back(
+        {{"rank", r},
+         {"begin", plan.shards[r].begin},
+         {"end", plan.shards[r].end},
+         {"file", optimizer_shard_file(static_cast<int>(r), static_cast<int>(c.world_size))},
+         {"sr_offsets", c.rank_sr_offsets[r]}});
+  return {{"total", plan.total},
+          {"bucket_elems", plan.bucket_elems},
+          {"params", std::move(params)},
+          {"shards", std::move(shards)}};
+}
 
 json state_json(const TrainerCheckpoint& c) {
   json j;
@@ -44,9 +85,8 @@ json state_json(const TrainerCheckpoint& c) {
     sr.push_back({{"linear", linears[i]}, {"offset", c.sr_offsets[i]}});
   j["sr_offsets"] = std::move(sr);
   j["train"] = train_config_to_json(c.config);
-  // Issue 7 (sharded optimizer) writes its shard plan here; a single rank has none.
   j["world_size"] = c.world_size;
-  j["shard_plan"] = nullptr;
+  j["shard_plan"] = c.shard_plan ? shard_plan_json(c) : json(nullptr);
   return j;
 }
 
@@ -88,6 +128,103 @@ class StateReader {
   std::string path_;
 };
 
+bool is_u64(const json& v) { return v.is_number_unsigned(); }
+
+// "shard_plan" (after world_size and sr_offsets): null for a single process; else the saving
+// job's plan, which must be one of this model's parameters (names in order, element counts) and
+// cover the flat buffer with world_size consecutive shards, each with its file and SR offsets.
+Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* c) {
+  Status s;
+  const json* plan = r.find(j, "", "shard_plan", &s);
+  if (!plan) return s;
+  c->shard_plan.reset();
+  c->rank_sr_offsets.clear();
+  if (plan->is_null()) {
+    if (c->world_size == 1) return Status::ok();
+    return r.error("world_size " + std::to_string(c->world_size) +
+                   " without a shard_plan: the optimizer shards are not described");
+  }
+  PACKMOE_RETURN_IF_ERROR(r.object(*plan, "shard_plan"));
+  SavedShardPlan sp;
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(*plan, "shard_plan.", "total", 1, &sp.total));
+  PACKMOE_RETURN_IF_ERROR(
+      r.int_at_least(*plan, "shard_plan.", "bucket_elems", 1, &sp.bucket_elems));
+  const std::vector<ParamSpec> specs = model_param_specs(c->model);
+  const json* params = r.find(*plan, "shard_plan.", "params", &s);
+  if (!params) return s;
+  if (!params->is_array() || params->size() != specs.size())
+    return r.error("shard_plan.params must be an array of " + std::to_string(specs.size()) +
+                   " entries, one per parameter of the model (a plan of another model?)");
+  for (size_t p = 0; p < specs.size(); ++p) {
+    const json& e = (*params)[p];
+    const std::string at = "shard_plan.params[" + std::to_string(p) + "].";
+    PACKMOE_RETURN_IF_ERROR(r.object(e, at));
+    if (!e.contains("name") || e["name"] != specs[p].name)
+      return r.error(at + "name must be \"" + specs[p].name + "\" (got " +
+                     (e.contains("name") ? e["name"].dump() : std::string("none")) +
+                     "): a plan of another model");
+    ParamGeometry g;
+    int64_t offset = 0;
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "experts", 1, &g.experts));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "rows", 1, &g.rows));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "cols", 1, &g.cols));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "unit_rows", 1, &g.unit_rows));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "offset", 0, &offset));
+    const int64_t numel = shape_numel(specs[p].shape);
+    const bool fits = g.experts <= numel && g.rows <= numel / g.experts &&
+                      g.cols <= numel / (g.experts * g.rows);  // so E * N * K cannot overflow
+    if (!fits || g.numel() != numel)
+      return r.error("shard_plan.params[" + std::to_string(p) + "] (" + std::to_string(g.experts) +
+                     ", " + std::to_string(g.rows) + ", " + std::to_string(g.cols) +
+                     ") does not hold " + specs[p].name + " of shape " +
+                     shape_string(specs[p].shape) + ": a plan of another model");
+    if (g.rows % g.unit_rows != 0 || offset > sp.total - numel)
+      return r.error(at + "unit_rows or offset out of range");
+    sp.params.push_back(g);
+    sp.offsets.push_back(offset);
+  }
+  const json* shards = r.find(*plan, "shard_plan.", "shards", &s);
+  if (!shards) return s;
+  if (!shards->is_array() || static_cast<int64_t>(shards->size()) != c->world_size)
+    return r.error("shard_plan.shards must be an array of world_size = " +
+                   std::to_string(c->world_size) + " entries, one per rank");
+  const size_t linears = c->sr_offsets.size();
+  int64_t next = 0;
+  for (int64_t rank = 0; rank < c->world_size; ++rank) {
+    const json& e = (*shards)[rank];
+    const std::string at = "shard_plan.shards[" + std::to_string(rank) + "].";
+    PACKMOE_RETURN_IF_ERROR(r.object(e, at));
+    int64_t got_rank = 0;
+    FlatRange range;
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "rank", 0, &got_rank));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "begin", 0, &range.begin));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least(e, at, "end", 0, &range.end));
+    if (got_rank != rank || range.begin != next || range.end < range.begin || range.end > sp.total)
+      return r.error(at +
+                     "rank, begin or end out of order (the shards must cover [0, total) "
+                     "in rank order)");
+    next = range.end;
+    const std::string file =
+        optimizer_shard_file(static_cast<int>(rank), static_cast<int>(c->world_size));
+    if (!e.contains("file") || e["file"] != file)
+      return r.error(at + "file must be \"" + file + "\"");
+    const json* sr = r.find(e, at, "sr_offsets", &s);
+    if (!sr) return s;
+    if (!sr->is_array() || sr->size() != linears || !std::all_of(sr->begin(), sr->end(), is_u64))
+      return r.error(at + "sr_offsets must be an array of " + std::to_string(linears) +
+                     " unsigned integers, one per linear of the model");
+    c->rank_sr_offsets.push_back(sr->get<std::vector<uint64_t>>());
+    sp.shards.push_back(range);
+  }
+  if (next != sp.total)
+    return r.error("shard_plan.shards end at " + std::to_string(next) +
+                   ", not at total = " + std::to_string(sp.total));
+  if (c->rank_sr_offsets[0] != c->sr_offsets)
+    return r.error("shard_plan.shards[0].sr_offsets differ from sr_offsets (rank 0's)");
+  c->shard_plan = std::move(sp);
+  return Status::ok();
+}
+
 // Parses trainer_state.json into `c` (model already read: it names the SR offsets and checks the
 // train config).
 Status parse_state(const json& j, const std::string& path, int64_t marker_step,
@@ -108,11 +245,8 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
                    std::to_string(marker_step) + " of " + io::kCheckpointMarker);
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "optimizer_steps", 0, &c->optimizer_steps));
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "world_size", 1, &c->world_size));
-  if (c->world_size != 1)
-    return r.error("written by " + std::to_string(c->world_size) +
-                   " ranks; this build resumes single-rank checkpoints only");
-  if (!j.contains("shard_plan") || !j["shard_plan"].is_null())
-    return r.error("shard_plan must be null for a single-rank checkpoint");
+  if (c->world_size > kMaxWorldSize)
+    return r.error("world_size " + std::to_string(c->world_size) + " is out of range");
 
   Status s;
   const json* sampler = r.find(j, "", "sampler", &s);
@@ -139,6 +273,8 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
     c->sr_offsets.push_back(e["offset"].get<uint64_t>());
   }
 
+  PACKMOE_RETURN_IF_ERROR(parse_shard_plan(j, r, c));
+
   const json* train = r.find(j, "", "train", &s);
   if (!train) return s;
   TrainConfig config;
@@ -146,6 +282,69 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
   if (applied.is_ok()) applied = validate(config, c->model);
   if (!applied) return r.error(applied.message());
   c->config = config;
+  return Status::ok();
+}
+
+// ---- optimizer shards ---------------------------------------------------------------------------
+
+Result<OptimizerShard> read_shard_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error(path + ": missing (an optimizer shard the shard plan names)");
+  const std::vector<uint8_t> bytes{std::istreambuf_iterator<char>(in),
+                                   std::istreambuf_iterator<char>()};
+  Result<OptimizerShard> shard = decode_optimizer_shard(bytes);
+  if (!shard) return Status::error(path + ": " + shard.status().message());
+  return shard;
+}
+
+Tensor host_f32(const std::vector<float>& values, const Shape& shape) {
+  Tensor t = Tensor::empty(cpu_backend(), DType::kF32, shape);
+  PACKMOE_CHECK(t.nbytes() == values.size() * sizeof(float), "state of another size");
+  std::memcpy(t.data(), values.data(), t.nbytes());
+  return t;
+}
+
+// The moments of a data-parallel save: every rank's shard file (of this save: world size, rank,
+// step count, the plan's parameters), assembled (every element exactly once), their masters
+// checked against model.safetensors (c->masters, already read).
+Status read_sharded_moments(const std::string& dir, TrainerCheckpoint* c) {
+  const SavedShardPlan& plan = *c->shard_plan;
+  const int world = static_cast<int>(c->world_size);
+  std::vector<OptimizerShard> shards;
+  for (int r = 0; r < world; ++r) {
+    const std::string path = in_dir(dir, optimizer_shard_file(r, world).c_str());
+    Result<OptimizerShard> shard = read_shard_file(path);
+    if (!shard) return shard.status();
+    const OptimizerShard& s = shard.value();
+    if (s.world_size != world || s.rank != r)
+      return Status::error(path + ": the shard of rank " + std::to_string(s.rank) + " of " +
+                           std::to_string(s.world_size) + ", expected rank " + std::to_string(r) +
+                           " of " + std::to_string(world));
+    if (s.params != plan.params)
+      return Status::error(path + ": its parameters differ from " + kTrainerStateFile +
+                           "'s shard_plan (a shard of another model?)");
+    if (s.steps != c->optimizer_steps)
+      return Status::error(path + ": " + std::to_string(s.steps) + " optimizer steps, " +
+                           kTrainerStateFile + " records " + std::to_string(c->optimizer_steps) +
+                           " (a shard of another save?)");
+    shards.push_back(std::move(shard).value());
+  }
+  Result<FullOptimizerState> full = assemble_optimizer_state(shards);
+  if (!full) return Status::error(dir + ": " + full.status().message());
+  const std::vector<ParamSpec> specs = model_param_specs(c->model);
+  c->moments.clear();
+  for (size_t p = 0; p < specs.size(); ++p) {
+    const Tensor& master = c->masters.at(specs[p].name);
+    const std::vector<float>& saved = full.value().master[p];
+    if (master.nbytes() != saved.size() * sizeof(float) ||
+        std::memcmp(master.data(), saved.data(), master.nbytes()) != 0)
+      return Status::error(dir + ": the optimizer shards' master of " + specs[p].name +
+                           " differs from " + io::kHfWeightsFile + " (files of different saves?)");
+    c->moments.emplace(exp_avg_name(specs[p].name),
+                       host_f32(full.value().exp_avg[p], specs[p].shape));
+    c->moments.emplace(exp_avg_sq_name(specs[p].name),
+                       host_f32(full.value().exp_avg_sq[p], specs[p].shape));
+  }
   return Status::ok();
 }
 
@@ -169,12 +368,45 @@ std::vector<uint8_t> slice(const std::vector<uint8_t>& v, size_t begin, size_t b
 std::string exp_avg_name(const std::string& param) { return "exp_avg/" + param; }
 std::string exp_avg_sq_name(const std::string& param) { return "exp_avg_sq/" + param; }
 
+std::string optimizer_shard_file(int rank, int world) {
+  char name[64];
+  std::snprintf(name, sizeof name, "optimizer-%05d-of-%05d.bin", rank, world);
+  return name;
+}
+
+SavedShardPlan saved_shard_plan(const ShardPlan& plan) {
+  SavedShardPlan s;
+  s.total = plan.total();
+  s.bucket_elems = plan.bucket_elems();
+  s.params = plan.geometries();
+  for (int p = 0; p < plan.params(); ++p) s.offsets.push_back(plan.slot(p).offset);
+  for (int r = 0; r < plan.world_size(); ++r) s.shards.push_back(plan.shard(r));
+  return s;
+}
+
+std::vector<uint64_t> sr_offsets_for_rank(const TrainerCheckpoint& c, int rank) {
+  if (c.rank_sr_offsets.empty()) return c.sr_offsets;
+  if (rank < static_cast<int>(c.rank_sr_offsets.size())) return c.rank_sr_offsets[rank];
+  std::vector<uint64_t> out = c.rank_sr_offsets[0];
+  for (const std::vector<uint64_t>& saved : c.rank_sr_offsets)
+    for (size_t i = 0; i < out.size(); ++i) out[i] = std::max(out[i], saved[i]);
+  return out;
+}
+
 Status write_trainer_checkpoint(const std::string& dir, const TrainerCheckpoint& c) {
   PACKMOE_RETURN_IF_ERROR(save_model_config(c.model, in_dir(dir, kConfigFile), DType::kF32));
   PACKMOE_RETURN_IF_ERROR(
       io::save_hf_weights(in_dir(dir, io::kHfWeightsFile), c.model, c.masters, DType::kF32));
-  PACKMOE_RETURN_IF_ERROR(io::write_state_tensors(in_dir(dir, kOptimizerFile), c.moments));
+  if (!c.shard_plan)
+    PACKMOE_RETURN_IF_ERROR(io::write_state_tensors(in_dir(dir, kOptimizerFile), c.moments));
   return io::write_json_file(in_dir(dir, kTrainerStateFile), state_json(c));
+}
+
+Status write_optimizer_shard(const std::string& dir, const OptimizerShard& shard) {
+  const std::vector<uint8_t> bytes = encode_optimizer_shard(shard);
+  const std::span<const uint8_t> parts[] = {bytes};
+  return io::write_file_atomic(
+      (fs::path(dir) / optimizer_shard_file(shard.rank, shard.world_size)).string(), parts);
 }
 
 Result<TrainerCheckpoint> read_trainer_checkpoint(const std::string& dir) {
@@ -195,6 +427,10 @@ Result<TrainerCheckpoint> read_trainer_checkpoint(const std::string& dir) {
   if (!masters) return masters.status();
   c.masters = std::move(masters.value());
 
+  if (c.shard_plan) {
+    PACKMOE_RETURN_IF_ERROR(read_sharded_moments(dir, &c));
+    return c;
+  }
   std::vector<io::StateTensorSpec> specs;
   for (const ParamSpec& p : model_param_specs(c.model)) {
     specs.push_back({exp_avg_name(p.name), DType::kF32, p.shape});

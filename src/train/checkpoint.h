@@ -1,17 +1,21 @@
 // Trainer checkpoints (docs/checkpoints.md, "Trainer checkpoints"): the files a Trainer writes into
-// a checkpoint directory (HF-named F32 masters, config.json, AdamW moments, trainer_state.json,
-// optionally the primary weights), the reader that validates a directory into host memory, and
-// the HF export. Invariant: read_trainer_checkpoint returns a TrainerCheckpoint only when every
-// file passed every check (CRC-32C, names, shapes, dtypes, JSON fields), so applying it to a
-// Trainer cannot fail halfway; nothing here depends on the expert layout or the recipe.
+// a checkpoint directory (HF-named F32 masters, config.json, AdamW moments: one file, or one shard
+// file per rank of a data-parallel job, trainer_state.json, optionally the primary weights), the
+// reader that validates a directory into host memory, and the HF export. Invariant:
+// read_trainer_checkpoint returns a TrainerCheckpoint only when every file passed every check
+// (CRC-32C, names, shapes, dtypes, JSON fields, shard coverage), so applying it to a Trainer cannot
+// fail halfway; nothing here depends on the expert layout, the recipe or the world size.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/status.h"
+#include "dist/optimizer_state.h"
+#include "dist/shard_plan.h"
 #include "io/state_file.h"
 #include "nn/model.h"
 #include "train/batch_sampler.h"
@@ -27,11 +31,27 @@ inline constexpr const char* kOptimizerFile = "optimizer.safetensors";  // AdamW
 inline constexpr const char* kTrainerStateFile = "trainer_state.json";  // step, data, RNG, config
 inline constexpr const char* kPrimaryFile = "primary.safetensors";      // --save-primary only
 
+// The optimizer shard file of `rank` in a data-parallel save of `world` ranks (the format of
+// dist/optimizer_state.h): "optimizer-00001-of-00003.bin". It replaces kOptimizerFile there.
+std::string optimizer_shard_file(int rank, int world);
+
 // Names of a parameter's AdamW moments in optimizer.safetensors: "exp_avg/" / "exp_avg_sq/" +
 // the ModelWeights name, F32 in the ModelWeights shape (experts packed (E, N, K)): the same bytes
 // whichever layout wrote them.
 std::string exp_avg_name(const std::string& param);
 std::string exp_avg_sq_name(const std::string& param);
+
+// The distributed optimizer's layout when a data-parallel job saved (trainer_state.json
+// "shard_plan"). Loading needs only the shard files, which name their elements themselves; the
+// reader checks them against this record, and any world size loads them.
+struct SavedShardPlan {
+  int64_t total = 0;  // flat buffer elements, padding included
+  int64_t bucket_elems = 0;
+  std::vector<ParamGeometry> params;  // (E, N, K, unit_rows), model_param_specs order
+  std::vector<int64_t> offsets;       // (P) each parameter's start in the flat buffer
+  std::vector<FlatRange> shards;      // (world_size) rank r's elements of the flat buffer
+};
+SavedShardPlan saved_shard_plan(const ShardPlan& plan);
 
 // Everything a checkpoint holds, in host memory.
 struct TrainerCheckpoint {
@@ -40,23 +60,36 @@ struct TrainerCheckpoint {
   ModelConfig model;
   TrainConfig config;           // of the run that wrote it (recipe, primary, layout, seed inside)
   ModelWeights masters;         // F32, ModelWeights names and shapes
-  io::StateTensors moments;     // exp_avg_name / exp_avg_sq_name of every parameter
+  io::StateTensors moments;     // exp_avg_name / exp_avg_sq_name of every parameter, full
   int64_t optimizer_steps = 0;  // AdamW's t
   SamplerPosition sampler;      // where the next training row starts
   int64_t train_stream_tokens = 0;   // the training stream it indexes
-  std::vector<uint64_t> sr_offsets;  // model_linear_names(model) order
-  int64_t world_size = 1;            // ranks that wrote it (1 until issue 7)
+  std::vector<uint64_t> sr_offsets;  // model_linear_names(model) order (rank 0's)
+  int64_t world_size = 1;            // ranks that wrote it
+  // Data-parallel saves only: the plan (the moments were in one shard file per rank) and every
+  // rank's SR offsets ([0] equals sr_offsets). Single-process saves: none and empty.
+  std::optional<SavedShardPlan> shard_plan;
+  std::vector<std::vector<uint64_t>> rank_sr_offsets;
 };
 
-// Writes config.json, model.safetensors, optimizer.safetensors and trainer_state.json into `dir`
-// (normally a CheckpointWriter's temporary directory), each file atomically.
+// The SR offsets rank `rank` continues with: the saving rank's own when it existed, else per
+// linear the largest of every saving rank (so the rank draws no bits any rank drew before).
+std::vector<uint64_t> sr_offsets_for_rank(const TrainerCheckpoint& checkpoint, int rank);
+
+// Writes config.json, model.safetensors and trainer_state.json into `dir` (normally a
+// CheckpointWriter's temporary directory), each file atomically, and optimizer.safetensors unless
+// the checkpoint has a shard plan (then every rank writes its write_optimizer_shard).
 Status write_trainer_checkpoint(const std::string& dir, const TrainerCheckpoint& checkpoint);
+// dir/optimizer_shard_file(shard.rank, shard.world_size), atomically.
+Status write_optimizer_shard(const std::string& dir, const OptimizerShard& shard);
 
 // Reads a checkpoint directory: verify_checkpoint (marker, sizes, CRC-32C: truncation and
 // corruption), trainer_state.json (format, version, every field and type, step = the marker's,
-// world_size 1, the train config valid for the model), config.json, model.safetensors
-// (load_hf_weights: every name, shape, dtype), optimizer.safetensors (exactly the moments of the
-// model's parameters), the SR offsets named by model_linear_names. One error line naming the file.
+// world size and shard plan, the train config valid for the model), config.json,
+// model.safetensors (load_hf_weights: every name, shape, dtype), the moments: optimizer.safetensors
+// (exactly the moments of the model's parameters) or every rank's shard file (each of this save
+// and rank, the plan's parameters; together every element exactly once; their masters equal to
+// model.safetensors), the SR offsets named by model_linear_names. One error line naming the file.
 Result<TrainerCheckpoint> read_trainer_checkpoint(const std::string& dir);
 
 // A checkpoint directory from a path that is either one (it holds complete.json) or a save root:

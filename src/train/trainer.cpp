@@ -5,9 +5,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <sstream>
 
 #include "optim/grad_clip.h"
+#include "train/rank_agreement.h"
 
 namespace packmoe::train {
 namespace {
@@ -30,6 +33,20 @@ void upload_moment(const Tensor& host, GroupedStorage& moment) {
   GroupedStorage staged(cpu_backend(), Layout::kSingle, moment.groups(), moment.bytes_per_group());
   std::memcpy(staged.packed(), host.data(), host.nbytes());
   moment.copy_from(staged);
+}
+
+Tensor host_tensor(const std::vector<float>& values, const Shape& shape) {
+  Tensor t = Tensor::empty(cpu_backend(), DType::kF32, shape);
+  PACKMOE_CHECK(t.nbytes() == values.size() * sizeof(float),
+                values.size() << " values for shape " << shape_string(shape));
+  std::memcpy(t.data(), values.data(), t.nbytes());
+  return t;
+}
+
+std::vector<float> host_floats(const Tensor& t) {
+  std::vector<float> out(t.nbytes() / sizeof(float));
+  std::memcpy(out.data(), t.data(), t.nbytes());
+  return out;
 }
 
 Tensor download_f32(const GroupedStorage& s, const Shape& shape) {
@@ -98,13 +115,32 @@ void Trainer::attach_optimizer() {
 }
 
 TrainerCheckpoint Trainer::snapshot() const {
-  PACKMOE_CHECK(!dist_, "snapshot() with data parallelism: not supported yet");
   TrainerCheckpoint c;
   c.step = step_;
   c.model = model_->config();
   c.config = config_;
-  c.masters = model_->master_weights();
+  c.sampler = train_sampler_.next_row_position();
+  c.train_stream_tokens = train_sampler_.stream_tokens();
   const std::vector<NamedParam>& params = model_->params();
+  if (dist_) {
+    const FullOptimizerState full = dist_->gather_state();
+    PACKMOE_CHECK(full.master.size() == params.size(), "optimizer out of step with the model");
+    const std::vector<ParamSpec> specs = model_param_specs(c.model);
+    for (size_t i = 0; i < params.size(); ++i) {
+      PACKMOE_CHECK(specs[i].name == params[i].name, "parameters out of model_param_specs order");
+      c.masters.emplace(params[i].name, host_tensor(full.master[i], specs[i].shape));
+      c.moments.emplace(exp_avg_name(params[i].name), host_tensor(full.exp_avg[i], specs[i].shape));
+      c.moments.emplace(exp_avg_sq_name(params[i].name),
+                        host_tensor(full.exp_avg_sq[i], specs[i].shape));
+    }
+    c.optimizer_steps = full.steps;
+    c.world_size = comm_->size();
+    c.shard_plan = saved_shard_plan(dist_->plan());
+    c.rank_sr_offsets = all_gather_u64(*comm_, model_->grad_sr_offsets());
+    c.sr_offsets = c.rank_sr_offsets[0];
+    return c;
+  }
+  c.masters = model_->master_weights();
   const std::vector<AdamW::ParamState>& states = optimizer_.states();
   PACKMOE_CHECK(params.size() == states.size(), "optimizer out of step with the model");
   for (size_t i = 0; i < params.size(); ++i) {
@@ -113,22 +149,55 @@ TrainerCheckpoint Trainer::snapshot() const {
     c.moments.emplace(exp_avg_sq_name(params[i].name), download_f32(states[i].exp_avg_sq, shape));
   }
   c.optimizer_steps = optimizer_.steps();
-  c.sampler = train_sampler_.next_row_position();
-  c.train_stream_tokens = train_sampler_.stream_tokens();
   c.sr_offsets = model_->grad_sr_offsets();
   return c;
 }
 
 Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::string& root,
                                                                  int keep_last, bool save_primary) {
-  if (dist_)
-    return Status::error("checkpoints with data parallelism (world size > 1) are not supported yet");
+  if (dist_) return save_checkpoint_dist(root, keep_last, save_primary);
   Result<io::CheckpointWriter> writer = io::CheckpointWriter::begin(root, step_, keep_last);
   if (!writer) return writer.status();
   io::CheckpointWriter& w = writer.value();
   PACKMOE_RETURN_IF_ERROR(write_trainer_checkpoint(w.dir(), snapshot()));
   if (save_primary) PACKMOE_RETURN_IF_ERROR(write_primary_weights(w.path(kPrimaryFile), *model_));
   return w.commit();
+}
+
+Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint_dist(const std::string& root,
+                                                                      int keep_last,
+                                                                      bool save_primary) {
+  Communicator& comm = *comm_;
+  const bool rank0 = comm.rank() == 0;
+  // Every failure is agreed before the next collective, so no rank waits for one that gave up;
+  // rank 0's writer removes the temporary directory on any error (after every rank stopped
+  // writing into it).
+  std::optional<io::CheckpointWriter> writer;
+  Status status;
+  if (rank0) {
+    Result<io::CheckpointWriter> w = io::CheckpointWriter::begin(root, step_, keep_last);
+    if (w)
+      writer.emplace(std::move(w.value()));
+    else
+      status = w.status();
+  }
+  PACKMOE_RETURN_IF_ERROR(agree_on_status(comm, status));
+  const std::string dir = broadcast_string(comm, rank0 ? writer->dir() : std::string(), 0);
+  status = write_optimizer_shard(dir, dist_->shard_state());
+  const TrainerCheckpoint c = snapshot();
+  if (save_primary) dist_->prepare_forward();  // the primaries of the current masters
+  if (rank0 && status.is_ok()) status = write_trainer_checkpoint(dir, c);
+  if (rank0 && status.is_ok() && save_primary)
+    status = write_primary_weights(writer->path(kPrimaryFile), *model_);
+  PACKMOE_RETURN_IF_ERROR(agree_on_status(comm, status));
+  std::optional<Result<io::CheckpointWriter::Committed>> committed;
+  if (rank0) committed.emplace(writer->commit());
+  PACKMOE_RETURN_IF_ERROR(agree_on_status(comm, committed ? committed->status() : Status::ok()));
+  if (committed) return std::move(*committed);
+  io::CheckpointWriter::Committed elsewhere;
+  elsewhere.info.step = step_;
+  elsewhere.info.dir = (std::filesystem::path(root) / io::checkpoint_dir_name(step_)).string();
+  return elsewhere;
 }
 
 Status Trainer::check_resumable(const TrainerCheckpoint& c) const {
@@ -145,36 +214,61 @@ Status Trainer::check_resumable(const TrainerCheckpoint& c) const {
 }
 
 void Trainer::restore_state(const TrainerCheckpoint& c) {
-  std::vector<AdamW::ParamState>& states = optimizer_.states();
   const std::vector<NamedParam>& params = model_->params();
-  for (size_t i = 0; i < params.size(); ++i) {
-    upload_moment(c.moments.at(exp_avg_name(params[i].name)), states[i].exp_avg);
-    upload_moment(c.moments.at(exp_avg_sq_name(params[i].name)), states[i].exp_avg_sq);
+  if (dist_) {
+    // The full state in this optimizer's parameter order and plan; load_state keeps this rank's
+    // part and stages the masters for the next forward's gather.
+    FullOptimizerState full;
+    full.steps = c.optimizer_steps;
+    full.params = dist_->plan().geometries();
+    for (const NamedParam& p : params) {
+      full.master.push_back(host_floats(c.masters.at(p.name)));
+      full.exp_avg.push_back(host_floats(c.moments.at(exp_avg_name(p.name))));
+      full.exp_avg_sq.push_back(host_floats(c.moments.at(exp_avg_sq_name(p.name))));
+    }
+    const Status loaded = dist_->load_state(full);
+    PACKMOE_CHECK(loaded.is_ok(), "restore_state after check_resumable: " << loaded.message());
+  } else {
+    std::vector<AdamW::ParamState>& states = optimizer_.states();
+    for (size_t i = 0; i < params.size(); ++i) {
+      upload_moment(c.moments.at(exp_avg_name(params[i].name)), states[i].exp_avg);
+      upload_moment(c.moments.at(exp_avg_sq_name(params[i].name)), states[i].exp_avg_sq);
+    }
+    optimizer_.set_steps(c.optimizer_steps);
   }
-  optimizer_.set_steps(c.optimizer_steps);
-  model_->set_grad_sr_offsets(c.sr_offsets);
+  model_->set_grad_sr_offsets(sr_offsets_for_rank(c, dist_ ? comm_->rank() : 0));
   const Status position = train_sampler_.set_position(c.sampler);
   PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
   step_ = c.step;
 }
 
 Status Trainer::load_checkpoint(const std::string& dir) {
-  if (dist_)
-    return Status::error("checkpoints with data parallelism (world size > 1) are not supported yet");
   Result<TrainerCheckpoint> c = read_trainer_checkpoint(dir);
-  if (!c) return c.status();
-  PACKMOE_RETURN_IF_ERROR(check_resumable(c.value()));
-  // Every check passed, nothing below can fail. The old model goes first, so that only one is
-  // ever in memory.
+  Status read = c ? Status::ok() : c.status();
+  if (dist_) read = agree_on_status(*comm_, read);
+  PACKMOE_RETURN_IF_ERROR(read);
+  return load_checkpoint(c.value());
+}
+
+Status Trainer::load_checkpoint(const TrainerCheckpoint& c) {
+  Status resumable = check_resumable(c);
+  if (dist_) resumable = agree_on_status(*comm_, resumable);
+  PACKMOE_RETURN_IF_ERROR(resumable);
+  // Every check passed, nothing below can fail.
+  if (dist_) {
+    restore_state(c);
+    return Status::ok();
+  }
+  // The old model goes first, so that only one is ever in memory.
   Backend& backend = model_->backend();
   const ModelConfig model_config = model_->config();
   const ModelPrecision precision = model_->precision();
   grads_.clear();
   optimizer_ = AdamW(adamw_config(config_));
   model_.reset();
-  model_ = std::make_unique<Model>(backend, model_config, precision, c.value().masters);
+  model_ = std::make_unique<Model>(backend, model_config, precision, c.masters);
   attach_optimizer();
-  restore_state(c.value());
+  restore_state(c);
   return Status::ok();
 }
 

@@ -72,16 +72,27 @@ class Trainer {
 
   // Writes a checkpoint of the current state as ROOT/step-<step()> through io::CheckpointWriter
   // (temporary directory, CRC marker, rename, keep the newest keep_last); save_primary adds
-  // primary.safetensors. Only between steps. On error no step-* directory changed.
+  // primary.safetensors. Only between steps. On error no step-* directory changed. With data
+  // parallelism it is collective: rank 0 makes the temporary directory, every rank writes its
+  // optimizer shard file into it, rank 0 the other files; rank 0 commits only when every rank
+  // succeeded, and every rank returns the same status (other ranks: info.dir and step only).
   Result<io::CheckpointWriter::Committed> save_checkpoint(const std::string& root, int keep_last,
                                                           bool save_primary = false);
-  // The state a checkpoint holds, copied to the host.
+  // The state a checkpoint holds, copied to the host. With data parallelism it is collective
+  // (the full masters and moments are gathered onto every rank, with every rank's SR offsets) and
+  // carries the shard plan.
   TrainerCheckpoint snapshot() const;
   // Replaces this trainer's state by a checkpoint directory's, keeping this trainer's config
-  // (layout, recipe, schedule): the model is rebuilt from the stored masters. Every file is read
-  // and checked first (read_trainer_checkpoint, plus: the same model as this one, the same data
-  // stream, a valid position); on any error this trainer is untouched.
+  // (layout, recipe, schedule). Every file is read and checked first (read_trainer_checkpoint,
+  // plus: the same model as this one, the same data stream, a valid position); on any error this
+  // trainer is untouched. Any world size loads any checkpoint; with data parallelism it is
+  // collective, every rank reads and checks, and all return the same status.
   Status load_checkpoint(const std::string& dir);
+  // The same from a checkpoint already read (e.g. by every rank of `packmoe train --resume`).
+  // Without data parallelism the model is rebuilt from the stored masters; with it, the
+  // DistOptimizer takes this rank's part of the masters and moments (re-split by this job's
+  // plan) and the next forward gathers the weights; SR offsets: sr_offsets_for_rank.
+  Status load_checkpoint(const TrainerCheckpoint& checkpoint);
 
   // zero_grad; A x (forward + backward(1 / A)); global grad norm; clip coefficient; lr of step
   // step() + 1; AdamW step (re-quantizes every packed primary weight, one launch per param).
@@ -98,7 +109,7 @@ class Trainer {
   // is clipped (MPI, and NCCL with 2 ranks; but the embedding, docs/dist.md). Parameters whose
   // NamedParam::reads_fp32 is set travel as FP32 replicas; the model's grad-ready hook starts each
   // gradient bucket's reduce-scatter during the step's last backward. Only before the first step;
-  // collective. Checkpoints are refused afterwards.
+  // collective.
   // bucket_elems: the reduce-scatter unit (DistOptimizerConfig).
   Status enable_data_parallel(Communicator& comm, GatherMode mode,
                               int64_t bucket_elems = DistOptimizerConfig{}.bucket_elems);
@@ -123,8 +134,11 @@ class Trainer {
   // that is a window start of it.
   Status check_resumable(const TrainerCheckpoint& c) const;
   // Moments, AdamW step count, SR offsets, sampler position and step from a checked checkpoint
-  // whose masters the model was built from.
+  // whose masters the model was built from (with data parallelism: the masters too).
   void restore_state(const TrainerCheckpoint& c);
+  // save_checkpoint with data parallelism (collective).
+  Result<io::CheckpointWriter::Committed> save_checkpoint_dist(const std::string& root,
+                                                               int keep_last, bool save_primary);
 
   std::unique_ptr<Model> model_;
   TrainConfig config_;

@@ -330,7 +330,7 @@ TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
                               set_json(d / kTrainerStateFile,
                                        [](nlohmann::json& j) { j["world_size"] = 2; });
                             }),
-                   "written by 2 ranks"});
+                   "world_size 2 without a shard_plan"});
   cases.push_back({"step",
                    recommit(good, root("step"),
                             [&](const fs::path& d) {

@@ -3,8 +3,6 @@
 // directories of dead writers), detection of damaged checkpoints by verify and latest, that every
 // failure leaves the earlier checkpoints verifiable, and a trainer-style checkpoint (HF weights,
 // optimizer state, JSON) read back bitwise. Files go to $PACKMOE_TEST_TMP.
-#include "io/checkpoint_dir.h"
-
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -24,6 +22,7 @@
 #include "backend/backend.h"
 #include "common/status_checks.h"
 #include "common/test_files.h"
+#include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
 #include "io/state_file.h"
 #include "train/model_config.h"
@@ -54,6 +53,25 @@ pid_t dead_pid() {
   int status = 0;
   ::waitpid(child, &status, 0);
   return child;
+}
+
+// A child that has exited but is not reaped (a zombie): kill(pid, 0) still succeeds for it.
+// Reaped by reap() once the test is done with it.
+pid_t zombie_pid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  for (int i = 0; i < 1000; ++i) {  // until the child has exited (state Z), at most ~1 s
+    siginfo_t info{};
+    if (::waitid(P_PID, child, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == child)
+      break;
+    ::usleep(1000);
+  }
+  return child;
+}
+
+void reap(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
 }
 
 class CheckpointDirTest : public ::testing::Test {
@@ -230,6 +248,21 @@ TEST_F(CheckpointDirTest, TemporaryDirectoriesAreIgnoredAndCleaned) {
             (std::set<std::string>{(fs::path(root_) / dead).string(),
                                    (fs::path(root_) / dead_old).string()}));
   EXPECT_EQ(listing(), (std::set<std::string>{"step-00000001", "step-00000003", live}));
+}
+
+TEST_F(CheckpointDirTest, TemporaryDirectoryOfAnUnreapedDeadWriterIsCleaned) {
+  const pid_t zombie = zombie_pid();
+  ASSERT_EQ(::kill(zombie, 0), 0) << "an unreaped child still answers kill(pid, 0)";
+  const std::string dead = ".tmp-step-00000002-" + std::to_string(zombie);
+  fs::create_directories(fs::path(root_) / dead);
+  write_raw(fs::path(root_) / dead / "optimizer-00000-of-00002.bin", random_bytes(100));
+  auto w = CheckpointWriter::begin(root_, 3, 3);
+  ASSERT_TRUE(w.is_ok());
+  auto c = w.value().commit();
+  reap(zombie);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  EXPECT_EQ(c.value().removed, std::vector<std::string>{(fs::path(root_) / dead).string()});
+  EXPECT_EQ(listing(), (std::set<std::string>{"step-00000003"}));
 }
 
 TEST_F(CheckpointDirTest, AbandonedWriterLeavesNothing) {
