@@ -181,10 +181,10 @@ int run(const Options& o) {
               be.name().c_str(), o.iters, o.warmup);
   std::printf(
       "# timed: forward + backward%s of ONE MoE layer: router GEMM, softmax/top-k, routing plan\n"
-      "# (idx download, host plan, plan upload: the host waits on the stream there), permute,\n"
-      "# FC1 and FC2 grouped linears (activation quantization, fprop, dgrad, wgrad into the FP32\n"
-      "# main_grad, accumulating, fused), SwiGLU, unpermute + combine, and the router backward;\n"
-      "# activation buffers are cudaMalloc/cudaFree'd per op (no caching allocator), included.\n"
+      "# (on the device; the host waits once for the E expert counts), permute, FC1 and FC2\n"
+      "# grouped linears (activation quantization, fprop, dgrad, wgrad into the FP32 main_grad,\n"
+      "# accumulating, fused), SwiGLU, unpermute + combine, and the router backward; activation\n"
+      "# buffers come from the backend's stream-ordered pool per op, included.\n"
       "# Primary weight: LOW precision (%s layout), quantized once at construction, so per-step\n"
       "# weight quantization is excluded; no optimizer step (like the peer). tokens/s = T / time;\n"
       "# expert_TFLOP/s = 3 * (2*T*k*H*2F + 2*T*k*F*H) / time (the peer's formula, padding not\n"
