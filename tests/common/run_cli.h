@@ -1,6 +1,6 @@
 // run_cli: runs the packmoe binary ($PACKMOE_CLI, set by CTest) through the shell with `args` as
 // written, and returns its exit code and its stdout + stderr together. Used by the CLI tests
-// (test_cli, test_train_cli, test_metrics_plot).
+// (test_cli, test_train_cli, test_metrics_plot, the dist CLI tests); run_shell runs any command.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -17,16 +17,28 @@ struct RunResult {
   std::string output;  // stdout + stderr
 };
 
-inline RunResult run_cli(const std::string& args) {
-  const char* cli = std::getenv("PACKMOE_CLI");
-  EXPECT_NE(cli, nullptr) << "PACKMOE_CLI is set by CTest";
-  const std::string cmd = std::string(cli ? cli : "packmoe") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
+// A variable CTest sets for the test ("" and a test failure when it is missing).
+inline std::string ctest_env(const char* name) {
+  const char* v = std::getenv(name);
+  EXPECT_NE(v, nullptr) << name << " is set by CTest";
+  return v ? v : "";
+}
+
+// `cmd` run through the shell, its stdout + stderr captured together.
+inline RunResult run_shell(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {-1, "popen failed: " + cmd};
   std::string out;
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
   const int status = pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+inline RunResult run_cli(const std::string& args) {
+  const char* cli = std::getenv("PACKMOE_CLI");
+  EXPECT_NE(cli, nullptr) << "PACKMOE_CLI is set by CTest";
+  return run_shell(std::string(cli ? cli : "packmoe") + " " + args);
 }
 
 }  // namespace packmoe::test

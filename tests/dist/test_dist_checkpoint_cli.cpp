@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/run_cli.h"
 #include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
 #include "train/checkpoint.h"
@@ -37,30 +38,16 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-struct Outcome {
-  int exit_code;
-  std::string output;  // stdout + stderr
-};
-
-std::string env(const char* name) {
-  const char* v = std::getenv(name);
-  EXPECT_NE(v, nullptr) << name << " is set by CTest";
-  return v ? v : "";
-}
+using test::ctest_env;
+using test::RunResult;
+using test::run_shell;
 
 // `mpirun -np N packmoe train ARGS` (N = 0: no mpirun), bounded by `timeout` so a hang fails.
-Outcome run(int ranks, const std::string& args) {
+RunResult run(int ranks, const std::string& args) {
   std::string cmd = "timeout 240 ";
   if (ranks > 0)
-    cmd += env("PACKMOE_MPIEXEC") + " --oversubscribe -np " + std::to_string(ranks) + " ";
-  cmd += env("PACKMOE_CLI") + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+    cmd += ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np " + std::to_string(ranks) + " ";
+  return run_shell(cmd + ctest_env("PACKMOE_CLI") + " " + args);
 }
 
 struct Record {
@@ -83,7 +70,7 @@ std::vector<Record> train_records(const fs::path& metrics) {
 class DistCheckpointCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(env("PACKMOE_TEST_TMP")) / ("dist_ckpt_cli_" + std::to_string(::getpid()));
+    dir_ = fs::path(ctest_env("PACKMOE_TEST_TMP")) / ("dist_ckpt_cli_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     ModelConfig model = train::model_config_preset("tiny").value();
@@ -113,7 +100,7 @@ class DistCheckpointCli : public ::testing::Test {
 
 TEST_F(DistCheckpointCli, CrashThenResumeWithAnotherRankCountContinuesTheRun) {
   const fs::path straight = dir_ / "straight";
-  const Outcome s = run(2, common(3, 1) + " --save-interval 2 --keep-last 5 --save-dir " +
+  const RunResult s = run(2, common(3, 1) + " --save-interval 2 --keep-last 5 --save-dir " +
                                (straight / "ckpt").string() + " --out " + straight.string());
   ASSERT_EQ(s.exit_code, 0) << s.output;
   const std::vector<Record> want = train_records(straight / "metrics.jsonl");
@@ -141,7 +128,7 @@ TEST_F(DistCheckpointCli, CrashThenResumeWithAnotherRankCountContinuesTheRun) {
         << "half a shard";
     std::ofstream(crashed / "metrics.jsonl", std::ios::app) << "{\"step\": 5, \"spl";
 
-    const Outcome resumed =
+    const RunResult resumed =
         run(r.ranks, common(r.rows, r.accum) + " --resume auto --save-interval 2 --save-dir " +
                          (crashed / "ckpt").string() + " --out " + crashed.string());
     ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
@@ -171,7 +158,7 @@ TEST_F(DistCheckpointCli, CrashThenResumeWithAnotherRankCountContinuesTheRun) {
     }
     // The new step-4 checkpoint, written by this rank count, exports.
     EXPECT_FALSE(fs::exists(crashed / "ckpt" / (".tmp-" + step4 + "-999999999")));
-    const Outcome exported =
+    const RunResult exported =
         run(0, "export-hf " + (crashed / "ckpt").string() + " " + (crashed / "hf").string());
     ASSERT_EQ(exported.exit_code, 0) << exported.output;
     EXPECT_TRUE(
@@ -188,8 +175,8 @@ TEST_F(DistCheckpointCli, KilledRankLeavesOnlyCompleteCheckpointsAndTheRunResume
   const fs::path root = dir_ / "ckpt";
   std::mt19937_64 rng(std::random_device{}());
   const int sleep_ms = 1000 + static_cast<int>(rng() % 1000);
-  const std::string script = env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " +
-                             env("PACKMOE_CLI") + " " + common(2, 1, 100000) +
+  const std::string script = ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " +
+                             ctest_env("PACKMOE_CLI") + " " + common(2, 1, 100000) +
                              " --save-interval 1 --keep-last 3 --save-dir " + root.string() +
                              " --out " + (dir_ / "out").string() + " > " + (dir_ / "log").string() +
                              " 2>&1 & m=$!; sleep " + std::to_string(sleep_ms / 1000.0) +
@@ -210,7 +197,7 @@ TEST_F(DistCheckpointCli, KilledRankLeavesOnlyCompleteCheckpointsAndTheRunResume
       "[dist ckpt cli] killed after %d ms: newest checkpoint step %lld, %d temporary "
       "directories left\n",
       sleep_ms, static_cast<long long>(newest), tmp_dirs);
-  const Outcome resumed =
+  const RunResult resumed =
       run(3, common(2, 1, newest + 2) + " --resume auto --save-interval 1 --keep-last 3 " +
                  "--save-dir " + root.string() + " --out " + (dir_ / "out").string());
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
@@ -221,7 +208,7 @@ TEST_F(DistCheckpointCli, KilledRankLeavesOnlyCompleteCheckpointsAndTheRunResume
 
 TEST_F(DistCheckpointCli, DamagedCheckpointEndsEveryRankWithOneErrorLine) {
   const fs::path root = dir_ / "ckpt";
-  const Outcome s = run(
+  const RunResult s = run(
       2, common(3, 1, 2) + " --save-dir " + root.string() + " --out " + (dir_ / "out").string());
   ASSERT_EQ(s.exit_code, 0) << s.output;
   const fs::path dir = root / io::checkpoint_dir_name(2);
@@ -234,7 +221,7 @@ TEST_F(DistCheckpointCli, DamagedCheckpointEndsEveryRankWithOneErrorLine) {
   bytes[bytes.size() / 2] ^= 0x01;
   std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
   for (int ranks : {2, 3}) {
-    const Outcome r = run(
+    const RunResult r = run(
         ranks, common(3, 1) + " --resume " + dir.string() + " --out " + (dir_ / "out").string());
     EXPECT_NE(r.exit_code, 0) << r.output;
     std::istringstream lines(r.output);

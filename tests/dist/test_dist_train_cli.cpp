@@ -20,22 +20,6 @@
 namespace packmoe::test {
 namespace {
 
-std::string env_or_fail(const char* name) {
-  const char* v = std::getenv(name);
-  EXPECT_NE(v, nullptr) << name << " is set by CTest";
-  return v ? v : "";
-}
-
-// The command's stdout + stderr and exit code, run through the shell.
-RunResult run_shell(const std::string& cmd) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
-
 std::vector<nlohmann::json> read_metrics(const std::string& path) {
   std::ifstream in(path);
   EXPECT_TRUE(in.good()) << path;
@@ -67,8 +51,8 @@ TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
   const std::string common = " train --device cpu --steps 3 --micro-batch 2 --seq-len 16 --warmup 1 "
                              "--grad-clip 0 --eval-interval 0 --log-interval 1 --recipe mxfp8 "
                              "--seed " + std::to_string(seed) + " --data text:" + corpus;
-  const std::string cli = env_or_fail("PACKMOE_CLI");
-  const RunResult dp = run_shell(env_or_fail("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
+  const std::string cli = ctest_env("PACKMOE_CLI");
+  const RunResult dp = run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
                                  common + " --gather-mode lowp --out " + (dir / "dp").string());
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
   EXPECT_EQ(count(dp.output, "packmoe train:"), 1u) << "rank 0 alone prints:\n" << dp.output;
