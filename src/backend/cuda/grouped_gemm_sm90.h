@@ -30,13 +30,18 @@ struct Sm90Gemm {
                                    // FP32 once, then added: one more rounding)
   const float* alpha_lhs = nullptr;  // (G,) on the device, or null for alpha = 1
   const float* alpha_rhs = nullptr;
+  // Fused MXFP8 operands (fprop): A and B are the rowwise E4M3 copies, (mk_g, kred_g) and
+  // (nk, kred_g) FP8 bytes with (rows, kred_g / 32) E8M0 scales in a_scale / b_scale, dequantized
+  // in the kernel to exactly the BF16 values of the dequantize pre-pass (no BF16 copy in memory).
+  bool mxfp8_e4m3 = false;
+  std::vector<const void*> a_scale, b_scale;
 };
 
 // The device runs sm_90a code (compute capability 9.0 exactly).
 bool sm90_gemm_device_ok(CudaBackend& be);
 
 // Every row length is a multiple of 8 elements (16 bytes: TMA strides, vector stores) and every
-// dimension below 2^31. Shapes only.
+// dimension below 2^31; fused MXFP8: both operands K-major, reductions multiples of 32. Shapes only.
 bool sm90_gemm_shape_ok(const Sm90Gemm& p);
 
 // Queues the GEMM on be.stream(); no host synchronisation.
