@@ -734,8 +734,9 @@ TEST(CudaGroupedGemm, MisalignedQuantizedSameBytes) {
 // kernel's loader (no BF16 copy of the operands); with 0 it takes the dequantize pre-pass, which
 // writes the same BF16 values for the same wgmmas (and is checked against FP64 in Mxfp8E4m3): the
 // outputs must be the same bytes, on every tile variant, for FP32 and BF16 outputs, packed and
-// per-expert operands, partial M / N / K tiles and empty groups. Rows are scaled by
-// 2^-125 .. 2^20, so the block scales run from codes near 0 (where the BF16 operand is rounded) up.
+// per-expert operands, partial M / N / K tiles and empty groups. Rows are scaled by 2^-125 .. 2^40,
+// so the block scales run from codes near 0 (where the BF16 operand is rounded) to about 170; the
+// last shape also gets NaN element codes and a NaN scale code (NaN outputs: the same bytes too).
 TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
   SKIP_WITHOUT_GPU();
   uint64_t seed = 1100;
@@ -751,10 +752,14 @@ TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
       c.n = sh.n;
       c.k = sh.k;
       const size_t G = c.m.size();
-      const Logical x = make_logical(c.m, c.k, -1, rng, -125, 20);
-      const Logical w = make_logical(std::vector<int64_t>(G, c.n), c.k, -1, rng, -125, 20);
-      const HostOperand lhs = make_operand(x, c.recipe, Role::kActivation, false, 0);
-      const HostOperand rhs = make_operand(w, c.recipe, Role::kWeight, false, 0);
+      const Logical x = make_logical(c.m, c.k, -1, rng, -125, 40);
+      const Logical w = make_logical(std::vector<int64_t>(G, c.n), c.k, -1, rng, -125, 40);
+      HostOperand lhs = make_operand(x, c.recipe, Role::kActivation, false, 0);
+      HostOperand rhs = make_operand(w, c.recipe, Role::kWeight, false, 0);
+      if (&sh == &cases.back()) {  // E4M3 NaN codes 0x7F / 0xFF in X, an E8M0 NaN scale in W
+        for (int i = 0; i < 3; ++i) lhs.data[1][rng() % lhs.data[1].size()] = i % 2 ? 0xFF : 0x7F;
+        rhs.scale[2][rng() % rhs.scale[2].size()] = 0xFF;
+      }
       const size_t el = out == DType::kBF16 ? 2 : 4;
       std::vector<std::vector<uint8_t>> init(G);
       for (size_t g = 0; g < G; ++g) init[g].assign(static_cast<size_t>(c.m[g] * c.n) * el, kUnset);
