@@ -3,9 +3,10 @@
 // runs all groups in one launch (grouped_gemm_sm90.cu; chosen by choose_impl from the device and
 // the shapes) or each group is one cuBLASLt matmul with true FP32 accumulation, all on
 // be.stream(). MXFP8 E4M3 fprop on the sm_90a kernel can skip the pre-pass: the kernel then
-// dequantizes in its loader to the same BF16 values (use_fused_mxfp8). Invariant: the implementation and a group's algorithm are functions of
-// (op, m_g, N, K, out dtype) only, never of where its pointers live, so a packed (E, N, K) weight
-// and E separate buffers give the same bytes. Host synchronisation: only when `m_device` is given
+// dequantizes in its loader to the same BF16 values (use_fused_mxfp8). Invariant: the
+// implementation and a group's algorithm are functions of (op, m_g, N, K, out dtype) only, never
+// of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the same
+// bytes. Host synchronisation: only when `m_device` is given
 // (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
 //
 // The dequantize is this file's bandwidth-oriented BF16 kernel (hardware FP8 -> F16 converts,
@@ -210,7 +211,8 @@ __global__ void __launch_bounds__(Config::kDequantThreads)
       if constexpr (!kColumnwise) {
         const float sc = e8m0_to_f32(static_cast<uint8_t>(s[u].x));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = fp8x2_scaled_to_bf16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1)), sc);
+        for (int j = 0; j < 4; ++j)
+          o[j] = fp8x2_scaled_to_bf16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1)), sc);
       } else {
         const uint32_t sw[2] = {s[u].x, s[u].y};
 #pragma unroll
@@ -669,8 +671,8 @@ Result<Impl> choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::v
 }
 
 // Whether MXFP8 E4M3 fprop on the sm_90a kernel dequantizes in the kernel's loader when
-// PACKMOE_GEMM_SM90_FUSED does not say (1: fused, 0: the pre-pass): the faster route on the H200
-// (docs/gemm-sm90.md).
+// PACKMOE_GEMM_SM90_FUSED does not say (1: fused, 0: the pre-pass). Set to the faster route on
+// the H200: today the pre-pass (docs/gemm-sm90.md).
 constexpr bool kFusedMxfp8ByDefault = false;
 
 // The sm_90a kernel dequantizes MXFP8 fprop operands itself (no BF16 copy: Sm90Gemm::mxfp8_e4m3)

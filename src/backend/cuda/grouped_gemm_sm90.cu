@@ -20,6 +20,10 @@
 // thread stores it with TMA (clipped at the group's rows and columns; FP32 accumulation into
 // main_grad is a TMA reduce-add), while the warpgroup goes on with the next unit.
 //
+// Fused MXFP8 operands (kFused, E4M3 fprop): the TMA ring holds FP8 bytes, warps 1-3 of
+// warpgroup 0 add each stage's scale codes, and the consumers convert every stage into one of two
+// BF16 tiles before their wgmmas read it (the section "fused MXFP8 (E4M3) operands" below).
+//
 // Shared memory, 128-byte swizzle (the TMA maps and the wgmma descriptors agree on it):
 //   K-major operand (rows x 64 reduction elements): row r at r * 128 B, 8-row atoms of 1024 B; a
 //     wgmma k16 step advances the descriptor's start by 32 B inside the swizzle row.
@@ -244,7 +248,7 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
-// ---- fused MXFP8 (E4M3) operands ------------------------------------------------------------------
+// ---- fused MXFP8 (E4M3) operands ---------------------------------------------------------------
 // The TMA ring holds the FP8 bytes of A (128 rows x 64 B) and B (BN rows x 64 B), row r at r * 64,
 // and warps 1-3 of the producer warpgroup fill the stage's scale codes: for tile row r (A rows,
 // then B rows) the 16-bit pair (block 2 ks, block 2 ks + 1) of the step. Per step, consumer
@@ -281,7 +285,8 @@ __device__ __forceinline__ void load_scales(const Params& p, uint8_t* smem, uint
     const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
     for (int ks = 0; ks < k_steps; ++ks) {
       mbar_wait(&empty[stage], phase ^ 1);
-      uint16_t* dst = reinterpret_cast<uint16_t*>(smem + L::kScaleOffset + stage * L::kScaleStageBytes);
+      uint16_t* dst =
+          reinterpret_cast<uint16_t*>(smem + L::kScaleOffset + stage * L::kScaleStageBytes);
 #pragma unroll
       for (int i = 0; i < (kRows + kScaleLoaders - 1) / kScaleLoaders; ++i) {
         const int r = lt + i * kScaleLoaders;
@@ -344,7 +349,8 @@ __device__ __forceinline__ void mainloop_fused(uint32_t smem_base, uint64_t* ful
 #pragma unroll
     for (int j = 0; j < S::kItems; ++j) {
       const bool is_a = j < S::kARows;
-      const int row = is_a ? 64 * half + t / 4 + 32 * j : (BN / 2) * half + t / 4 + 32 * (j - S::kARows);
+      const int row = is_a ? 64 * half + t / 4 + 32 * j
+                           : (BN / 2) * half + t / 4 + 32 * (j - S::kARows);
       const uint32_t src = raw + (is_a ? 0 : L::kABytes) + row * kSm90TileK + c * 16;
       const uint32_t dst = tile + (is_a ? 0 : L::kTileABytes) + row * 128;
       convert_chunk(src, dst, row, c, ld_shared_u8(codes + 2 * (is_a ? row : kSm90TileM + row)));

@@ -6,7 +6,9 @@
 // writes FP32 or BF16, optionally scaled by alpha_g = alpha_lhs[g] * alpha_rhs[g] (NVFP4) and
 // added to the FP32 output (wgrad into main_grad). The result depends on shapes and values only: tiles, their summation order and the
 // tile shape are functions of (mk, kred, nk), never of pointers. grouped_gemm_cublas.cu prepares
-// the operands (quantized ones dequantized exactly to BF16, misaligned ones staged) and calls this.
+// the operands (quantized ones dequantized exactly to BF16, misaligned ones staged) and calls this;
+// MXFP8 E4M3 K-major operands may instead come as FP8 bytes and scales (mxfp8_e4m3), dequantized
+// in the kernel to the same BF16 values.
 #pragma once
 
 #include <cstdint>
