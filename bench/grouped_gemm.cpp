@@ -4,7 +4,8 @@
 // same problems). One line per case, both implementations (the sm_90a wgmma kernel and cuBLASLt
 // per group, chosen through PACKMOE_GEMM_IMPL): shape op recipe ms TFLOP/s for each, and
 // vs_* = torch ms / our ms. Quantized operands are prepared once outside the timed region; the
-// time covers the grouped_gemm call only (with its dequantize pre-pass). Backend interface only.
+// time covers the grouped_gemm call only (with its dequantize pre-pass unless the kernel
+// dequantizes in its loader; mx-pre / mx-fus force either route). Backend interface only.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdint>
@@ -391,7 +392,8 @@ int run(const Options& o) {
       "# accumulate. Two implementations per case (PACKMOE_GEMM_IMPL): sm90 = the wgmma kernel,\n"
       "# cublas = one cuBLASLt matmul per group. vs_gmm = torch._grouped_mm BF16 ms of the same op /\n"
       "# our ms; vs_loop = per-expert torch.matmul loop (fprop); vs_fp8 = torch._scaled_grouped_mm\n"
-      "# FP8 rowwise fprop ms / our sm90 ms\n");
+      "# FP8 rowwise fprop ms / our sm90 ms. mxfp8 fprop on sm90, forced routes: mx-pre = the\n"
+      "# dequantize pre-pass (PACKMOE_GEMM_SM90_FUSED=0), mx-fus = the fused loader (=1)\n");
   std::printf("%-16s %-9s %-6s %9s %8s %9s %8s %8s %8s %8s %8s\n", "shape", "op", "recipe", "sm90_ms",
               "TFLOP/s", "cublas_ms", "TFLOP/s", "vs_gmm", "cub_gmm", "vs_loop", "vs_fp8");
   std::fflush(stdout);
@@ -427,6 +429,21 @@ int run(const Options& o) {
                     fp ? ratio(s.scaled_fprop, ms[0]).c_str() : "-");
         std::fflush(stdout);
         if (fp) fprop_ms[s.name + "/" + rname] = ms[0];
+        for (int fused = 0; fused < 2 && fp && f == OperandFormat::kMxfp8; ++fused) {
+          // The sm90 call forced through the dequantize pre-pass, then the fused loader.
+          const char* route = fused ? "mx-fus" : "mx-pre";
+          setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
+          setenv("PACKMOE_GEMM_SM90_FUSED", fused ? "1" : "0", 1);
+          check(be.grouped_gemm(a));
+          const double t = be.time_ms([&] { check(be.grouped_gemm(a)); }, o.warmup, o.iters);
+          unsetenv("PACKMOE_GEMM_SM90_FUSED");
+          unsetenv("PACKMOE_GEMM_IMPL");
+          std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
+                      "fprop", route, t, flops / (t * 1e-3) / 1e12, "-", "-",
+                      ratio(torch_ms, t).c_str(), "-", "-", "-");
+          std::fflush(stdout);
+          fprop_ms[s.name + "/" + route] = t;
+        }
       }
     }
     if (s.gmm_fprop > 0)
@@ -438,11 +455,12 @@ int run(const Options& o) {
   // The targets: quantized-operand fprop speed over our BF16 fprop (sm90 kernel).
   for (const Shape& s : shapes) {
     const double bf = fprop_ms[s.name + "/bf16"], mx = fprop_ms[s.name + "/mxfp8"],
+                 pre = fprop_ms[s.name + "/mx-pre"], fus = fprop_ms[s.name + "/mx-fus"],
                  nv = fprop_ms[s.name + "/nvfp4"];
-    std::printf("# %s sm90: bf16 fprop vs torch._grouped_mm %s, mxfp8 / bf16 fprop speed %.2fx, "
-                "nvfp4 / bf16 %.2fx\n",
+    std::printf("# %s sm90: bf16 fprop vs torch._grouped_mm %s, mxfp8 / bf16 fprop speed %.2fx "
+                "(pre-pass %.2fx, fused loader %.2fx), nvfp4 / bf16 %.2fx\n",
                 s.name.c_str(), ratio(s.gmm_fprop, bf).c_str(), mx > 0 ? bf / mx : 0.0,
-                nv > 0 ? bf / nv : 0.0);
+                pre > 0 ? bf / pre : 0.0, fus > 0 ? bf / fus : 0.0, nv > 0 ? bf / nv : 0.0);
   }
   return 0;
 }

@@ -5,7 +5,8 @@
 // on 2 clusters of 2 CTAs and 128-wide tiles on 1 CTA without a cluster, so CTAs walk many
 // tiles), each twice: packed
 // operands / host m and per-expert buffers / device m, and the two outputs must be the same bytes;
-// sentinel gaps catch writes outside a group's slice. Skips when no GPU is visible.
+// sentinel gaps catch writes outside a group's slice. MXFP8 E4M3 fprop through the sm_90a kernel's
+// fused loader (no pre-pass) must give the pre-pass's bytes. Skips when no GPU is visible.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -158,15 +159,16 @@ struct Logical {  // G row-major BF16 matrices (rows_g, cols)
   std::vector<std::vector<uint16_t>> bf16;
 };
 
-// Random BF16 values: normal, each row scaled by 2^e, e in [-3, 3]; groups outside `keep` are zero
-// (the group-slice test). `keep` < 0 keeps all.
-Logical make_logical(const std::vector<int64_t>& rows, int64_t cols, int keep, std::mt19937_64& rng) {
+// Random BF16 values: normal, each row scaled by 2^e, e in [e_lo, e_hi]; groups outside `keep` are
+// zero (the group-slice test). `keep` < 0 keeps all.
+Logical make_logical(const std::vector<int64_t>& rows, int64_t cols, int keep, std::mt19937_64& rng,
+                     int e_lo = -3, int e_hi = 3) {
   Logical l{rows, cols, {}};
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (size_t g = 0; g < rows.size(); ++g) {
     std::vector<uint16_t> v(rows[g] * cols);
     for (int64_t r = 0; r < rows[g]; ++r) {
-      const int e = static_cast<int>(rng() % 7) - 3;
+      const int e = static_cast<int>(rng() % static_cast<uint64_t>(e_hi - e_lo + 1)) + e_lo;
       for (int64_t c = 0; c < cols; ++c) {
         const float x = (keep < 0 || keep == static_cast<int>(g)) ? std::ldexp(normal(rng), e) : 0.0f;
         v[r * cols + c] = f32_to_bf16(x);
@@ -725,6 +727,70 @@ TEST(CudaGroupedGemm, MisalignedQuantizedSameBytes) {
       c.tag = " misaligned";
       run_case(*gpu, c, seed++);
       if (HasFailure()) return;
+    }
+}
+
+// MXFP8 E4M3 fprop on the sm_90a kernel with PACKMOE_GEMM_SM90_FUSED=1 dequantizes in the
+// kernel's loader (no BF16 copy of the operands); with 0 it takes the dequantize pre-pass, which
+// writes the same BF16 values for the same wgmmas (and is checked against FP64 in Mxfp8E4m3): the
+// outputs must be the same bytes, on every tile variant, for FP32 and BF16 outputs, packed and
+// per-expert operands, partial M / N / K tiles and empty groups. Rows are scaled by 2^-125 .. 2^40,
+// so the block scales run from codes near 0 (where the BF16 operand is rounded) to about 170; the
+// last shape also gets NaN element codes and a NaN scale code (NaN outputs: the same bytes too).
+TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 1100;
+  std::vector<Shape> cases = shapes(32);
+  cases.push_back({{0, 416, 96, 0, 160}, 544, 352});  // several m-tiles, 3 n-tiles, 5.5 steps
+  for (const Shape& sh : cases)
+    for (DType out : {DType::kF32, DType::kBF16}) {
+      std::mt19937_64 rng(seed++);
+      Case c;
+      c.recipe = Recipe{OperandFormat::kMxfp8, DType::kE4M3, DType::kE4M3};
+      c.out = out;
+      c.m = sh.m;
+      c.n = sh.n;
+      c.k = sh.k;
+      const size_t G = c.m.size();
+      const Logical x = make_logical(c.m, c.k, -1, rng, -125, 40);
+      const Logical w = make_logical(std::vector<int64_t>(G, c.n), c.k, -1, rng, -125, 40);
+      HostOperand lhs = make_operand(x, c.recipe, Role::kActivation, false, 0);
+      HostOperand rhs = make_operand(w, c.recipe, Role::kWeight, false, 0);
+      if (&sh == &cases.back()) {  // E4M3 NaN codes 0x7F / 0xFF in X, an E8M0 NaN scale in W
+        for (int i = 0; i < 3; ++i) lhs.data[1][rng() % lhs.data[1].size()] = i % 2 ? 0xFF : 0x7F;
+        rhs.scale[2][rng() % rhs.scale[2].size()] = 0xFF;
+      }
+      const size_t el = out == DType::kBF16 ? 2 : 4;
+      std::vector<std::vector<uint8_t>> init(G);
+      for (size_t g = 0; g < G; ++g) init[g].assign(static_cast<size_t>(c.m[g] * c.n) * el, kUnset);
+      for (const Variant& v : kVariants) {
+        if (std::string(v.impl) != "sm90") continue;
+        const UseVariant use(v);
+        for (Placement pl : {Placement::kPacked, Placement::kDiscrete}) {
+          setenv("PACKMOE_GEMM_SM90_FUSED", "0", 1);
+          const RunOut pre = run_gpu(*gpu, c, lhs, rhs, init, pl, pl == Placement::kDiscrete);
+          setenv("PACKMOE_GEMM_SM90_FUSED", "1", 1);
+          const RunOut fused = run_gpu(*gpu, c, lhs, rhs, init, pl, pl == Placement::kDiscrete);
+          unsetenv("PACKMOE_GEMM_SM90_FUSED");
+          ASSERT_TRUE(pre.status.is_ok()) << pre.status.message();
+          ASSERT_TRUE(fused.status.is_ok()) << fused.status.message();
+          size_t differing = 0, bytes = 0;
+          for (size_t g = 0; g < G; ++g) {
+            bytes += fused.regions[g].size();
+            if (fused.regions[g] != pre.regions[g]) ++differing;
+          }
+          std::string ms;
+          for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
+          std::printf("[gemm cuda] fused==prepass %-14s %-8s out=%-4s N=%-4lld K=%-4lld m={%s} "
+                      "bytes=%zu differing_groups=%zu\n",
+                      v.name, pl == Placement::kPacked ? "packed" : "discrete",
+                      out == DType::kBF16 ? "bf16" : "f32", static_cast<long long>(c.n),
+                      static_cast<long long>(c.k), ms.c_str(), bytes, differing);
+          EXPECT_EQ(differing, 0u) << "fused and pre-pass MXFP8 fprop differ (" << v.name << ")";
+          EXPECT_EQ(fused.gap_changes, 0u) << "bytes outside the group slices changed (fused)";
+          if (HasFailure()) return;
+        }
+      }
     }
 }
 

@@ -2,9 +2,11 @@
 // dequantized EXACTLY, one launch per operand over all groups), then either the sm_90a wgmma kernel
 // runs all groups in one launch (grouped_gemm_sm90.cu; chosen by choose_impl from the device and
 // the shapes) or each group is one cuBLASLt matmul with true FP32 accumulation, all on
-// be.stream(). Invariant: the implementation and a group's algorithm are functions of
-// (op, m_g, N, K, out dtype) only, never of where its pointers live, so a packed (E, N, K) weight
-// and E separate buffers give the same bytes. Host synchronisation: only when `m_device` is given
+// be.stream(). MXFP8 E4M3 fprop on the sm_90a kernel can skip the pre-pass: the kernel then
+// dequantizes in its loader to the same BF16 values (use_fused_mxfp8). Invariant: the
+// implementation and a group's algorithm are functions of (op, m_g, N, K, out dtype) only, never
+// of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the same
+// bytes. Host synchronisation: only when `m_device` is given
 // (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
 //
 // The dequantize is this file's bandwidth-oriented BF16 kernel (hardware FP8 -> F16 converts,
@@ -51,6 +53,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/grouped_gemm_sm90.h"
+#include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
@@ -65,6 +68,8 @@
 
 namespace packmoe {
 namespace {
+
+using namespace gemm_convert;
 
 struct Config {
   static constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // NVIDIA's advice for sm_90
@@ -154,33 +159,6 @@ __device__ __forceinline__ void store_stream16(void* p, uint32_t a, uint32_t b, 
                : "memory");
 }
 
-// Two FP8 codes (low byte = first element) -> two exact F16 values (low half = first).
-template <bool kE5M2>
-__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t v) {
-  uint32_t r;
-  const uint16_t h = static_cast<uint16_t>(v);
-  if constexpr (kE5M2)
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(h));
-  else
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
-  return r;
-}
-
-__device__ __forceinline__ float2 f16x2_to_f32x2(uint32_t h) {
-  float lo, hi;
-  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-      : "=f"(lo), "=f"(hi)
-      : "r"(h));
-  return make_float2(lo, hi);
-}
-
-// RNE to BF16, `lo` in the low half.
-__device__ __forceinline__ uint32_t f32x2_to_bf16x2(float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // MXFP8 (rows, cols) -> BF16. Step u of a thread converts elements
 // tile_start + (u * T + threadIdx.x) * 8 + [0, 8): one row's block (cols is a multiple of 32).
 template <bool kE5M2, bool kColumnwise>
@@ -233,10 +211,8 @@ __global__ void __launch_bounds__(Config::kDequantThreads)
       if constexpr (!kColumnwise) {
         const float sc = e8m0_to_f32(static_cast<uint8_t>(s[u].x));
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
-          o[j] = f32x2_to_bf16x2(f.x * sc, f.y * sc);
-        }
+        for (int j = 0; j < 4; ++j)
+          o[j] = fp8x2_scaled_to_bf16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1)), sc);
       } else {
         const uint32_t sw[2] = {s[u].x, s[u].y};
 #pragma unroll
@@ -694,6 +670,27 @@ Result<Impl> choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::v
   return sm90_gemm_shape_ok(sm90_geometry(a, m)) ? Impl::kSm90 : Impl::kCublasLt;
 }
 
+// Whether MXFP8 E4M3 fprop on the sm_90a kernel dequantizes in the kernel's loader when
+// PACKMOE_GEMM_SM90_FUSED does not say (1: fused, 0: the pre-pass). Set to the faster route on
+// the H200: today the pre-pass (docs/gemm-sm90.md).
+constexpr bool kFusedMxfp8ByDefault = false;
+
+// The sm_90a kernel dequantizes MXFP8 fprop operands itself (no BF16 copy: Sm90Gemm::mxfp8_e4m3)
+// when both are E4M3 copies at 16-byte aligned addresses (TMA) and the fused route is chosen.
+// Both routes give the same bytes: the same BF16 values reach the same wgmmas.
+bool use_fused_mxfp8(const GroupedGemmArgs& a, const std::vector<int64_t>& m, Impl impl) {
+  if (impl != Impl::kSm90 || a.op != GemmOp::kFprop || a.lhs.format != OperandFormat::kMxfp8 ||
+      a.lhs.element != DType::kE4M3 || a.rhs.element != DType::kE4M3)
+    return false;
+  const char* env = std::getenv("PACKMOE_GEMM_SM90_FUSED");
+  if (!(env != nullptr ? std::string(env) != "0" : kFusedMxfp8ByDefault)) return false;
+  for (size_t g = 0; g < m.size(); ++g)
+    if (m[g] > 0 && !(aligned(a.lhs.data[g]) && aligned(a.rhs.data[g]))) return false;
+  Sm90Gemm p = sm90_geometry(a, m);
+  p.mxfp8_e4m3 = true;
+  return sm90_gemm_shape_ok(p);
+}
+
 Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
                    const std::vector<int64_t>& m, Impl impl) {
   const size_t G = m.size();
@@ -731,7 +728,8 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
       if (active[g] && !aligned(o.data[g])) return true;
     return false;
   };
-  const bool lhs_scratch = need(a.lhs), rhs_scratch = need(a.rhs);
+  const bool fused = use_fused_mxfp8(a, m, impl);
+  const bool lhs_scratch = !fused && need(a.lhs), rhs_scratch = !fused && need(a.rhs);
   size_t total = 0;
   auto layout = [&](bool use, const std::vector<Stored>& sh, std::vector<size_t>& off, size_t el) {
     if (!use) return;
@@ -749,8 +747,10 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
   uint8_t* scratch = total ? static_cast<uint8_t*>(st.scratch.get(be, total)) : nullptr;
 
   Prepared lhs, rhs;
-  PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs));
-  PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs));
+  if (!fused) {
+    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs));
+    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs));
+  }
 
   // Rows of D in cuBLASLt's column-major view (fprop N, dgrad and wgrad K): the alpha vector length.
   const int64_t d_rows = a.op == GemmOp::kFprop ? N : K;
@@ -784,8 +784,16 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
 
   if (impl == Impl::kSm90) {
     Sm90Gemm p = sm90_geometry(a, m);
-    p.a = lhs.ptr;
-    p.b = rhs.ptr;
+    if (fused) {  // the quantized copies themselves; inactive groups are never read
+      p.mxfp8_e4m3 = true;
+      p.a = a.lhs.data;
+      p.b = a.rhs.data;
+      p.a_scale = a.lhs.scale;
+      p.b_scale = a.rhs.scale;
+    } else {
+      p.a = lhs.ptr;
+      p.b = rhs.ptr;
+    }
     p.out = out;
     if (f == OperandFormat::kNvfp4) {
       p.alpha_lhs = static_cast<const float*>(a.lhs.decode_scale);

@@ -20,6 +20,10 @@
 // thread stores it with TMA (clipped at the group's rows and columns; FP32 accumulation into
 // main_grad is a TMA reduce-add), while the warpgroup goes on with the next unit.
 //
+// Fused MXFP8 operands (kFused, E4M3 fprop): the TMA ring holds FP8 bytes, warps 1-3 of
+// warpgroup 0 add each stage's scale codes, and the consumers convert every stage into one of two
+// BF16 tiles before their wgmmas read it (the section "fused MXFP8 (E4M3) operands" below).
+//
 // Shared memory, 128-byte swizzle (the TMA maps and the wgmma descriptors agree on it):
 //   K-major operand (rows x 64 reduction elements): row r at r * 128 B, 8-row atoms of 1024 B; a
 //     wgmma k16 step advances the descriptor's start by 32 B inside the swizzle row.
@@ -45,8 +49,10 @@
 #include <unordered_map>
 
 #include "backend/cuda/grouped_gemm_sm90.h"
+#include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/cuda/grouped_gemm_sm90_ptx.cuh"
 #include "backend/cuda/grouped_gemm_sm90_tiles.h"
+#include "core/codecs.h"
 
 namespace packmoe {
 namespace {
@@ -57,19 +63,38 @@ constexpr int kThreads = 384;            // producer warpgroup + 2 consumer warp
 constexpr int kBox = 64;                 // elements in one 128-byte swizzle row
 constexpr int kBlockBytes = kBox * kSm90TileK * 2;  // one 64 x 64 BF16 box: 8 KB
 constexpr int kEpiBytes = 16384;         // epilogue staging per consumer warpgroup
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kScaleBlock = 32;         // MXFP8: elements per E8M0 scale
+constexpr int kScaleLoaders = 96;       // fused: warps 1-3 of the producer warpgroup
+// Registers per thread after setmaxnreg: the producer warpgroup (fused: with the scale loaders)
+// and the consumers; 128 * producer + 256 * consumer <= 64K.
+template <bool kFused>
+constexpr int kProducerRegs = kFused ? 56 : 40;
+template <bool kFused>
+constexpr int kConsumerRegs = kFused ? 224 : 232;
 static_assert(kSm90TileK == kBox, "one swizzle row per reduction step");
 
-template <int BN>
+// kFused: the ring holds FP8 bytes (1 byte an element) and, per stage, the two E8M0 codes of the
+// step for each of the 128 + BN rows (A rows, then B rows); the consumers convert each stage into
+// one of two BF16 tiles (A then B, K-major, 128-byte swizzle) that the wgmmas read.
+template <int BN, bool kFused>
 struct Layout {
-  static constexpr int kABytes = kSm90TileM * kSm90TileK * 2;
-  static constexpr int kBBytes = BN * kSm90TileK * 2;
+  static constexpr int kElem = kFused ? 1 : 2;  // bytes per element in the TMA ring
+  static constexpr int kABytes = kSm90TileM * kSm90TileK * kElem;
+  static constexpr int kBBytes = BN * kSm90TileK * kElem;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = BN == 256 ? 4 : 6;
-  static constexpr int kEpiOffset = kStages * kStageBytes;
+  static constexpr int kStages = BN == 256 ? (kFused ? 3 : 4) : 6;
+  static constexpr int kTileABytes = kSm90TileM * kSm90TileK * 2;  // fused: BF16 tiles
+  static constexpr int kTileBytes = kTileABytes + BN * kSm90TileK * 2;
+  static constexpr int kTileOffset = kStages * kStageBytes;
+  static constexpr int kScaleStageBytes = (kSm90TileM + BN) * 2;
+  static constexpr int kScaleOffset = kTileOffset + (kFused ? 2 * kTileBytes : 0);
+  static constexpr int kEpiOffset =
+      kScaleOffset + (kFused ? (kStages * kScaleStageBytes + 1023) / 1024 * 1024 : 0);
   static constexpr int kBarOffset = kEpiOffset + 2 * kEpiBytes;
   static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + 1024-byte align
+  static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 CTA has");
+  static_assert(kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 && kEpiOffset % 1024 == 0,
+                "swizzle atoms 1024-aligned");
 };
 
 // One active group on the device. Work comes in units of one tile per CTA of the cluster: for a
@@ -93,6 +118,9 @@ struct Params {
   int32_t out_mode;  // 0: FP32, 1: BF16, 2: FP32 added to the output
   const float* alpha_lhs;
   const float* alpha_rhs;
+  // Fused MXFP8: per table row, the (rows, kred / 32) E8M0 scales of A and B.
+  const uint8_t* const* a_scale;
+  const uint8_t* const* b_scale;
 };
 
 __device__ __forceinline__ int find_group(const GroupTiles* t, int count, int unit) {
@@ -158,10 +186,10 @@ __device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, uint
     tma_load_2d(dst, map, bar, c0, c1);
 }
 
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
 __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint64_t* full,
                                         uint64_t* empty, int rank) {
-  using L = Layout<BN>;
+  using L = Layout<BN, kFused>;
   constexpr int kHalfB = L::kBBytes / 2;  // bytes of BN / 2 columns
   int stage = 0;
   uint32_t phase = 0;
@@ -187,7 +215,7 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint64_t
         if (mc_a && h != rank) continue;
         const int r0 = at.m0 + h * 64;
         if constexpr (kAKMajor)
-          load_box(sa + h * kBlockBytes, am, bar, k0, r0, mc_a);
+          load_box(sa + h * (L::kABytes / 2), am, bar, k0, r0, mc_a);
         else
           load_box(sa + h * kBlockBytes, am, bar, r0, k0, mc_a);
       }
@@ -208,15 +236,186 @@ __device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint64_t
   }
 }
 
-// Consumer warpgroup `half` (0: tile rows [0, 64), 1: [64, 128)), thread t of it.
+// A stage of the cluster's TMA ring has been read by this warpgroup: one arrival on its `empty`
+// barrier in every CTA of the cluster (each CTA's ring is filled from both).
+template <int kCluster>
+__device__ __forceinline__ void release_stage(uint64_t* empty) {
+  if constexpr (kCluster == 2) {
+    mbar_arrive_cluster(empty, 0);
+    mbar_arrive_cluster(empty, 1);
+  } else {
+    mbar_arrive(empty);
+  }
+}
+
+// ---- fused MXFP8 (E4M3) operands ---------------------------------------------------------------
+// The TMA ring holds the FP8 bytes of A (128 rows x 64 B) and B (BN rows x 64 B), row r at r * 64,
+// and warps 1-3 of the producer warpgroup fill the stage's scale codes: for tile row r (A rows,
+// then B rows) the 16-bit pair (block 2 ks, block 2 ks + 1) of the step. Per step, consumer
+// warpgroup `half` converts A rows [64 half, 64 half + 64) and B rows [BN/2 half, BN/2 (half + 1))
+// into the BF16 tile (the layout the TMA path loads: row r at r * 128, 16-byte chunk q stored at
+// q ^ (r % 8)). Thread t converts the 16-byte chunk c = t % 4 (elements [16 c, 16 c + 16) of the
+// step, block 2 ks + c / 2) of rows t / 4 + 32 j: 8 lanes read two whole 64-byte rows and write
+// chunks {2c, 2c + 1} ^ (r % 8) of an even and an odd row, so neither side has bank conflicts.
+// Values: exactly the dequantize pre-pass's (grouped_gemm_sm90_convert.cuh). Elements outside the
+// group (TMA zero fill) get scale code 127 (1.0): +0 in BF16, as the TMA zero fill of a BF16
+// operand.
+template <int BN>
+struct FusedShare {
+  static constexpr int kARows = 2;            // A rows a consumer thread converts per step
+  static constexpr int kItems = 2 + BN / 64;  // + B rows
+};
+
+// Scale loader `lt` (0 .. kScaleLoaders - 1): per stage, the codes of tile rows lt, lt + 96, ...
+// from global memory (L2-resident), then one arrival on the stage's `full` barrier (which counts
+// the TMA producer's arrival and these). Runs ahead of the consumers like the TMA producer.
+template <int BN, int kCluster>
+__device__ __forceinline__ void load_scales(const Params& p, uint8_t* smem, uint64_t* full,
+                                            uint64_t* empty, int rank, int lt) {
+  using L = Layout<BN, true>;
+  constexpr int kRows = kSm90TileM + BN;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
+    GroupTiles g;
+    const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
+    const uint8_t* sa = p.a_scale[at.gi];
+    const uint8_t* sb = p.b_scale[at.gi];
+    const int blocks = g.kred / kScaleBlock;
+    const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
+    for (int ks = 0; ks < k_steps; ++ks) {
+      mbar_wait(&empty[stage], phase ^ 1);
+      uint16_t* dst =
+          reinterpret_cast<uint16_t*>(smem + L::kScaleOffset + stage * L::kScaleStageBytes);
+#pragma unroll
+      for (int i = 0; i < (kRows + kScaleLoaders - 1) / kScaleLoaders; ++i) {
+        const int r = lt + i * kScaleLoaders;
+        if (r >= kRows) break;
+        const bool is_a = r < kSm90TileM;
+        const int row = is_a ? at.m0 + r : at.n0 + (r - kSm90TileM);
+        uint32_t lo = 127u, hi = 127u;
+        if (row < (is_a ? g.mk : p.nk)) {
+          const uint8_t* src = (is_a ? sa : sb) + static_cast<int64_t>(row) * blocks + 2 * ks;
+          lo = __ldg(src);
+          if (2 * ks + 1 < blocks) hi = __ldg(src + 1);
+        }
+        dst[r] = static_cast<uint16_t>(lo | (hi << 8));
+      }
+      mbar_arrive(&full[stage]);
+      if (++stage == L::kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// 16 FP8 E4M3 codes at shared address `src` times 2^(code - 127) -> BF16 chunks 2c and 2c + 1 of
+// the swizzled row `row` that starts at `dst_row`.
+__device__ __forceinline__ void convert_chunk(uint32_t src, uint32_t dst_row, int row, int c,
+                                              uint32_t code) {
+  uint32_t w[4];
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(src));
+  const float sc = e8m0_to_f32(static_cast<uint8_t>(code));
+  uint32_t o[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    o[j] = gemm_convert::fp8x2_scaled_to_bf16x2<false>(w[j >> 1] >> (16 * (j & 1)), sc);
+  const uint32_t sw = static_cast<uint32_t>(row % 8);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
+                     dst_row + (((2 * static_cast<uint32_t>(c) + h) ^ sw) << 4)),
+                 "r"(o[4 * h]), "r"(o[4 * h + 1]), "r"(o[4 * h + 2]), "r"(o[4 * h + 3])
+                 : "memory");
+}
+
+// The fused main loop of one tile: per step, both consumer warpgroups wait until the wgmmas that
+// last read BF16 tile `buf` are done (named barrier 3 over both, after each one's wait_group 1),
+// convert the raw stage into it, fence it for the async proxy, meet again, release the raw stage
+// and issue the step's wgmmas, which run while the next step is converted into the other tile.
+template <int BN, int kCluster>
+__device__ __forceinline__ void mainloop_fused(uint32_t smem_base, uint64_t* full, uint64_t* empty,
+                                               int half, int t, int k_steps, float (&acc)[BN / 2],
+                                               int& stage, uint32_t& phase, uint32_t& buf) {
+  using L = Layout<BN, true>;
+  using S = FusedShare<BN>;
+  const int c = t % 4;
+  for (int ks = 0; ks < k_steps; ++ks) {
+    named_barrier_sync(3, 256);  // tile `buf` is no longer read by either warpgroup
+    mbar_wait(&full[stage], phase);
+    const uint32_t raw = smem_base + stage * L::kStageBytes;
+    const uint32_t tile = smem_base + L::kTileOffset + buf * L::kTileBytes;
+    const uint32_t codes = smem_base + L::kScaleOffset + stage * L::kScaleStageBytes + (c / 2);
+#pragma unroll
+    for (int j = 0; j < S::kItems; ++j) {
+      const bool is_a = j < S::kARows;
+      const int row = is_a ? 64 * half + t / 4 + 32 * j
+                           : (BN / 2) * half + t / 4 + 32 * (j - S::kARows);
+      const uint32_t src = raw + (is_a ? 0 : L::kABytes) + row * kSm90TileK + c * 16;
+      const uint32_t dst = tile + (is_a ? 0 : L::kTileABytes) + row * 128;
+      convert_chunk(src, dst, row, c, ld_shared_u8(codes + 2 * (is_a ? row : kSm90TileM + row)));
+    }
+    fence_async_shared();
+    named_barrier_sync(3, 256);  // the BF16 tile is complete; the raw stage has been read
+    if (t == 0) release_stage<kCluster>(&empty[stage]);
+    const uint32_t sa = tile + half * kBlockBytes;
+    const uint32_t sb = tile + L::kTileABytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSm90TileK / 16; ++kk) {
+      const uint64_t da = wgmma_desc(sa + kk * 32, 16, 1024);
+      const uint64_t db = wgmma_desc(sb + kk * 32, 16, 1024);
+      wgmma_step<BN, 0, 0>(acc, da, db, (ks | kk) != 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous step's wgmmas are done: its tile may be rewritten
+    buf ^= 1;
+    if (++stage == L::kStages) stage = 0, phase ^= 1;
+  }
+  wgmma_wait<0>();
+}
+
+// The main loop of one tile on BF16 operands: per step, wait for the TMA stage, issue its
+// wgmmas, and release the previous stage once its wgmmas are done.
 template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
-__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t* full,
-                                        uint64_t* empty, int rank, int half, int t) {
-  using L = Layout<BN>;
+__device__ __forceinline__ void mainloop_tma(uint32_t smem_base, uint64_t* full, uint64_t* empty,
+                                             int half, int t, int k_steps, float (&acc)[BN / 2],
+                                             int& stage, uint32_t& phase) {
+  using L = Layout<BN, false>;
   constexpr int kTransA = kAKMajor ? 0 : 1, kTransB = kBKMajor ? 0 : 1;
   // Descriptor steps per k16: 32 B inside the swizzle row (K-major), two 8-row atoms (MN-major).
   constexpr uint32_t kStepA = kAKMajor ? 32 : 2048, kStepB = kBKMajor ? 32 : 2048;
   constexpr uint32_t kLboA = kAKMajor ? 16 : kBlockBytes, kLboB = kBKMajor ? 16 : kBlockBytes;
+  int prev = 0;
+  for (int ks = 0; ks < k_steps; ++ks) {
+    mbar_wait(&full[stage], phase);
+    // This warpgroup's 64 rows of A: the second 8 KB (64 rows x 128 B, or the second MN box).
+    const uint32_t sa = smem_base + stage * L::kStageBytes + half * kBlockBytes;
+    const uint32_t sb = smem_base + stage * L::kStageBytes + L::kABytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSm90TileK / 16; ++kk) {
+      const uint64_t da = wgmma_desc(sa + kk * kStepA, kLboA, 1024);
+      const uint64_t db = wgmma_desc(sb + kk * kStepB, kLboB, 1024);
+      wgmma_step<BN, kTransA, kTransB>(acc, da, db, (ks | kk) != 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+    if (ks > 0) {
+      wgmma_wait<1>();  // the previous step's wgmmas are done: its stage is free
+      if (t == 0) release_stage<kCluster>(&empty[prev]);
+    }
+    prev = stage;
+    if (++stage == L::kStages) stage = 0, phase ^= 1;
+  }
+  wgmma_wait<0>();
+  if (t == 0) release_stage<kCluster>(&empty[prev]);
+}
+
+// Consumer warpgroup `half` (0: tile rows [0, 64), 1: [64, 128)), thread t of it.
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
+__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t* full,
+                                        uint64_t* empty, int rank, int half, int t) {
+  using L = Layout<BN, kFused>;
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t epi = smem_base + L::kEpiOffset + half * kEpiBytes;
   uint8_t* epi_ptr = smem + L::kEpiOffset + half * kEpiBytes;
@@ -225,46 +424,18 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t
   float acc[BN / 2];
   int stage = 0;
   uint32_t phase = 0;
+  uint32_t buf = 0;  // fused: the BF16 tile the next step converts into
   for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
     GroupTiles g;
     const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
     const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
-    int prev = 0;
-    for (int ks = 0; ks < k_steps; ++ks) {
-      mbar_wait(&full[stage], phase);
-      // This warpgroup's 64 rows of A: the second 8 KB (64 rows x 128 B, or the second MN box).
-      const uint32_t sa = smem_base + stage * L::kStageBytes + half * kBlockBytes;
-      const uint32_t sb = smem_base + stage * L::kStageBytes + L::kABytes;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kSm90TileK / 16; ++kk) {
-        const uint64_t da = wgmma_desc(sa + kk * kStepA, kLboA, 1024);
-        const uint64_t db = wgmma_desc(sb + kk * kStepB, kLboB, 1024);
-        wgmma_step<BN, kTransA, kTransB>(acc, da, db, (ks | kk) != 0 ? 1u : 0u);
-      }
-      wgmma_commit();
-      if (ks > 0) {
-        wgmma_wait<1>();  // the previous step's wgmmas are done: its stage is free
-        if (t == 0) {
-          if constexpr (kCluster == 2) {
-            mbar_arrive_cluster(&empty[prev], 0);
-            mbar_arrive_cluster(&empty[prev], 1);
-          } else {
-            mbar_arrive(&empty[prev]);
-          }
-        }
-      }
-      prev = stage;
-      if (++stage == L::kStages) stage = 0, phase ^= 1;
-    }
-    wgmma_wait<0>();
-    if (t == 0) {
-      if constexpr (kCluster == 2) {
-        mbar_arrive_cluster(&empty[prev], 0);
-        mbar_arrive_cluster(&empty[prev], 1);
-      } else {
-        mbar_arrive(&empty[prev]);
-      }
+    if constexpr (kFused) {
+      static_assert(kAKMajor && kBKMajor, "fused MXFP8 operands are K-major (fprop)");
+      mainloop_fused<BN, kCluster>(smem_base, full, empty, half, t, k_steps, acc, stage, phase,
+                                   buf);
+    } else {
+      mainloop_tma<BN, kAKMajor, kBKMajor, kCluster>(smem_base, full, empty, half, t, k_steps, acc,
+                                                     stage, phase);
     }
 
     // Epilogue: the fragment (row 16 warp + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)) is
@@ -337,9 +508,9 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t
   if (t == 0) bulk_wait_all<false>();
 }
 
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __grid_constant__ Params p) {
-  using L = Layout<BN>;
+  using L = Layout<BN, kFused>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
@@ -348,7 +519,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      mbar_init(&full[s], 1);               // the producer's expect_tx arrival (+ the bytes)
+      // the producer's expect_tx arrival (+ the bytes); fused: + each scale loader's
+      mbar_init(&full[s], 1 + (kFused ? kScaleLoaders : 0));
       mbar_init(&empty[s], 2 * kCluster);   // each consumer warpgroup of the cluster
     }
     mbar_init_fence();
@@ -359,11 +531,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
     __syncthreads();
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   if (wg == 0) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster>(p, smem, full, empty, rank);
+    setmaxnreg_dec<kProducerRegs<kFused>>();
+    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, smem, full, empty, rank);
+    if constexpr (kFused)
+      if (t >= 128 - kScaleLoaders) load_scales<BN, kCluster>(p, smem, full, empty, rank, t - 32);
   } else {
-    setmaxnreg_inc<kConsumerRegs>();
-    consume<BN, kAKMajor, kBKMajor, kCluster>(p, smem, full, empty, rank, wg - 1, t);
+    setmaxnreg_inc<kConsumerRegs<kFused>>();
+    consume<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, smem, full, empty, rank, wg - 1, t);
   }
   // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster == 2) cluster_sync();
@@ -371,22 +545,25 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
 
 // ---- host ---------------------------------------------------------------------------------------
 
-// 2-D tensor (outer, inner) row-major of BF16 or FP32, box (box_outer, box_inner), 128-byte swizzle.
+// Element type of a tensor map: BF16 and FP32 with 128-byte swizzle, FP8 bytes without swizzle.
+enum class MapElem { kBf16, kF32, kU8 };
+
+// 2-D tensor (outer, inner) row-major, box (box_outer, box_inner).
 struct MapKey {
   const void* ptr;
   int64_t inner, outer;
   int box_inner, box_outer;
-  bool f32;
+  MapElem elem;
   bool operator==(const MapKey& o) const {
     return ptr == o.ptr && inner == o.inner && outer == o.outer && box_inner == o.box_inner &&
-           box_outer == o.box_outer && f32 == o.f32;
+           box_outer == o.box_outer && elem == o.elem;
   }
 };
 struct MapKeyHash {
   size_t operator()(const MapKey& k) const {
     size_t h = std::hash<const void*>()(k.ptr);
     for (int64_t v : {k.inner, k.outer, static_cast<int64_t>(k.box_inner),
-                      static_cast<int64_t>(k.box_outer), static_cast<int64_t>(k.f32)})
+                      static_cast<int64_t>(k.box_outer), static_cast<int64_t>(k.elem)})
       h = h * 0x9E3779B97F4A7C15ull + static_cast<size_t>(v);
     return h;
   }
@@ -401,20 +578,23 @@ class MapCache {
     if (it != maps_.end()) return it->second;
     if (maps_.size() >= kMaxMaps) maps_.clear();
     CUtensorMap m;
-    const int el = k.f32 ? 4 : 2;
+    const int el = k.elem == MapElem::kF32 ? 4 : k.elem == MapElem::kBf16 ? 2 : 1;
+    const CUtensorMapDataType type = k.elem == MapElem::kF32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                     : k.elem == MapElem::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                : CU_TENSOR_MAP_DATA_TYPE_UINT8;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k.inner), static_cast<cuuint64_t>(k.outer)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k.inner) * el};
     const cuuint32_t box[2] = {static_cast<cuuint32_t>(k.box_inner),
                                static_cast<cuuint32_t>(k.box_outer)};
     const cuuint32_t elem_strides[2] = {1, 1};
     const CUresult r = encode()(
-        &m, k.f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-        const_cast<void*>(k.ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    PACKMOE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r)
-                                         << ") for a (" << k.outer << ", " << k.inner << ") "
-                                         << (k.f32 ? "FP32" : "BF16") << " tensor");
+        &m, type, 2, const_cast<void*>(k.ptr), dims, strides, box, elem_strides,
+        CU_TENSOR_MAP_INTERLEAVE_NONE,
+        k.elem == MapElem::kU8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    PACKMOE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ("
+                                         << static_cast<int>(r) << ") for a (" << k.outer << ", "
+                                         << k.inner << ") tensor of " << el << "-byte elements");
     return maps_.emplace(k, m).first->second;
   }
 
@@ -451,10 +631,10 @@ int env_int(const char* name) {
   return v != nullptr ? std::atoi(v) : 0;
 }
 
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused = false>
 void launch(CudaBackend& be, const Params& p) {
-  auto kernel = grouped_gemm_sm90_kernel<BN, kAKMajor, kBKMajor, kCluster>;
-  constexpr int kSmem = Layout<BN>::kSmemBytes;
+  auto kernel = grouped_gemm_sm90_kernel<BN, kAKMajor, kBKMajor, kCluster, kFused>;
+  constexpr int kSmem = Layout<BN, kFused>::kSmemBytes;
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -482,14 +662,17 @@ void launch(CudaBackend& be, const Params& p) {
   const int64_t limit = cap > 0 ? std::max(kCluster, cap / kCluster * kCluster) : resident;
   const int64_t grid = std::min<int64_t>(static_cast<int64_t>(p.total_units) * kCluster, limit);
   if (std::getenv("PACKMOE_GEMM_SM90_VERBOSE") != nullptr)
-    std::fprintf(stderr, "grouped_gemm_sm90: BN %d cluster %d, %d units, grid %lld (resident %d)\n",
-                 BN, kCluster, p.total_units, static_cast<long long>(grid), resident);
+    std::fprintf(stderr,
+                 "grouped_gemm_sm90: BN %d cluster %d%s, %d units, grid %lld (resident %d)\n", BN,
+                 kCluster, kFused ? " fused MXFP8" : "", p.total_units,
+                 static_cast<long long>(grid), resident);
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   PACKMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 template <int BN, int kCluster>
-void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k) {
+void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k, bool fused) {
+  if (fused) return launch<BN, true, true, kCluster, true>(be, p);
   if (a_k && b_k) return launch<BN, true, true, kCluster>(be, p);
   if (a_k && !b_k) return launch<BN, true, false, kCluster>(be, p);
   if (!a_k && !b_k) return launch<BN, false, false, kCluster>(be, p);
@@ -517,10 +700,12 @@ bool sm90_gemm_shape_ok(const Sm90Gemm& p) {
   if (p.nk <= 0 || p.nk % 8 != 0 || p.nk >= kMax) return false;
   if (p.a_k_major == false && p.b_k_major == true) return false;
   if (p.accumulate && p.out_bf16) return false;
+  if (p.mxfp8_e4m3 && !(p.a_k_major && p.b_k_major)) return false;
   for (size_t g = 0; g < p.mk.size(); ++g) {
     const int64_t mk = p.mk[g], kred = p.kred[g];
     if (mk <= 0 || kred <= 0) continue;
     if (mk >= kMax || kred >= kMax) return false;
+    if (p.mxfp8_e4m3 && kred % kScaleBlock != 0) return false;
     if ((p.a_k_major ? kred : mk) % 8 != 0) return false;  // A row length
     if (p.b_k_major && kred % 8 != 0) return false;         // B row length (else nk)
   }
@@ -538,9 +723,11 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   const int bn = tiles.bn, cl = tiles.cluster;
   const int64_t n_tiles = (p.nk + bn - 1) / bn;
   const bool f32_out = !p.out_bf16;
+  const bool fused = p.mxfp8_e4m3;
 
   std::vector<GroupTiles> table;
   std::vector<CUtensorMap> amaps, bmaps, cmaps;
+  std::vector<const void*> a_scale, b_scale;  // fused: per table row
   int64_t total = 0;
   {
     MapCache& cache = map_cache();
@@ -550,31 +737,46 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
       if (mk <= 0 || kred <= 0) continue;
       PACKMOE_CHECK(aligned16(p.a[g]) && aligned16(p.b[g]) && aligned16(p.out[g]),
                     "grouped_gemm_sm90: group " << g << " has a pointer off 16-byte alignment");
+      PACKMOE_CHECK(!fused || (p.a_scale[g] != nullptr && p.b_scale[g] != nullptr),
+                    "grouped_gemm_sm90: group " << g << " has no MXFP8 scales");
       const int64_t m_tiles = (mk + kSm90TileM - 1) / kSm90TileM;
       const int64_t units = m_tiles / cl * n_tiles + (m_tiles % cl) * ((n_tiles + cl - 1) / cl);
       table.push_back(GroupTiles{static_cast<int32_t>(mk), static_cast<int32_t>(kred),
                                  static_cast<int32_t>(total), static_cast<int32_t>(m_tiles),
                                  sm90_band(bn, kred, n_tiles), static_cast<int32_t>(g)});
       total += units;
-      amaps.push_back(p.a_k_major ? cache.get({p.a[g], kred, mk, kBox, 64, false})
-                                  : cache.get({p.a[g], mk, kred, kBox, kSm90TileK, false}));
-      bmaps.push_back(p.b_k_major ? cache.get({p.b[g], kred, p.nk, kBox, bn / 2, false})
-                                  : cache.get({p.b[g], p.nk, kred, kBox, kSm90TileK, false}));
-      cmaps.push_back(cache.get({p.out[g], p.nk, mk, f32_out ? 32 : 64, 64, f32_out}));
+      const MapElem in = fused ? MapElem::kU8 : MapElem::kBf16;
+      amaps.push_back(p.a_k_major ? cache.get({p.a[g], kred, mk, kBox, 64, in})
+                                  : cache.get({p.a[g], mk, kred, kBox, kSm90TileK, in}));
+      bmaps.push_back(p.b_k_major ? cache.get({p.b[g], kred, p.nk, kBox, bn / 2, in})
+                                  : cache.get({p.b[g], p.nk, kred, kBox, kSm90TileK, in}));
+      cmaps.push_back(cache.get({p.out[g], p.nk, mk, f32_out ? 32 : 64, 64,
+                                 f32_out ? MapElem::kF32 : MapElem::kBf16}));
+      if (fused) {
+        a_scale.push_back(p.a_scale[g]);
+        b_scale.push_back(p.b_scale[g]);
+      }
     }
   }
   if (total == 0) return Status::ok();
   PACKMOE_CHECK(total < (int64_t{1} << 30), "grouped_gemm_sm90: " << total << " work units");
 
-  // One upload: [A maps][B maps][C maps][group table]; the staging buffers are 256-byte aligned
-  // and a CUtensorMap is 64-byte aligned.
+  // One upload: [A maps][B maps][C maps][group table][A scales][B scales] (the scale pointers
+  // only when fused); the staging buffers are 256-byte aligned, a CUtensorMap is 64-byte aligned
+  // and the table (24 bytes a row) ends 8-byte aligned.
   const size_t n = table.size();
   const size_t maps_bytes = n * sizeof(CUtensorMap);
-  std::vector<uint8_t> blob(3 * maps_bytes + n * sizeof(GroupTiles));
+  const size_t table_bytes = n * sizeof(GroupTiles), ptr_bytes = a_scale.size() * sizeof(void*);
+  static_assert(sizeof(GroupTiles) % 8 == 0, "the scale pointers follow the table 8-byte aligned");
+  std::vector<uint8_t> blob(3 * maps_bytes + table_bytes + 2 * ptr_bytes);
   std::memcpy(blob.data(), amaps.data(), maps_bytes);
   std::memcpy(blob.data() + maps_bytes, bmaps.data(), maps_bytes);
   std::memcpy(blob.data() + 2 * maps_bytes, cmaps.data(), maps_bytes);
-  std::memcpy(blob.data() + 3 * maps_bytes, table.data(), n * sizeof(GroupTiles));
+  std::memcpy(blob.data() + 3 * maps_bytes, table.data(), table_bytes);
+  if (fused) {
+    std::memcpy(blob.data() + 3 * maps_bytes + table_bytes, a_scale.data(), ptr_bytes);
+    std::memcpy(blob.data() + 3 * maps_bytes + table_bytes + ptr_bytes, b_scale.data(), ptr_bytes);
+  }
   const auto* dev = static_cast<const uint8_t*>(be.upload(blob.data(), blob.size()));
 
   Params k{};
@@ -589,10 +791,14 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   k.out_mode = p.out_bf16 ? 1 : p.accumulate ? 2 : 0;
   k.alpha_lhs = p.alpha_lhs;
   k.alpha_rhs = p.alpha_rhs;
-  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, p.a_k_major, p.b_k_major);
-  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, p.a_k_major, p.b_k_major);
-  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, p.a_k_major, p.b_k_major);
-  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, p.a_k_major, p.b_k_major);
+  if (fused) {
+    k.a_scale = reinterpret_cast<const uint8_t* const*>(dev + 3 * maps_bytes + table_bytes);
+    k.b_scale = reinterpret_cast<const uint8_t* const*>(dev + 3 * maps_bytes + table_bytes + ptr_bytes);
+  }
+  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, p.a_k_major, p.b_k_major, fused);
+  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, p.a_k_major, p.b_k_major, fused);
+  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, p.a_k_major, p.b_k_major, fused);
+  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, p.a_k_major, p.b_k_major, fused);
   return Status::ok();
 }
 
