@@ -110,12 +110,11 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
   }
   switch (cfg_.gather) {
     case GatherMode::kBf16:
-      bf16_image_.emplace(*be_, plan_.total() * sizeof(uint16_t));
-      be_->fill_zero(bf16_image_->get(), bf16_image_->size());
-      traffic_.all_gather_bytes = plan_.total() * static_cast<int64_t>(sizeof(uint16_t));
-      break;
     case GatherMode::kReuseGradBuffer:
-      traffic_.all_gather_bytes = plan_.total() * static_cast<int64_t>(sizeof(uint16_t));
+      // Reuse: the image lies in the grad buffer's memory (4 bytes per element of which it takes
+      // at most 2, at or below each element's own gradient), consumed by then.
+      bf16_class_.emplace(make_class(bf16_ratio(), cfg_.gather == GatherMode::kBf16));
+      traffic_.all_gather_bytes = bf16_class_->bytes;
       break;
     case GatherMode::kLowp:
       build_lowp_layout();
@@ -220,6 +219,18 @@ DistStepResult DistOptimizer::step(double max_norm) {
   return r;
 }
 
+void DistOptimizer::stage_bf16_image(uint8_t* image) {
+  const FlatRange sh = shard();
+  const float* master = static_cast<const float*>(master_.get());
+  for (const ShardPiece& piece : pieces_) {  // one cast per parameter piece
+    if (params_[piece.param].form == WeightForm::kFp32) continue;
+    auto* dst = reinterpret_cast<uint16_t*>(image + class_position(*bf16_class_, piece.offset));
+    check_op(be_->cast_f32_to_bf16(one_segment(master + (piece.offset - sh.begin), piece.count),
+                                   one_segment(dst, piece.count)),
+             "master shard to bf16");
+  }
+}
+
 void DistOptimizer::cast_shard_to_bf16(uint16_t* dst) {
   const int64_t n = shard().size();
   if (n == 0) return;
@@ -229,15 +240,24 @@ void DistOptimizer::cast_shard_to_bf16(uint16_t* dst) {
       "master shard to bf16");
 }
 
+std::vector<std::pair<int64_t, int64_t>> DistOptimizer::bf16_ratio() const {
+  std::vector<std::pair<int64_t, int64_t>> ratio;
+  for (const DistParam& d : params_)
+    ratio.push_back(d.form == WeightForm::kFp32 ? std::pair<int64_t, int64_t>{0, 1}
+                                                : std::pair<int64_t, int64_t>{2, 1});
+  return ratio;
+}
+
 void DistOptimizer::stage() {
   const FlatRange sh = shard();
   switch (cfg_.gather) {
     case GatherMode::kBf16:
-      cast_shard_to_bf16(static_cast<uint16_t*>(bf16_image_->get()) + sh.begin);
+      stage_bf16_image(static_cast<uint8_t*>(bf16_class_->buffer->get()));
       break;
     case GatherMode::kReuseGradBuffer:
-      // The shard's F32 gradients were consumed by AdamW; BF16 element x lands at byte 2x.
-      cast_shard_to_bf16(grads_.bf16_image() + sh.begin);
+      // The shard's F32 gradients were consumed by AdamW; element x's BF16 lands at or below
+      // byte 2x.
+      stage_bf16_image(reinterpret_cast<uint8_t*>(grads_.bf16_image()));
       break;
     case GatherMode::kLowp: {
       const auto* rows = static_cast<const uint16_t*>(shard_bf16_->get());
@@ -254,6 +274,7 @@ void DistOptimizer::stage() {
         comm_->all_reduce(amax, amax, amax_count_, ReduceOp::kMax);
       }
       for (const ShardPiece& piece : pieces_) {
+        if (params_[piece.param].form == WeightForm::kFp32) continue;  // made from the replica
         const GroupedParam& gp = *params_[piece.param].param;
         std::vector<void*> images;
         for (GatherClass& cls : lowp_)
@@ -286,9 +307,11 @@ void DistOptimizer::gather_params() {
     uint8_t* buf = static_cast<uint8_t*>(fp32_->buffer->get());
     comm_->all_gatherv(buf + class_position(*fp32_, sh.begin), buf, fp32_->counts);
     for (int p = 0; p < plan_.params(); ++p)
-      if (fp32_->offset[p] >= 0)
+      if (fp32_->offset[p] >= 0) {
         params_[p].param->write_master_replica(
             reinterpret_cast<const float*>(buf + fp32_->offset[p]));
+        params_[p].param->write_primary_from_replica();
+      }
   }
   if (cfg_.gather == GatherMode::kLowp) {
     for (GatherClass& cls : lowp_) {
@@ -297,6 +320,7 @@ void DistOptimizer::gather_params() {
     }
     const float* amax = amax_count_ > 0 ? static_cast<const float*>(amax_->get()) : nullptr;
     for (int p = 0; p < plan_.params(); ++p) {
+      if (params_[p].form == WeightForm::kFp32) continue;
       std::vector<const void*> images;
       for (const GatherClass& cls : lowp_)
         if (cls.offset[p] >= 0)
@@ -305,27 +329,28 @@ void DistOptimizer::gather_params() {
           images, amax_offset_[p] >= 0 ? amax + amax_offset_[p] : nullptr);
     }
   } else {
-    uint16_t* image = cfg_.gather == GatherMode::kBf16 ? static_cast<uint16_t*>(bf16_image_->get())
-                                                       : grads_.bf16_image();
-    std::vector<int64_t> bytes = plan_.shard_sizes();
-    for (int64_t& b : bytes) b *= static_cast<int64_t>(sizeof(uint16_t));
-    comm_->all_gatherv(image + sh.begin, image, bytes);
+    uint8_t* image = cfg_.gather == GatherMode::kBf16
+                         ? static_cast<uint8_t*>(bf16_class_->buffer->get())
+                         : reinterpret_cast<uint8_t*>(grads_.bf16_image());
+    comm_->all_gatherv(image + class_position(*bf16_class_, sh.begin), image, bf16_class_->counts);
     for (int p = 0; p < plan_.params(); ++p)
-      params_[p].param->write_primary_from_bf16(bf16_views(image, p));
+      if (params_[p].form != WeightForm::kFp32)
+        params_[p].param->write_primary_from_bf16(bf16_views(image, p));
   }
 }
 
-GroupedStorage DistOptimizer::bf16_views(const uint16_t* image, int p) const {
+GroupedStorage DistOptimizer::bf16_views(const uint8_t* image, int p) const {
   const GroupedParam& gp = *params_[p].param;
   const int64_t per_expert = gp.n() * gp.k();
+  const uint16_t* first = reinterpret_cast<const uint16_t*>(image + bf16_class_->offset[p]);
   std::vector<void*> views;
   for (int64_t e = 0; e < gp.experts(); ++e)
-    views.push_back(const_cast<uint16_t*>(image) + plan_.slot(p).offset + e * per_expert);
+    views.push_back(const_cast<uint16_t*>(first) + e * per_expert);
   return GroupedStorage::view(*be_, gp.layout(), views, per_expert * sizeof(uint16_t));
 }
 
 DistOptimizer::GatherClass DistOptimizer::make_class(
-    const std::vector<std::pair<int64_t, int64_t>>& ratio) {
+    const std::vector<std::pair<int64_t, int64_t>>& ratio, bool allocate) {
   GatherClass cls;
   const int count = plan_.params();
   cls.offset.assign(count, -1);
@@ -344,8 +369,10 @@ DistOptimizer::GatherClass DistOptimizer::make_class(
   for (int r = 0; r < plan_.world_size(); ++r)
     cls.counts.push_back(class_position(cls, plan_.shard(r).end) -
                          class_position(cls, plan_.shard(r).begin));
-  cls.buffer.emplace(*be_, cls.bytes);
-  be_->fill_zero(cls.buffer->get(), cls.bytes);  // alignment gaps travel too: keep them defined
+  if (allocate) {
+    cls.buffer.emplace(*be_, cls.bytes);
+    be_->fill_zero(cls.buffer->get(), cls.bytes);  // alignment gaps travel too: keep them defined
+  }
   return cls;
 }
 
@@ -354,6 +381,7 @@ void DistOptimizer::build_lowp_layout() {
   size_t classes = 0;
   amax_offset_.assign(count, -1);
   for (int p = 0; p < count; ++p) {
+    if (params_[p].form == WeightForm::kFp32) continue;  // only its replica travels
     const GroupedParam& gp = *params_[p].param;
     classes = std::max(classes, gp.packed_components().size());
     if (gp.needs_global_amax()) {
@@ -364,6 +392,7 @@ void DistOptimizer::build_lowp_layout() {
   for (size_t c = 0; c < classes; ++c) {  // component position c of every param
     std::vector<std::pair<int64_t, int64_t>> ratio(count, {0, 1});
     for (int p = 0; p < count; ++p) {
+      if (params_[p].form == WeightForm::kFp32) continue;
       const std::vector<PackedComponent> comps = params_[p].param->packed_components();
       if (c < comps.size()) ratio[p] = {comps[c].bytes_num, comps[c].bytes_den};
     }

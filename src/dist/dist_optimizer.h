@@ -43,7 +43,8 @@ struct DistOptimizerConfig {
 enum class WeightForm : uint8_t {
   kPrimary,  // the primary weight (BF16 or quantized): gathered in the optimizer's mode
   // The FP32 weight itself (norms, the embedding table: nn/layer_ops.h f32_weight): every rank
-  // keeps a full FP32 replica (MasterState::kReplicated), refreshed by an FP32 all-gather.
+  // keeps a full FP32 replica (MasterState::kReplicated), refreshed by an FP32 all-gather; its
+  // primary (a tied LM head's GEMM weight) is made from the replica on every rank, not gathered.
   kFp32,
 };
 
@@ -147,13 +148,21 @@ class DistOptimizer {
 
   void check_between_steps(const char* what) const;
   void stage();  // masters -> the mode's gather source; params await the gather
-  // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none.
-  GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio);
+  // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none. The
+  // class owns a zeroed buffer unless `allocate` is false (reuse-grad-buffer: the grad buffer).
+  GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio,
+                         bool allocate = true);
+  // {2, 1} for params whose primary travels, {0, 1} for WeightForm::kFp32 ones (theirs is made
+  // from the gathered replica).
+  std::vector<std::pair<int64_t, int64_t>> bf16_ratio() const;
   void build_lowp_layout();
   // Byte position in a class buffer of flat buffer position `flat` (a legal shard boundary).
   int64_t class_position(const GatherClass& cls, int64_t flat) const;
-  GroupedStorage bf16_views(const uint16_t* image, int p) const;  // param p's (E, N, K) BF16
-  void cast_shard_to_bf16(uint16_t* dst);                         // (shard size) BF16
+  // Param p's (E, N, K) BF16 in a class image (bf16_class_ layout).
+  GroupedStorage bf16_views(const uint8_t* image, int p) const;
+  // The shard's pieces of primary-form params, cast to BF16 at their class positions in `image`.
+  void stage_bf16_image(uint8_t* image);
+  void cast_shard_to_bf16(uint16_t* dst);  // (shard size) BF16
 
   Communicator* comm_;
   Backend* be_;
@@ -176,10 +185,11 @@ class DistOptimizer {
   std::vector<bool> param_ready_;    // (P) while armed
   bool overlap_armed_ = false;
 
-  // kBf16: (total) BF16 image of the flat buffer. kLowp: the shard's BF16 rows, the per-expert
+  // kBf16 / kReuseGradBuffer: the BF16 image of the primary-form params (kBf16: its own buffer;
+  // reuse: laid out in the grad buffer's memory). kLowp: the shard's BF16 rows, the per-expert
   // amax of every NVFP4 param ((sum E) F32; amax_offset[p] its slice, -1 for others) and one
-  // gather buffer per component position.
-  std::optional<DeviceBuffer> bf16_image_;
+  // gather buffer per component position. WeightForm::kFp32 params travel only as replicas.
+  std::optional<GatherClass> bf16_class_;
   std::optional<DeviceBuffer> shard_bf16_;
   std::optional<DeviceBuffer> amax_;
   std::vector<int64_t> amax_offset_;

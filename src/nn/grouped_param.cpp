@@ -276,6 +276,12 @@ void GroupedParam::write_master_replica(const float* f32) {
     backend_->copy(master_.group(e), f32 + e * n_ * k_, bytes, Backend::CopyKind::kDeviceToDevice);
 }
 
+void GroupedParam::write_primary_from_replica() {
+  PACKMOE_CHECK(master_state_ == MasterState::kReplicated,
+                "write_primary_from_replica: the master is " << master_state_name(master_state_));
+  write_primary_from(master_);
+}
+
 void GroupedParam::bind_main_grad(const std::vector<void*>& views) {
   PACKMOE_CHECK(grad_state_ == GradState::kSettled,
                 "bind_main_grad with a delayed wgrad pending would lose it");

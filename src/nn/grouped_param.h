@@ -176,6 +176,9 @@ class GroupedParam {
   void replicate_master();
   // kReplicated: the full FP32 copy = f32 (E*N*K F32, the backend's memory).
   void write_master_replica(const float* f32);
+  // kReplicated: the primary from the replica, as requantize_from_master makes it from a master
+  // (what a BF16 gather of this param would bring, without the traffic). -> kCurrent.
+  void write_primary_from_replica();
   // main_grad becomes E views (N*K F32 each; consecutive in kSingle) of memory the caller owns, a
   // data-parallel grad buffer; the param's own main_grad is freed (kOwned -> kBound). Needs no
   // pending wgrad.
