@@ -42,11 +42,9 @@ Sm90Tiles choose_sm90_tiles(const std::vector<int64_t>& mk, const std::vector<in
   return Sm90Tiles{narrow < wide ? 128 : 256, 2};
 }
 
-int32_t sm90_band(int bn, int64_t kred, int64_t n_tiles) {
-  constexpr int64_t kBandBytes = int64_t{16} << 20;
-  const int64_t b_tile = static_cast<int64_t>(bn) * kred * 2;
-  return static_cast<int32_t>(std::clamp<int64_t>(kBandBytes / std::max<int64_t>(b_tile, 1), 1,
-                                                  std::max<int64_t>(n_tiles, 1)));
+std::vector<int64_t> sm90_uniform_split(int64_t capacity, int64_t groups, int64_t align) {
+  const int64_t per = (capacity / std::max<int64_t>(groups, 1) + align - 1) / align * align;
+  return std::vector<int64_t>(static_cast<size_t>(groups), std::max(per, align));
 }
 
 }  // namespace packmoe
