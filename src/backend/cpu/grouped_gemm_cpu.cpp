@@ -2,7 +2,8 @@
 // exactly to FP32 in its LOGICAL layout (X (m, K), dY (m, N), W (N, K)), whatever copy is stored,
 // one token panel at a time, and multiplied with OpenBLAS sgemm (FP32 accumulation). Invariant: a
 // group's arithmetic depends only on (op, format, m_g, N, K) and its values, never on where its
-// pointers live, so packed (E, N, K) and per-expert buffers give the same bytes.
+// pointers live, so packed (E, N, K) and per-expert buffers give the same bytes. Token counts in
+// "device" memory (host memory here) are checked and run as host counts on per-group pointers.
 #include <cblas.h>
 
 #include <algorithm>

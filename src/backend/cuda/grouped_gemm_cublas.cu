@@ -6,8 +6,11 @@
 // dequantizes in its loader to the same BF16 values (use_fused_mxfp8). Invariant: the
 // implementation and a group's algorithm are functions of (op, m_g, N, K, out dtype) only, never
 // of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the same
-// bytes. Host synchronisation: only when `m_device` is given
-// (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
+// bytes. Host synchronisation: when a cached device buffer has to grow, and for `m_device` calls
+// off the sm_90a path (other GPUs, PACKMOE_GEMM_IMPL=cublas, shapes or pointers the kernel does
+// not take, more than kSm90MaxDeviceGroups groups: the G counts are copied to the host). On the
+// sm_90a path an m_device call never synchronises after its first run (which makes its device
+// state) and can be captured in a CUDA graph ("token counts in device memory" below).
 //
 // The dequantize is this file's bandwidth-oriented BF16 kernel (hardware FP8 -> F16 converts,
 // a persistent grid, 8 x 8 elements a thread per tile) when the copies are 16-byte aligned, else the backend's

@@ -848,6 +848,8 @@ Sm90Tiles sm90_device_tiles(CudaBackend& be, const Sm90DeviceGemm& p) {
 
 // One allocation: [A templates][B templates][C templates][A maps][B maps][C maps] (G each),
 // [table (G)][work][B scale pointers per group (G)][A scale rows (G)][B scale rows (G)].
+static_assert(kSm90MaxDeviceGroups <= kMaxScheduleGroups, "the schedule kernel holds every group");
+
 struct Sm90DevicePlan {
   Sm90DeviceGemm p;
   uint8_t* memory = nullptr;

@@ -5,7 +5,8 @@
 // large problems; narrow ones when nk is small or padding to 256 wastes a column block, or when
 // there are too few tiles to fill the grid. Clusters of 2 always: a pair shares its B (or A)
 // tile through TMA multicast, a third less L2 -> shared memory traffic per CTA (measured on the
-// H200: 560-615 TFLOP/s without, 630-660 with, on the large shapes; docs/gemm-sm90.md).
+// H200: 560-615 TFLOP/s without, 630-660 with, on the large shapes; docs/gemm-sm90.md). Calls
+// whose token counts stay on the device choose from an even split of their capacity instead.
 #include "backend/cuda/grouped_gemm_sm90_tiles.h"
 
 #include <algorithm>
