@@ -391,8 +391,13 @@ class GemmState {
   GrowBuffer scratch;  // dequantized / staged operands and staged outputs
   GrowBuffer ones;     // (G,) 1.0f: NVFP4 decode scales for dequantizing e2m1 * e4m3 only
   GrowBuffer alpha;    // (G, rows of D) NVFP4 alpha vectors
-  // m_device calls on the sm_90a path, by signature (DeviceCallKey): never freed or reused.
+  // m_device calls on the sm_90a path, by signature (device_call_key): never freed or reused.
   std::map<std::vector<uintptr_t>, DeviceCall> device_calls;
+  // BF16 copies of their quantized operands: one buffer shared by every signature (their work
+  // runs in stream order), replaced by a larger one when a new signature needs more; the old
+  // ones stay allocated for the signatures (and captured graphs) that use them.
+  uint8_t* device_scratch = nullptr;
+  size_t device_scratch_bytes = 0;
 
   cublasLtHandle_t lt() const { return lt_; }
   void* cublas_workspace() const { return cublas_ws_; }
@@ -887,10 +892,12 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
 // buffer: the packed layout is the per-group layouts back to back, so this writes group g's BF16
 // values at off_g exactly where a per-group dequantize would), the device schedule and the GEMM.
 // Nothing reads the counts on the host. Everything the launches read besides their parameters
-// (dequantize tables, BF16 scratch, map templates, the schedule's output) belongs to the call's
-// DeviceCall, made on the first call with that signature (outside graph capture: it encodes,
-// allocates and uploads) and kept, unchanged, for the life of the process: a captured graph can
-// be replayed with new counts and operand values for as long as the pointers it names live.
+// (dequantize tables, map templates, the schedule's output) belongs to the call's DeviceCall,
+// made on the first call with that signature (outside graph capture: it encodes, allocates and
+// uploads) and kept, unchanged, for the life of the process; the BF16 scratch is shared by all
+// signatures (GemmState::device_scratch), so their work, graph replays included, must run in
+// order on the backend's stream. A captured graph can be replayed with new counts and operand
+// values for as long as the pointers it names live.
 
 constexpr size_t kMaxDeviceCalls = 16384;  // signatures kept (each a few KB plus its scratch)
 
@@ -1030,7 +1037,8 @@ DeviceDequant make_device_dequant(const GemmOperand& o, const std::vector<Stored
   return d;
 }
 
-DeviceCall make_device_call(CudaBackend& be, const GroupedGemmArgs& a, Sm90Tiles tiles, bool fused) {
+DeviceCall make_device_call(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
+                            Sm90Tiles tiles, bool fused) {
   const size_t G = static_cast<size_t>(a.groups);
   const OperandFormat f = a.lhs.format;
   const bool wgrad = a.op == GemmOp::kWgrad;
@@ -1046,8 +1054,12 @@ DeviceCall make_device_call(CudaBackend& be, const GroupedGemmArgs& a, Sm90Tiles
     const size_t rhs_group = round_up(static_cast<size_t>(rhs_sh.rows * rhs_sh.cols) * 2,
                                       Config::kScratchAlign);
     const size_t rhs_groups = wgrad ? 1 : G;
-    uint8_t* scratch = nullptr;
-    PACKMOE_CUDA_CHECK(cudaMalloc(&scratch, lhs_bytes + rhs_groups * rhs_group));
+    const size_t need = lhs_bytes + rhs_groups * rhs_group;
+    if (st.device_scratch_bytes < need) {  // never freed: earlier signatures may still use it
+      PACKMOE_CUDA_CHECK(cudaMalloc(&st.device_scratch, need));
+      st.device_scratch_bytes = need;
+    }
+    uint8_t* scratch = st.device_scratch;
     call.lhs = make_device_dequant(a.lhs, {lhs_cap}, {scratch});
     std::vector<uint8_t*> rhs_out;
     for (size_t g = 0; g < rhs_groups; ++g) rhs_out.push_back(scratch + lhs_bytes + g * rhs_group);
@@ -1087,7 +1099,7 @@ Result<bool> run_device_counts(CudaBackend& be, GemmState& st, const GroupedGemm
       return Status::error("grouped_gemm: more than " + std::to_string(kMaxDeviceCalls) +
                            " distinct m_device call signatures (their device state is kept for "
                            "CUDA graphs and never freed)");
-    it = st.device_calls.emplace(key, make_device_call(be, a, tiles, fused)).first;
+    it = st.device_calls.emplace(key, make_device_call(be, st, a, tiles, fused)).first;
   }
   const DeviceCall& call = it->second;
   const auto* m = static_cast<const int64_t*>(a.m_device);
