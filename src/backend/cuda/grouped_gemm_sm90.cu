@@ -946,7 +946,7 @@ Status grouped_gemm_sm90_device(CudaBackend& be, const Sm90DevicePlan& plan, con
                               p.a_scale.token_bytes, scale_rows};
   s.scales[1] = ScheduleScale{reinterpret_cast<const uint8_t* const*>(mem + plan.b_scale_in_at),
                               nullptr, 0, scale_rows + G};
-  sm90_schedule_kernel<<<1, kScheduleThreads, 0, be.stream()>>>(s);
+  sm90_schedule_kernel<<<schedule_ctas(p.groups), kScheduleThreads, 0, be.stream()>>>(s);
   PACKMOE_CUDA_CHECK_LAUNCH();
 
   Params k{};

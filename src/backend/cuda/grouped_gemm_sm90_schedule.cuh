@@ -3,8 +3,10 @@
 // it reads the G counts, checks them, and writes what the host builds from host counts: the table
 // of active groups (unit_begin prefix), the work counts, per-row scale pointers (fused MXFP8) and
 // the per-row TMA maps, copied from host-encoded templates with the token dimension patched by
-// tensormap.replace. Invariant: the table and maps equal the host-built ones for the same counts,
-// so both paths run the same tiles in the same summation order (the same bytes).
+// tensormap.replace. Several CTAs: each computes the (cheap) prefix sums itself and writes its
+// share of the maps; CTA 0 checks the counts and writes the table. Invariant: the table and maps
+// equal the host-built ones for the same counts, so both paths run the same tiles in the same
+// summation order (the same bytes).
 #pragma once
 
 #include <cuda.h>
@@ -61,6 +63,11 @@ struct ScheduleScale {
 
 constexpr int kScheduleThreads = 256;
 constexpr int kMaxScheduleGroups = 1024;
+// CTAs of the schedule launch for G groups: about one (row, map) item per warp, at most 3 G.
+inline int schedule_ctas(int64_t groups) {
+  const int64_t ctas = (3 * groups + kScheduleThreads / 32 - 1) / (kScheduleThreads / 32);
+  return static_cast<int>(ctas < 1 ? 1 : ctas > 132 ? 132 : ctas);
+}
 
 struct ScheduleParams {
   const int64_t* m;  // (G,) token counts in device memory
@@ -94,13 +101,14 @@ __global__ void __launch_bounds__(kScheduleThreads)
   __shared__ int32_t rows_s;
   __shared__ alignas(128) CUtensorMap staged[kScheduleThreads / 32];
   const int tid = threadIdx.x, G = p.groups;
+  const bool first = blockIdx.x == 0;  // checks the counts, writes the table
 
   // Counts and each group's units, in parallel.
   for (int g = tid; g < G; g += kScheduleThreads) {
     const int64_t mg = p.m[g];
-    if (mg < 0 || mg % p.align != 0)
+    if (first && (mg < 0 || mg % p.align != 0))
       schedule_fail("a count is negative or not a multiple of the alignment", g, mg, p.align);
-    if (mg > p.capacity) schedule_fail("a count exceeds m_capacity", g, mg, p.capacity);
+    if (first && mg > p.capacity) schedule_fail("a count exceeds m_capacity", g, mg, p.capacity);
     m_s[g] = mg;
     const int64_t mk = p.tokens_reduce ? p.fixed : mg;
     units_s[g] = mg > 0 ? static_cast<int32_t>(sm90_units((mk + kSm90TileM - 1) / kSm90TileM,
@@ -115,21 +123,23 @@ __global__ void __launch_bounds__(kScheduleThreads)
     for (int g = 0; g < G; ++g) {
       off_s[g] = sum;
       sum += m_s[g];
-      if (sum > p.capacity) schedule_fail("the counts sum past m_capacity", g, sum, p.capacity);
+      if (first && sum > p.capacity)
+        schedule_fail("the counts sum past m_capacity", g, sum, p.capacity);
       const int32_t u = units_s[g];
       units_s[g] = static_cast<int32_t>(units);
       units += u;
       if (m_s[g] > 0) group_of_row[rows++] = g;
     }
-    if (units >= (int64_t{1} << 30)) schedule_fail("too many work units", G - 1, units, 1 << 30);
+    if (first && units >= (int64_t{1} << 30))
+      schedule_fail("too many work units", G - 1, units, 1 << 30);
     rows_s = rows;
-    *p.work = Sm90Work{rows, static_cast<int32_t>(units)};
+    if (first) *p.work = Sm90Work{rows, static_cast<int32_t>(units)};
   }
   __syncthreads();
   const int rows = rows_s;
 
-  // The table and the scale pointers, a row per thread.
-  for (int r = tid; r < rows; r += kScheduleThreads) {
+  // The table and the scale pointers, a row per thread of CTA 0.
+  for (int r = tid; first && r < rows; r += kScheduleThreads) {
     const int g = group_of_row[r];
     const int64_t mg = m_s[g];
     const int64_t mk = p.tokens_reduce ? p.fixed : mg, kred = p.tokens_reduce ? mg : p.fixed;
@@ -141,16 +151,21 @@ __global__ void __launch_bounds__(kScheduleThreads)
         s.out[r] = s.per_group != nullptr ? s.per_group[g] : s.base + off_s[g] * s.token_bytes;
   }
 
-  // The maps: warp w takes (row, map) items w, w + warps, ...; lane 0 patches the template in
-  // shared memory, the whole warp copies it out with the release to the tensormap proxy.
+  // The maps: warp w of the grid takes (row, map) items w, w + warps, ...; lanes 0-7 copy the
+  // template into shared memory, lane 0 patches it, the whole warp copies it out with the
+  // release to the tensormap proxy.
+  constexpr int kWarps = kScheduleThreads / 32;
   const int warp = tid / 32, lane = tid % 32;
   const uint32_t stage = smem_addr(&staged[warp]);
-  for (int item = warp; item < 3 * rows; item += kScheduleThreads / 32) {
+  for (int item = blockIdx.x * kWarps + warp; item < 3 * rows; item += gridDim.x * kWarps) {
     const int r = item / 3;
     const ScheduleMap& mp = p.maps[item % 3];
     const int g = group_of_row[r];
+    if (lane < 8)
+      reinterpret_cast<uint4*>(&staged[warp])[lane] =
+          reinterpret_cast<const uint4*>(mp.templates + g)[lane];
+    __syncwarp();
     if (lane == 0) {
-      staged[warp] = mp.templates[g];
       if (mp.dim != TokenDim::kNone) {
         const uint32_t mg = static_cast<uint32_t>(m_s[g]);
         tensormap_set_address(stage, mp.base + static_cast<uint64_t>(off_s[g] * mp.token_bytes));
