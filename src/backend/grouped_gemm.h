@@ -54,7 +54,9 @@ struct GroupedGemmArgs {
   // The CPU backend checks the counts and returns an error. The CUDA backend on sm_90a reads them
   // only on the device (no host synchronisation; CUDA-graph capture works, docs/gemm-sm90.md):
   // a bad count there (negative, misaligned, sum over m_capacity) prints one line and traps the
-  // kernel, which ends the CUDA context. Elsewhere it copies the counts to the host first.
+  // kernel, which ends the CUDA context. Elsewhere it copies the counts to the host first (a
+  // synchronisation, not capturable). The host cannot tell which groups are empty, so every
+  // pointer of an m_device call must be valid.
   std::vector<int64_t> m;
   const void* m_device = nullptr;
   int64_t groups = 0;      // G (needed when m is on the device)

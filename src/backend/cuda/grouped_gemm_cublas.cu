@@ -335,8 +335,9 @@ class GrowBuffer {
   bool grown_ = false;
 };
 
-// The state of one m_device call signature on the sm_90a path (grouped_gemm_cublas below):
-// device memory kept for the life of the process, never reused by another signature.
+// The state of one m_device call signature on the sm_90a path (grouped_gemm_cublas below): its
+// dequantize tables and map plan live in device memory kept for the life of the process and
+// never reused by another signature (the BF16 scratch they point to is GemmState's, shared).
 struct DeviceDequant {
   const DequantGroup* table = nullptr;  // device, owned by the DeviceCall
   int count = 0;
