@@ -2,6 +2,7 @@
 #include "backend/grouped_gemm.h"
 
 #include <string>
+#include <type_traits>
 
 namespace packmoe {
 namespace {
@@ -49,6 +50,30 @@ int64_t gemm_token_alignment(OperandFormat f) {
   return 1;
 }
 
+TokenStrides token_strides(const GroupedGemmArgs& a) {
+  // Columns of the token-side matrices (one token = one row): lhs X (K) or dY (N), wgrad rhs X
+  // (K), out Y (N) or dX (K).
+  const int64_t lhs_cols = a.op == GemmOp::kFprop ? a.k : a.n;
+  auto data_bytes = [](const GemmOperand& o, int64_t cols) {
+    return o.format == OperandFormat::kBF16 ? 2 * cols
+           : o.format == OperandFormat::kMxfp8 ? cols : cols / 2;
+  };
+  auto scale_bytes = [](const GemmOperand& o, int64_t cols) -> int64_t {
+    return o.format == OperandFormat::kMxfp8 ? cols / 32
+           : o.format == OperandFormat::kNvfp4 ? cols / 16 : 0;
+  };
+  TokenStrides t;
+  t.lhs_data = data_bytes(a.lhs, lhs_cols);
+  t.lhs_scale = scale_bytes(a.lhs, lhs_cols);
+  if (a.op == GemmOp::kWgrad) {
+    t.rhs_data = data_bytes(a.rhs, a.k);
+    t.rhs_scale = scale_bytes(a.rhs, a.k);
+  } else {
+    t.out = (a.op == GemmOp::kFprop ? a.n : a.k) * (a.out_dtype == DType::kBF16 ? 2 : 4);
+  }
+  return t;
+}
+
 Status validate_token_source(const GroupedGemmArgs& a) {
   const bool have_m = !a.m.empty();
   const bool have_device = a.m_device != nullptr;
@@ -58,10 +83,84 @@ Status validate_token_source(const GroupedGemmArgs& a) {
   if (have_m && a.groups != 0 && a.groups != static_cast<int64_t>(a.m.size()))
     return Status::error("grouped_gemm: groups = " + std::to_string(a.groups) + " but m has " +
                          std::to_string(a.m.size()) + " entries");
+  if (have_m && a.m_capacity != 0)
+    return Status::error("grouped_gemm: m_capacity is for m_device calls only");
   if (have_device && a.groups <= 0)
     return Status::error("grouped_gemm: m_device needs groups > 0 (got " +
                          std::to_string(a.groups) + ")");
+  const int64_t align = gemm_token_alignment(a.lhs.format);
+  if (have_device && (a.m_capacity <= 0 || a.m_capacity % align != 0))
+    return Status::error("grouped_gemm: m_device needs m_capacity, the token rows of the packed "
+                         "buffers, positive and a multiple of " + std::to_string(align) +
+                         " (got " + std::to_string(a.m_capacity) + ")");
   return Status::ok();
+}
+
+Status validate_packed_tokens(const GroupedGemmArgs& a) {
+  const std::string ctx = std::string("grouped_gemm ") + op_text(a.op) + " (" +
+                          format_text(a.lhs.format) + ", m_device): ";
+  const size_t G = static_cast<size_t>(a.groups);
+  auto count = [&](size_t got, bool tokens, const char* what) -> Status {
+    const size_t want = tokens ? 1 : G;
+    if (got == want) return Status::ok();
+    return Status::error(ctx + what + (tokens ? " holds tokens: give one packed buffer, not "
+                                              : " is per group: give " + std::to_string(G) +
+                                                    " pointers, not ") +
+                         std::to_string(got));
+  };
+  const bool wgrad = a.op == GemmOp::kWgrad;
+  PACKMOE_RETURN_IF_ERROR(count(a.lhs.data.size(), true, "lhs"));
+  PACKMOE_RETURN_IF_ERROR(count(a.rhs.data.size(), wgrad, "rhs"));
+  if (a.lhs.format != OperandFormat::kBF16)
+    PACKMOE_RETURN_IF_ERROR(count(a.lhs.scale.size(), true, "lhs scale"));
+  if (a.rhs.format != OperandFormat::kBF16)
+    PACKMOE_RETURN_IF_ERROR(count(a.rhs.scale.size(), wgrad, "rhs scale"));
+  PACKMOE_RETURN_IF_ERROR(count(a.out.size(), !wgrad, "out"));
+  return Status::ok();
+}
+
+Status check_device_counts(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+  const int64_t align = gemm_token_alignment(a.lhs.format);
+  int64_t sum = 0;
+  for (size_t g = 0; g < m.size(); ++g) {
+    if (m[g] < 0 || m[g] % align != 0)
+      return Status::error("grouped_gemm: device token count m[" + std::to_string(g) + "] = " +
+                           std::to_string(m[g]) + " is not a non-negative multiple of " +
+                           std::to_string(align));
+    sum += m[g];
+    if (sum > a.m_capacity)
+      return Status::error("grouped_gemm: device token counts sum to more than m_capacity = " +
+                           std::to_string(a.m_capacity) + " (at group " + std::to_string(g) + ")");
+  }
+  return Status::ok();
+}
+
+GroupedGemmArgs expand_packed_tokens(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+  const TokenStrides ts = token_strides(a);
+  GroupedGemmArgs e = a;
+  e.m = m;
+  e.m_device = nullptr;
+  e.groups = 0;
+  e.m_capacity = 0;
+  auto spread = [&](const auto& one, int64_t stride, auto& dst) {
+    using Ptr = std::remove_cvref_t<decltype(dst[0])>;
+    const auto* base = static_cast<const uint8_t*>(one);
+    dst.clear();
+    int64_t off = 0;
+    for (int64_t mg : m) {
+      dst.push_back(const_cast<Ptr>(static_cast<const void*>(base + off * stride)));
+      off += mg;
+    }
+  };
+  spread(a.lhs.data[0], ts.lhs_data, e.lhs.data);
+  if (a.lhs.format != OperandFormat::kBF16) spread(a.lhs.scale[0], ts.lhs_scale, e.lhs.scale);
+  if (a.op == GemmOp::kWgrad) {
+    spread(a.rhs.data[0], ts.rhs_data, e.rhs.data);
+    if (a.rhs.format != OperandFormat::kBF16) spread(a.rhs.scale[0], ts.rhs_scale, e.rhs.scale);
+  } else {
+    spread(a.out[0], ts.out, e.out);
+  }
+  return e;
 }
 
 Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {

@@ -40,11 +40,27 @@ struct GroupedGemmArgs {
   GemmOp op = GemmOp::kFprop;
   int64_t n = 0;  // N: weight rows (out features)
   int64_t k = 0;  // K: weight columns (in features)
-  // Tokens per group: on the host (`m`) or in the backend's memory (`m_device`, (G,) int64; the
-  // CUDA backend copies it to the host once per call: a synchronisation).
+  // Tokens per group: on the host (`m`) or in the backend's memory (`m_device`: (G,) int64 with
+  // `groups` = G and `m_capacity`). Every m_g is a multiple of gemm_token_alignment(format).
+  //
+  // With `m_device` the token-side operands (fprop lhs X and out Y, dgrad lhs dY and out dX,
+  // wgrad lhs dY and rhs X) are ONE packed buffer each: give one data pointer (and one scale
+  // pointer) for them. Group g's part starts at token row off_g = sum_{h<g} m_h: the per-group
+  // compact layouts of the table above lie one after another, so it starts off_g * (bytes one
+  // token adds) into the buffer (token_strides below; e.g. MXFP8 columnwise scales (m/32, K) at
+  // row off_g/32, NVFP4 columnwise^T data (K, m_g/2) at byte off_g*K/2). Weight-side pointers
+  // (fprop/dgrad rhs W, wgrad out) stay G pointers. `m_capacity` (host) is how many token rows
+  // the packed buffers hold (a multiple of the alignment); the counts must sum to at most it.
+  // The CPU backend checks the counts and returns an error. The CUDA backend on sm_90a reads them
+  // only on the device (no host synchronisation; CUDA-graph capture works, docs/gemm-sm90.md):
+  // a bad count there (negative, misaligned, sum over m_capacity) prints one line and traps the
+  // kernel, which ends the CUDA context. Elsewhere it copies the counts to the host first (a
+  // synchronisation, not capturable). The host cannot tell which groups are empty, so every
+  // pointer of an m_device call must be valid.
   std::vector<int64_t> m;
   const void* m_device = nullptr;
-  int64_t groups = 0;  // G (needed when m is on the device)
+  int64_t groups = 0;      // G (needed when m is on the device)
+  int64_t m_capacity = 0;  // token rows of the packed buffers (m_device only)
   GemmOperand lhs;
   GemmOperand rhs;
   DType out_dtype = DType::kF32;  // kF32 or kBF16
@@ -59,8 +75,28 @@ struct GroupedGemmArgs {
 // NVFP4 16, BF16 1.
 int64_t gemm_token_alignment(OperandFormat f);
 
-// Exactly one of `m` / `m_device` is given, and `groups` agrees with it. Touches no memory.
+// Bytes one token adds to each token-side packed buffer (0: a weight-side operand, G pointers).
+struct TokenStrides {
+  int64_t lhs_data = 0, lhs_scale = 0;
+  int64_t rhs_data = 0, rhs_scale = 0;
+  int64_t out = 0;
+};
+TokenStrides token_strides(const GroupedGemmArgs& args);
+
+// Exactly one of `m` / `m_device` is given, `groups` agrees with it, and `m_capacity` is given
+// (a positive multiple of the alignment) exactly when m_device is. Touches no memory.
 Status validate_token_source(const GroupedGemmArgs& args);
+
+// m_device calls: one pointer per token-side operand, G per weight-side one. Touches no memory.
+Status validate_packed_tokens(const GroupedGemmArgs& args);
+
+// Host copies `m` of device counts: none negative, each a multiple of the alignment, the sum at
+// most m_capacity.
+Status check_device_counts(const GroupedGemmArgs& args, const std::vector<int64_t>& m);
+
+// The host-`m` form of an m_device call whose counts `m` are known: G per-group pointers into
+// the packed token buffers (group g at off_g times the token strides).
+GroupedGemmArgs expand_packed_tokens(const GroupedGemmArgs& args, const std::vector<int64_t>& m);
 
 // Shape / usage checks with clear messages; `m` are the host token counts. Touches no memory.
 Status validate_grouped_gemm(const GroupedGemmArgs& args, const std::vector<int64_t>& m);

@@ -1,14 +1,18 @@
 // CUDA grouped GEMM (backend/grouped_gemm.h) against an FP64 reference computed here from the very
 // bytes the GPU reads (operands quantized by the CPU quantizers, decoded in double with
 // core/codecs.h): relative Frobenius error <= 1e-5 for FP32 output. Every case runs on each
-// implementation (cuBLASLt, and the sm_90a wgmma kernel with its own tile choice, 256-wide tiles
-// on 2 clusters of 2 CTAs and 128-wide tiles on 1 CTA without a cluster, so CTAs walk many
-// tiles), each twice: packed
-// operands / host m and per-expert buffers / device m, and the two outputs must be the same bytes;
-// sentinel gaps catch writes outside a group's slice. MXFP8 E4M3 fprop through the sm_90a kernel's
-// fused loader (no pre-pass) must give the pre-pass's bytes. Skips when no GPU is visible.
+// implementation (cuBLASLt, and the sm_90a wgmma kernel with its own tile choice and forced tile
+// widths 256 / 128, clusters of 2 / 1 and small grids, so CTAs walk many tiles), each three ways:
+// packed operands / host m, per-expert buffers / host m, and packed token buffers / device m
+// (m_capacity past the last group, garbage in the unused rows); the three outputs must be the
+// same bytes, and the sm_90a variants must agree with each other byte for byte. Sentinel gaps
+// catch writes outside a group's slice. MXFP8 E4M3 fprop through the sm_90a kernel's fused
+// loader (no pre-pass) must give the pre-pass's bytes. Device counts: a call captured in a CUDA
+// graph (which fails on any host synchronisation) and replayed with new counts and values gives
+// the bytes of an eager host-m call. Skips when no GPU is visible.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -17,9 +21,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"  // the backend's stream, for CUDA-graph capture
 #include "backend/device_buffer.h"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
@@ -54,7 +62,8 @@ enum class Placement {
 
 class Regions {
  public:
-  Regions(Backend& gpu, const std::vector<size_t>& bytes, Placement pl) {
+  // `tail`: bytes kept after the last region (a packed token buffer's rows past the last group).
+  Regions(Backend& gpu, const std::vector<size_t>& bytes, Placement pl, size_t tail = 0) {
     size_t at = 0;
     for (size_t b : bytes) {
       if (pl != Placement::kPacked) at = (at + 64 + 255) / 256 * 256 + (pl == Placement::kMisaligned ? 2 : 0);
@@ -62,11 +71,17 @@ class Regions {
       size_.push_back(b);
       at += b;
     }
-    total_ = at + 256;
+    total_ = at + tail + 256;
     host_.assign(total_, kGap);
     dev_ = std::make_unique<DeviceBuffer>(gpu, total_);
   }
   uint8_t* host(size_t g) { return host_.data() + off_[g]; }
+  // Random bytes in the `bytes` after the last region (an input's unused tail: a read of it shows).
+  void garbage_after_last(size_t bytes, std::mt19937_64& rng) {
+    const size_t end = off_.back() + size_.back();
+    PACKMOE_CHECK(end + bytes <= total_, "garbage past the buffer");
+    for (size_t i = 0; i < bytes; ++i) host_[end + i] = static_cast<uint8_t>(rng());
+  }
   size_t size(size_t g) const { return size_[g]; }
   size_t groups() const { return off_.size(); }
   void upload() { dev_->upload(host_); }
@@ -289,6 +304,8 @@ const Variant kVariants[] = {
     {"sm90", "sm90", nullptr, nullptr, nullptr},
     {"sm90/n256/c2/4", "sm90", "256", "2", "4"},
     {"sm90/n128/c1/1", "sm90", "128", "1", "1"},
+    {"sm90/n256/c1", "sm90", "256", "1", nullptr},
+    {"sm90/n128/c2/2", "sm90", "128", "2", "2"},
 };
 const char* const kVariantVars[] = {"PACKMOE_GEMM_IMPL", "PACKMOE_GEMM_SM90_TILE_N",
                                     "PACKMOE_GEMM_SM90_CLUSTER", "PACKMOE_GEMM_SM90_CTAS"};
@@ -335,7 +352,21 @@ struct DevOperand {
   GemmOperand view;
 };
 
-DevOperand upload_operand(Backend& gpu, const HostOperand& h, Placement pl) {
+// Bytes one token adds to a token-side copy of `h` (data, scale): BF16 2 per column, MXFP8 1 and
+// 1/32, NVFP4 1/2 and 1/16; lcols is the token row length in every stored layout.
+std::pair<size_t, size_t> token_bytes(const HostOperand& h) {
+  const size_t c = static_cast<size_t>(h.lcols);
+  switch (h.format) {
+    case OperandFormat::kBF16: return {2 * c, 0};
+    case OperandFormat::kMxfp8: return {c, c / 32};
+    case OperandFormat::kNvfp4: return {c / 2, c / 16};
+  }
+  return {0, 0};
+}
+
+// `tail_tokens` > 0: a token-side operand for an m_device call, packed (group after group) with
+// that many token rows of random garbage after the last group, given as ONE pointer.
+DevOperand upload_operand(Backend& gpu, const HostOperand& h, Placement pl, size_t tail_tokens = 0) {
   DevOperand d;
   const size_t G = h.lrows.size();
   std::vector<size_t> db, sb;
@@ -345,20 +376,28 @@ DevOperand upload_operand(Backend& gpu, const HostOperand& h, Placement pl) {
                  : h.format == OperandFormat::kMxfp8 ? elems : elems / 2);
     sb.push_back(h.format == OperandFormat::kMxfp8 ? elems / 32 : elems / 16);
   }
-  d.data = std::make_unique<Regions>(gpu, db, pl);
+  const bool packed_tokens = tail_tokens > 0;
+  if (packed_tokens) pl = Placement::kPacked;
+  const auto [tok_data, tok_scale] = token_bytes(h);
+  std::mt19937_64 garbage(G * 7919 + tail_tokens);
+  d.data = std::make_unique<Regions>(gpu, db, pl, tail_tokens * tok_data);
   for (size_t g = 0; g < G; ++g)
     if (db[g]) std::memcpy(d.data->host(g), h.data[g].data(), db[g]);
+  if (packed_tokens) d.data->garbage_after_last(tail_tokens * tok_data, garbage);
   d.data->upload();
   d.view.format = h.format;
   d.view.element = h.element;
   d.view.data = d.data->cptrs();
+  if (packed_tokens) d.view.data.resize(1);
   if (h.format != OperandFormat::kBF16) {
     const Placement spl = pl == Placement::kMisaligned ? Placement::kDiscrete : pl;
-    d.scale = std::make_unique<Regions>(gpu, sb, spl);
+    d.scale = std::make_unique<Regions>(gpu, sb, spl, tail_tokens * tok_scale);
     for (size_t g = 0; g < G; ++g)
       if (sb[g]) std::memcpy(d.scale->host(g), h.scale[g].data(), sb[g]);
+    if (packed_tokens) d.scale->garbage_after_last(tail_tokens * tok_scale, garbage);
     d.scale->upload();
     d.view.scale = d.scale->cptrs();
+    if (packed_tokens) d.view.scale.resize(1);
   }
   if (h.format == OperandFormat::kNvfp4) {
     d.s_dec = std::make_unique<DeviceBuffer>(gpu, G * sizeof(float));
@@ -376,16 +415,27 @@ struct RunOut {
   Status status;
 };
 
-// Runs the case on the GPU with all operands and outputs in `pl`, m on the host or the device.
+// Unused token rows past the last group in an m_device run: a few blocks of the format.
+int64_t tail_tokens_of(const Case& c) { return 3 * std::max<int64_t>(16, gemm_token_alignment(c.recipe.format)); }
+
+// Runs the case on the GPU with the operands and outputs in `pl` and m on the host or, with
+// `m_device`, in device memory with the token-side operands and outputs packed into one buffer
+// each of m_capacity = sum(m) + tail_tokens_of(c) rows (garbage in the unused input rows; the
+// unused output rows are gap bytes that must survive) and the weight-side ones in `pl`.
 RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOperand& rhs,
                const std::vector<std::vector<uint8_t>>& out_init, Placement pl, bool m_device) {
   RunOut r;
   const size_t G = c.m.size();
-  DevOperand dl = upload_operand(gpu, lhs, pl);
-  DevOperand dr = upload_operand(gpu, rhs, pl);
+  const bool wgrad = c.op == GemmOp::kWgrad;
+  const size_t tail = m_device ? static_cast<size_t>(tail_tokens_of(c)) : 0;
+  DevOperand dl = upload_operand(gpu, lhs, pl, tail);
+  DevOperand dr = upload_operand(gpu, rhs, pl, wgrad ? tail : 0);
   std::vector<size_t> ob;
   for (size_t g = 0; g < G; ++g) ob.push_back(out_init[g].size());
-  Regions out(gpu, ob, pl);
+  const bool packed_out = m_device && !wgrad;
+  const size_t out_row = static_cast<size_t>(c.op == GemmOp::kFprop ? c.n : c.k) *
+                         (c.out == DType::kBF16 ? 2 : 4);
+  Regions out(gpu, ob, packed_out ? Placement::kPacked : pl, packed_out ? tail * out_row : 0);
   for (size_t g = 0; g < G; ++g)
     if (ob[g]) std::memcpy(out.host(g), out_init[g].data(), ob[g]);
   out.upload();
@@ -397,6 +447,7 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
   a.rhs = dr.view;
   a.out_dtype = c.out;
   a.out = out.ptrs();
+  if (packed_out) a.out.resize(1);
   a.accumulate = c.accumulate;
   std::unique_ptr<DeviceBuffer> md;
   if (m_device) {
@@ -406,6 +457,9 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
     md->upload(b);
     a.m_device = md->get();
     a.groups = static_cast<int64_t>(G);
+    int64_t sum = 0;
+    for (int64_t v : c.m) sum += v;
+    a.m_capacity = sum + static_cast<int64_t>(tail);
   } else {
     a.m = c.m;
   }
@@ -420,9 +474,10 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
   return r;
 }
 
-void check_variant(Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
-                   const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
-                   const std::vector<std::vector<double>>& ref, const std::vector<bool>& product_zero);
+std::vector<std::vector<uint8_t>> check_variant(
+    Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
+    const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
+    const std::vector<std::vector<double>>& ref, const std::vector<bool>& product_zero);
 
 void run_case(Backend& gpu, const Case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -489,33 +544,52 @@ void run_case(Backend& gpu, const Case& c, uint64_t seed) {
       }
   }
 
+  // The sm_90a kernel's result does not depend on its tile shape (128 or 256 wide, clusters of 1
+  // or 2, grid size): each output's summation order is fixed by the reduction alone.
+  const std::vector<std::vector<uint8_t>>* sm90_bytes = nullptr;
+  std::vector<std::vector<std::vector<uint8_t>>> results;
+  results.reserve(std::size(kVariants));
   for (const Variant& variant : kVariants) {
-    check_variant(gpu, c, variant, lhs, rhs, init, ref, product_zero);
+    results.push_back(check_variant(gpu, c, variant, lhs, rhs, init, ref, product_zero));
     if (::testing::Test::HasFailure()) return;
+    if (std::string(variant.impl) != "sm90") continue;
+    if (sm90_bytes == nullptr) sm90_bytes = &results.back();
+    EXPECT_TRUE(*sm90_bytes == results.back())
+        << "the sm_90a kernel gave other bytes under variant " << variant.name;
   }
 }
 
-// Runs `c` on one implementation (packed / host m, then per-expert / device m) and checks it.
-void check_variant(Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
-                   const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
-                   const std::vector<std::vector<double>>& ref, const std::vector<bool>& product_zero) {
+// Runs `c` on one implementation three ways (packed / host m, per-expert / host m, packed tokens /
+// device m), checks the three give the same bytes and the first against the FP64 reference, and
+// returns its bytes.
+std::vector<std::vector<uint8_t>> check_variant(
+    Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
+    const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
+    const std::vector<std::vector<double>>& ref, const std::vector<bool>& product_zero) {
   const size_t G = c.m.size();
   const int64_t N = c.n, K = c.k;
   const size_t el = c.out == DType::kBF16 ? 2 : 4;
   const UseVariant use(variant);
   const Placement second = c.misaligned ? Placement::kMisaligned : Placement::kDiscrete;
   const RunOut a = run_gpu(gpu, c, lhs, rhs, init, Placement::kPacked, false);
-  const RunOut b = run_gpu(gpu, c, lhs, rhs, init, second, true);
-  ASSERT_TRUE(a.status.is_ok()) << a.status.message();
-  ASSERT_TRUE(b.status.is_ok()) << b.status.message();
+  const RunOut b = run_gpu(gpu, c, lhs, rhs, init, second, false);
+  const RunOut dev = run_gpu(gpu, c, lhs, rhs, init, Placement::kDiscrete, true);
+  EXPECT_TRUE(a.status.is_ok()) << a.status.message();
+  EXPECT_TRUE(b.status.is_ok()) << b.status.message();
+  EXPECT_TRUE(dev.status.is_ok()) << dev.status.message();
+  if (!a.status.is_ok() || !b.status.is_ok() || !dev.status.is_ok()) return {};
   EXPECT_EQ(a.gap_changes, 0u) << "bytes outside the group slices changed (packed)";
   EXPECT_EQ(b.gap_changes, 0u) << "bytes outside the group slices changed (discrete)";
+  EXPECT_EQ(dev.gap_changes, 0u) << "bytes outside the group slices changed (device m)";
 
-  // Packed / host m vs per-expert / device m: the same bytes.
-  size_t differing = 0;
-  for (size_t g = 0; g < G; ++g)
+  // Packed / host m vs per-expert / host m vs packed tokens / device m: the same bytes.
+  size_t differing = 0, differing_dev = 0;
+  for (size_t g = 0; g < G; ++g) {
     if (a.regions[g] != b.regions[g]) ++differing;
+    if (a.regions[g] != dev.regions[g]) ++differing_dev;
+  }
   EXPECT_EQ(differing, 0u) << "groups whose bytes differ between packed and per-expert runs";
+  EXPECT_EQ(differing_dev, 0u) << "groups whose bytes differ between host and device token counts";
 
   double err2 = 0, ref2 = 0, worst_group = 0;
   size_t exact_bad = 0;
@@ -548,21 +622,23 @@ void check_variant(Backend& gpu, const Case& c, const Variant& variant, const Ho
   const double rel = ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0;
   const double tol = c.out == DType::kBF16 ? kTolBF16 : kTolF32;
   std::string ms;
-  for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
+  for (size_t g = 0; g < std::min<size_t>(G, 12); ++g) ms += (g ? "," : "") + std::to_string(c.m[g]);
+  if (G > 12) ms += ",...";
   char line[512];
   std::snprintf(line, sizeof line,
                 "[gemm cuda] %-14s %-5s %-16s out=%-4s N=%-4lld K=%-4lld m={%s}%s%s groups=%zu "
-                "rel_err=%.3e worst_group=%.3e packed==discrete=%s",
+                "rel_err=%.3e worst_group=%.3e packed==discrete=%s host_m==device_m=%s",
                 variant.name, op_name_of(c.op), c.recipe.name().c_str(),
                 c.out == DType::kBF16 ? "bf16" : "f32",
                 static_cast<long long>(N), static_cast<long long>(K), ms.c_str(),
                 c.accumulate ? " acc" : "", c.tag.c_str(), G, rel, worst_group,
-                differing == 0 ? "yes" : "NO");
+                differing == 0 ? "yes" : "NO", differing_dev == 0 ? "yes" : "NO");
   std::printf("%s\n", line);
   std::fflush(stdout);
   EXPECT_LE(rel, tol) << line;
   EXPECT_LE(worst_group, c.out == DType::kBF16 ? kTolBF16 : 4 * kTolF32) << line;
   EXPECT_EQ(exact_bad, 0u) << "slices without tokens (or whose product is zero) were written: " << line;
+  return a.regions;
 }
 
 // ---- shapes --------------------------------------------------------------------------------------
@@ -783,7 +859,7 @@ TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
           for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
           std::printf("[gemm cuda] fused==prepass %-14s %-8s out=%-4s N=%-4lld K=%-4lld m={%s} "
                       "bytes=%zu differing_groups=%zu\n",
-                      v.name, pl == Placement::kPacked ? "packed" : "discrete",
+                      v.name, pl == Placement::kPacked ? "packed" : "device_m",
                       out == DType::kBF16 ? "bf16" : "f32", static_cast<long long>(c.n),
                       static_cast<long long>(c.k), ms.c_str(), bytes, differing);
           EXPECT_EQ(differing, 0u) << "fused and pre-pass MXFP8 fprop differ (" << v.name << ")";
@@ -806,6 +882,276 @@ TEST(CudaGroupedGemm, AllGroupsEmpty) {
     c.tag = " all-empty";
     run_case(*gpu, c, 1000 + static_cast<int>(op));
   }
+}
+
+// Many groups (more than the schedule kernel's threads), most of them small or empty: the device
+// counts path against the host counts and the FP64 reference.
+TEST(CudaGroupedGemm, DeviceCountsManyGroups) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(1200);
+  for (GemmOp op : {GemmOp::kFprop, GemmOp::kWgrad}) {
+    Case c;
+    c.op = op;
+    c.n = 64;
+    c.k = 96;
+    c.m.resize(300);
+    for (int64_t& v : c.m) v = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 40);
+    c.tag = " 300 groups";
+    run_case(*gpu, c, 1200 + static_cast<int>(op));
+    if (HasFailure()) return;
+  }
+}
+
+// ---- token counts on the device: CUDA graphs ----------------------------------------------------
+
+// An operand at fixed device addresses, refilled with new values between graph replays. Token-side:
+// one packed buffer of `capacity` token rows (random garbage past the last group); weight-side: G
+// groups back to back (G pointers).
+class FixedOperand {
+ public:
+  FixedOperand(Backend& gpu, OperandFormat f, int64_t lcols, bool token_side, int64_t rows,
+               size_t groups)
+      : token_side_(token_side), groups_(groups) {
+    HostOperand shape;
+    shape.format = f;
+    shape.lcols = lcols;
+    const auto [td, ts] = token_bytes(shape);
+    const size_t units = token_side ? static_cast<size_t>(rows) : static_cast<size_t>(rows) * groups;
+    data_ = std::make_unique<DeviceBuffer>(gpu, units * td);
+    if (ts) scale_ = std::make_unique<DeviceBuffer>(gpu, units * ts);
+    if (f == OperandFormat::kNvfp4) s_dec_ = std::make_unique<DeviceBuffer>(gpu, groups * sizeof(float));
+  }
+
+  // Uploads `h`'s groups (and garbage after them); the view's pointers stay the same.
+  void fill(const HostOperand& h, std::mt19937_64& rng) {
+    const auto [td, ts] = token_bytes(h);
+    std::vector<size_t> data_size, scale_size;
+    for (size_t g = 0; g < groups_; ++g) {
+      data_size.push_back(static_cast<size_t>(h.lrows[g]) * td);
+      scale_size.push_back(static_cast<size_t>(h.lrows[g]) * ts);
+    }
+    upload(*data_, h.data, data_size, data_off_, rng);
+    if (scale_) upload(*scale_, h.scale, scale_size, scale_off_, rng);
+    if (s_dec_) {
+      std::vector<uint8_t> b(groups_ * sizeof(float));
+      std::memcpy(b.data(), h.s_dec.data(), b.size());
+      s_dec_->upload(b);
+    }
+    view_.format = h.format;
+    view_.element = h.element;
+    view_.data = pointers(*data_, data_off_);
+    view_.scale = scale_ ? pointers(*scale_, scale_off_) : std::vector<const void*>{};
+    view_.decode_scale = s_dec_ ? s_dec_->get() : nullptr;
+  }
+  const GemmOperand& view() const { return view_; }
+
+ private:
+  void upload(DeviceBuffer& dst, const std::vector<std::vector<uint8_t>>& src,
+              const std::vector<size_t>& size, std::vector<size_t>& off, std::mt19937_64& rng) {
+    std::vector<uint8_t> b(dst.size());
+    for (uint8_t& v : b) v = static_cast<uint8_t>(rng());
+    off.clear();
+    size_t at = 0;
+    for (size_t g = 0; g < groups_; ++g) {
+      off.push_back(at);
+      if (size[g]) std::memcpy(b.data() + at, src[g].data(), size[g]);
+      at += size[g];
+    }
+    dst.upload(b);
+  }
+  std::vector<const void*> pointers(const DeviceBuffer& b, const std::vector<size_t>& off) const {
+    if (token_side_) return {b.get()};
+    std::vector<const void*> p;
+    for (size_t o : off) p.push_back(static_cast<const uint8_t*>(b.get()) + o);
+    return p;
+  }
+
+  bool token_side_;
+  size_t groups_;
+  std::unique_ptr<DeviceBuffer> data_, scale_, s_dec_;
+  std::vector<size_t> data_off_, scale_off_;
+  GemmOperand view_;
+};
+
+bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major == 9 && minor == 0;
+}
+
+// One graph case: an eager call with counts m1 (it makes the call's device state), the same call
+// captured on the backend's stream in global capture mode (which fails on any synchronising or
+// otherwise unsafe API call) from host vectors that are gone before it is replayed, then replays
+// with new counts and new operand values, each compared byte for byte with an eager host-m call
+// on per-group pointers into the same buffers.
+void run_graph_case(Backend& gpu, CudaBackend& cuda, const Recipe& rc, GemmOp op, bool accumulate,
+                    uint64_t seed) {
+  constexpr size_t G = 6;
+  constexpr int64_t N = 160, K = 192, kCapacity = 640;
+  const bool wgrad = op == GemmOp::kWgrad;
+  const DType out_dtype = op == GemmOp::kDgrad ? DType::kBF16 : DType::kF32;
+  const size_t el = out_dtype == DType::kBF16 ? 2 : 4;
+  const int64_t align = gemm_token_alignment(rc.format);
+  std::mt19937_64 rng(seed);
+  auto counts = [&]() {
+    std::vector<int64_t> m(G);
+    for (int64_t& v : m)
+      v = rng() % 4 == 0 ? 0 : align * static_cast<int64_t>(rng() % (kCapacity / align / G + 1));
+    m[rng() % G] = align * (1 + static_cast<int64_t>(rng() % 3));  // the quantizers need a token
+    return m;
+  };
+  const int64_t lhs_cols = op == GemmOp::kFprop ? K : N;
+  FixedOperand lhs(gpu, rc.format, lhs_cols, true, kCapacity, G);
+  FixedOperand rhs(gpu, rc.format, K, wgrad, wgrad ? kCapacity : N, G);
+  auto fill = [&](const std::vector<int64_t>& m) {
+    const Logical l = make_logical(m, lhs_cols, -1, rng);
+    const Logical r = wgrad ? make_logical(m, K, -1, rng) : make_logical(std::vector<int64_t>(G, N), K, -1, rng);
+    lhs.fill(make_operand(l, rc, op == GemmOp::kFprop ? Role::kActivation : Role::kGradient, wgrad, rng()), rng);
+    rhs.fill(make_operand(r, rc, wgrad ? Role::kActivation : Role::kWeight, op != GemmOp::kFprop, rng()), rng);
+  };
+  const size_t out_bytes = wgrad ? G * N * K * el : kCapacity * (op == GemmOp::kFprop ? N : K) * el;
+  DeviceBuffer out(gpu, out_bytes), ref_out(gpu, out_bytes), m_dev(gpu, G * sizeof(int64_t));
+  auto reset_out = [&]() {
+    std::vector<uint8_t> b(out_bytes, kUnset);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    if (accumulate)
+      for (size_t i = 0; i < b.size(); i += 4) {
+        const float v = normal(rng);
+        std::memcpy(b.data() + i, &v, 4);
+      }
+    out.upload(b);
+    ref_out.upload(b);
+  };
+  auto set_counts = [&](const std::vector<int64_t>& m) {
+    std::vector<uint8_t> b(G * sizeof(int64_t));
+    std::memcpy(b.data(), m.data(), b.size());
+    m_dev.upload(b);
+  };
+  auto device_args = [&](void* dst) {
+    GroupedGemmArgs a;
+    a.op = op;
+    a.n = N;
+    a.k = K;
+    a.lhs = lhs.view();
+    a.rhs = rhs.view();
+    a.out_dtype = out_dtype;
+    a.accumulate = accumulate;
+    if (wgrad)
+      for (size_t g = 0; g < G; ++g) a.out.push_back(static_cast<uint8_t*>(dst) + g * N * K * el);
+    else
+      a.out = {dst};
+    a.m_device = m_dev.get();
+    a.groups = static_cast<int64_t>(G);
+    a.m_capacity = kCapacity;
+    return a;
+  };
+  std::string what = std::string(op_name_of(op)) + " " + rc.name() + (accumulate ? " acc" : "");
+
+  const std::vector<int64_t> m1 = counts();
+  fill(m1);
+  set_counts(m1);
+  reset_out();
+  const Status eager = gpu.grouped_gemm(device_args(out.get()));
+  ASSERT_TRUE(eager.is_ok()) << what << ": " << eager.message();
+  gpu.synchronize();
+
+  cudaStream_t stream = cuda.stream();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  Status captured;
+  {
+    const GroupedGemmArgs a = device_args(out.get());  // its vectors end with this scope
+    captured = gpu.grouped_gemm(a);
+  }
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  ASSERT_TRUE(captured.is_ok()) << what << ": " << captured.message();
+  ASSERT_EQ(end, cudaSuccess) << what << ": capture failed (a synchronisation in the call?): "
+                              << cudaGetErrorString(end);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  for (int replay = 0; replay < 2; ++replay) {
+    const std::vector<int64_t> m = counts();
+    fill(m);
+    set_counts(m);
+    reset_out();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<uint8_t> got = out.download();
+    GroupedGemmArgs host = expand_packed_tokens(device_args(ref_out.get()), m);
+    const Status r = gpu.grouped_gemm(host);
+    ASSERT_TRUE(r.is_ok()) << r.message();
+    const std::vector<uint8_t> want = ref_out.download();
+    std::string ms;
+    for (int64_t v : m) ms += (ms.empty() ? "" : ",") + std::to_string(v);
+    size_t diff = 0;
+    for (size_t i = 0; i < got.size(); ++i) diff += got[i] != want[i];
+    std::printf("[gemm cuda] graph replay %d %-22s m={%s} bytes=%zu differing=%zu\n", replay,
+                what.c_str(), ms.c_str(), got.size(), diff);
+    EXPECT_EQ(diff, 0u) << what << ": the replayed graph and an eager host-m call differ";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// Token counts in device memory on the sm_90a path: no host synchronisation, so the call can be
+// captured in a CUDA graph and replayed with new counts (and new values) written into the same
+// buffers; every op, BF16 / MXFP8 E4M3 / NVFP4, wgrad overwriting and accumulating.
+TEST(CudaGroupedGemm, DeviceCountsCaptureAndReplay) {
+  SKIP_WITHOUT_GPU();
+  auto* cuda = dynamic_cast<CudaBackend*>(gpu);
+  ASSERT_NE(cuda, nullptr);
+  if (!device_is_sm90()) GTEST_SKIP() << "the no-sync path is the sm_90a kernel's";
+  uint64_t seed = 1300;
+  for (const Recipe& rc : {Recipe{}, Recipe{OperandFormat::kMxfp8}, Recipe{OperandFormat::kNvfp4}})
+    for (GemmOp op : kAllOps)
+      for (bool acc : {false, true}) {
+        if (acc && op != GemmOp::kWgrad) continue;
+        run_graph_case(*gpu, *cuda, rc, op, acc, seed++);
+        if (HasFailure()) return;
+      }
+}
+
+// Capturing an m_device call fails with one clear line (and the capture ends cleanly) when the
+// call has not run before or would copy the counts to the host (cuBLASLt forced).
+TEST(CudaGroupedGemm, DeviceCountsCaptureErrors) {
+  SKIP_WITHOUT_GPU();
+  auto* cuda = dynamic_cast<CudaBackend*>(gpu);
+  ASSERT_NE(cuda, nullptr);
+  if (!device_is_sm90()) GTEST_SKIP() << "the no-sync path is the sm_90a kernel's";
+  DeviceBuffer x(*gpu, 256 * 64 * 2), w(*gpu, 64 * 64 * 2), y(*gpu, 256 * 64 * 4);
+  DeviceBuffer m(*gpu, 2 * sizeof(int64_t));
+  m.upload(std::vector<uint8_t>(2 * sizeof(int64_t), 0));
+  const std::vector<int64_t> none = {0, 0};
+  GroupedGemmArgs a;
+  a.n = 64;
+  a.k = 64;
+  a.lhs.data = {x.get()};
+  a.rhs.data = {w.get(), static_cast<uint8_t*>(w.get()) + 32 * 64 * 2};
+  a.out = {y.get()};
+  a.m_device = m.get();
+  a.groups = 2;
+  a.m_capacity = 256;
+  // An eager host-m call first: the backend's GEMM state exists before any capture.
+  ASSERT_TRUE(gpu->grouped_gemm(expand_packed_tokens(a, none)).is_ok());
+  for (const char* impl : {"sm90", "cublas"}) {
+    setenv("PACKMOE_GEMM_IMPL", impl, 1);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(cuda->stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
+    const Status s = gpu->grouped_gemm(a);
+    cudaStreamEndCapture(cuda->stream(), &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    unsetenv("PACKMOE_GEMM_IMPL");
+    EXPECT_FALSE(s.is_ok()) << impl;
+    EXPECT_NE(s.message().find(std::string(impl) == "sm90" ? "run it once" : "cannot be captured"),
+              std::string::npos)
+        << s.message();
+    std::printf("[gemm cuda] capture rejects (%s): %s\n", impl, s.message().c_str());
+  }
+  EXPECT_TRUE(gpu->grouped_gemm(a).is_ok()) << "the same call outside capture";
+  gpu->synchronize();
 }
 
 TEST(CudaGroupedGemm, RejectsBadArguments) {

@@ -3,7 +3,7 @@
 // x BF16 / MXFP8 (E4M3, E5M2, 2D weights) / NVFP4 (2D weights, RHT + SR wgrad copies) x F32 / BF16
 // output. Operands come from the CPU quantizers, so the stored layouts are the real ones. Also:
 // packed vs per-expert pointers bitwise, main_grad accumulate / overwrite, empty groups, group
-// routing, m on the "device", validation errors. Random inputs use a fresh seed, printed on failure.
+// routing, token counts on the "device" with packed token buffers, validation errors. Random inputs use a fresh seed, printed on failure.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -618,32 +618,150 @@ TEST(GroupedGemmRouting, EachGroupLandsInItsOwnSlice) {
       }
 }
 
-// ---- token counts in backend memory ---------------------------------------------------------------
+// ---- token counts in backend memory: packed token buffers ------------------------------------
 
-TEST(GroupedGemmTokenCounts, DeviceCountsGiveTheSameBytes) {
+// `b`'s groups back to back (the packed layout), then `tail` bytes: random garbage for an input
+// (a read past the last group shows), sentinels for an output (a write past it shows).
+std::vector<uint8_t> packed_with_tail(const GroupedBytes& b, size_t tail, std::mt19937_64* garbage) {
+  std::vector<uint8_t> v(b.packed().begin(), b.packed().end() - kGuard);
+  for (size_t i = 0; i < tail; ++i)
+    v.push_back(garbage != nullptr ? static_cast<uint8_t>((*garbage)()) : kSentinel);
+  return v;
+}
+
+// Uneven counts (multiples of the format's block), some groups empty, at least one not.
+std::vector<int64_t> random_counts(Fmt fmt, std::mt19937_64& rng) {
+  const int64_t a = token_align(fmt);
+  std::vector<int64_t> m(3 + rng() % 4);
+  for (int64_t& v : m) v = rng() % 3 == 0 ? 0 : a * static_cast<int64_t>(rng() % (96 / a + 1));
+  m[rng() % m.size()] = a * (1 + static_cast<int64_t>(rng() % 3));
+  return m;
+}
+
+// The m_device form (token-side operands one packed buffer each, of m_capacity rows > the sum,
+// garbage in the unused tail) gives the bytes of the host-m form with per-group pointers.
+TEST(GroupedGemmTokenCounts, PackedDeviceCountsMatchPerGroupPointers) {
   RANDOM_SEED(seed);
   std::mt19937_64 rng(seed);
-  for (GemmOp op : {GemmOp::kFprop, GemmOp::kWgrad})
-    for (Fmt fmt : {Fmt::kBf16, Fmt::kMxfp8E4m3, Fmt::kNvfp4}) {
-      Case c;
-      c.op = op;
-      c.fmt = fmt;
-      c.n = 32;
-      c.k = 64;
-      c.m = {32, 0, 64};
-      Problem p = build_problem(c, rng());
-      SCOPED_TRACE(describe(c));
-      ASSERT_TRUE(grouped_gemm_cpu(p.args(false)).is_ok());
-      GroupedGemmArgs a = p.args(true);
-      const std::vector<int64_t> m_host = a.m;  // stands in for device memory on the CPU backend
-      a.m.clear();
-      a.m_device = m_host.data();
-      a.groups = static_cast<int64_t>(m_host.size());
-      const Status st = cpu_backend().grouped_gemm(a);
-      ASSERT_TRUE(st.is_ok()) << st.message();
-      for (size_t g = 0; g < c.m.size(); ++g)
-        EXPECT_EQ(0, std::memcmp(p.out.bytes(g, false), p.out.bytes(g, true), p.out.size(g)));
+  for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad})
+    for (Fmt fmt : {Fmt::kBf16, Fmt::kMxfp8E4m3, Fmt::kMxfp8E5m2, Fmt::kNvfp4})
+      for (int variant = 0; variant < (op == GemmOp::kWgrad ? 3 : 2); ++variant) {
+        Case c;
+        c.op = op;
+        c.fmt = fmt;
+        c.out_dtype = variant == 1 ? DType::kBF16 : DType::kF32;
+        c.accumulate = variant == 2;
+        c.n = 32 * (1 + static_cast<int64_t>(rng() % 3));
+        c.k = 32 * (1 + static_cast<int64_t>(rng() % 3));
+        c.m = random_counts(fmt, rng);
+        Problem p = build_problem(c, rng());
+        SCOPED_TRACE(describe(c));
+        const Status ref = grouped_gemm_cpu(p.args(true));  // per-group (discrete) pointers
+        ASSERT_TRUE(ref.is_ok()) << ref.message();
+
+        int64_t sum = 0;
+        for (int64_t v : c.m) sum += v;
+        const int64_t capacity = sum + token_align(fmt) * (1 + static_cast<int64_t>(rng() % 3));
+        GroupedGemmArgs a = p.args(false);
+        const TokenStrides ts = token_strides(a);
+        const size_t tail = static_cast<size_t>(capacity - sum);
+        std::vector<uint8_t> lhs_d = packed_with_tail(p.lhs.data, tail * ts.lhs_data, &rng);
+        std::vector<uint8_t> lhs_s, rhs_d, rhs_s, out;
+        a.lhs.data = {lhs_d.data()};
+        if (a.lhs.format != OperandFormat::kBF16) {
+          lhs_s = packed_with_tail(p.lhs.scale, tail * ts.lhs_scale, &rng);
+          a.lhs.scale = {lhs_s.data()};
+        }
+        if (op == GemmOp::kWgrad) {
+          rhs_d = packed_with_tail(p.rhs.data, tail * ts.rhs_data, &rng);
+          a.rhs.data = {rhs_d.data()};
+          if (a.rhs.format != OperandFormat::kBF16) {
+            rhs_s = packed_with_tail(p.rhs.scale, tail * ts.rhs_scale, &rng);
+            a.rhs.scale = {rhs_s.data()};
+          }
+        } else {
+          out = packed_with_tail(p.out, tail * ts.out, nullptr);
+          a.out = {out.data()};
+        }
+        const std::vector<int64_t> m_dev = c.m;  // device memory is host memory on the CPU
+        a.m.clear();
+        a.m_device = m_dev.data();
+        a.groups = static_cast<int64_t>(m_dev.size());
+        a.m_capacity = capacity;
+        const Status st = cpu_backend().grouped_gemm(a);
+        ASSERT_TRUE(st.is_ok()) << st.message();
+
+        size_t at = 0;
+        for (size_t g = 0; g < c.m.size(); ++g) {
+          const uint8_t* got = op == GemmOp::kWgrad ? p.out.bytes(g, false) : out.data() + at;
+          EXPECT_EQ(0, std::memcmp(got, p.out.bytes(g, true), p.out.size(g)))
+              << "group " << g << ": device counts and per-group pointers give different bytes";
+          at += p.out.size(g);
+        }
+        for (size_t i = at; i < out.size(); ++i)
+          ASSERT_EQ(out[i], kSentinel) << "an output row past the last group was written";
+      }
+}
+
+// m_device calls with bad counts or pointer lists fail with one clear line and write nothing.
+TEST(GroupedGemmTokenCounts, BadPackedCallsFailCleanly) {
+  RANDOM_SEED(seed);
+  std::mt19937_64 rng(seed);
+  struct Bad {
+    const char* name;
+    GemmOp op;
+    std::vector<int64_t> m;  // device counts
+    int64_t capacity;
+    const char* expect;
+    void (*mutate)(GroupedGemmArgs&, const std::vector<void*>& per_group);
+  };
+  const auto none = [](GroupedGemmArgs&, const std::vector<void*>&) {};
+  const Bad cases[] = {
+      {"counts over m_capacity", GemmOp::kFprop, {64, 32}, 64, "more than m_capacity", none},
+      {"misaligned count", GemmOp::kWgrad, {48, 16}, 128, "multiple of 32", none},
+      {"negative count", GemmOp::kDgrad, {-32, 32}, 128, "non-negative", none},
+      {"no m_capacity", GemmOp::kFprop, {32, 32}, 0, "m_capacity", none},
+      {"m_capacity not a multiple of 32", GemmOp::kFprop, {32, 32}, 80, "m_capacity", none},
+      {"G lhs pointers for a packed buffer", GemmOp::kFprop, {32, 32}, 64, "one packed buffer",
+       [](GroupedGemmArgs& a, const std::vector<void*>& pg) { a.lhs.data = {pg[0], pg[1]}; }},
+      {"G out pointers for a packed buffer", GemmOp::kDgrad, {32, 32}, 64, "one packed buffer",
+       [](GroupedGemmArgs& a, const std::vector<void*>& pg) { a.out = pg; }},
+      {"G lhs scale pointers", GemmOp::kWgrad, {32, 32}, 64, "one packed buffer",
+       [](GroupedGemmArgs& a, const std::vector<void*>& pg) { a.lhs.scale = {pg[0], pg[1]}; }},
+      {"one weight pointer for G groups", GemmOp::kFprop, {32, 32}, 64, "is per group",
+       [](GroupedGemmArgs& a, const std::vector<void*>&) { a.rhs.data.pop_back(); }},
+  };
+  for (const Bad& b : cases) {
+    SCOPED_TRACE(b.name);
+    Case c;
+    c.op = b.op;
+    c.fmt = Fmt::kMxfp8E4m3;
+    c.n = 64;
+    c.k = 64;
+    c.m = {32, 32};
+    Problem p = build_problem(c, rng());
+    GroupedGemmArgs a = p.args(false);
+    const std::vector<void*> per_group = p.out.ptrs(false);
+    a.lhs.data.resize(1);
+    a.lhs.scale.resize(1);
+    if (b.op == GemmOp::kWgrad) {
+      a.rhs.data.resize(1);
+      a.rhs.scale.resize(1);
+    } else {
+      a.out.resize(1);
     }
+    a.m.clear();
+    a.m_device = b.m.data();
+    a.groups = static_cast<int64_t>(b.m.size());
+    a.m_capacity = b.capacity;
+    b.mutate(a, per_group);
+    const std::vector<uint8_t> before = p.out.packed();
+    const Status st = cpu_backend().grouped_gemm(a);
+    ASSERT_FALSE(st.is_ok());
+    EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
+    EXPECT_EQ(st.message().find('\n'), std::string::npos) << "one line: " << st.message();
+    EXPECT_EQ(before, p.out.packed()) << "a failed call wrote output";
+  }
 }
 
 // ---- validation ---------------------------------------------------------------------------------
@@ -714,6 +832,8 @@ TEST(GroupedGemmValidation, BadCallsFailCleanlyAndTouchNothing) {
        }},
       {"groups disagrees with m", Fmt::kBf16, GemmOp::kFprop, "groups",
        [](GroupedGemmArgs& a) { a.groups = 3; }},
+      {"m_capacity with host m", Fmt::kBf16, GemmOp::kFprop, "m_device calls only",
+       [](GroupedGemmArgs& a) { a.m_capacity = 128; }},
   };
   for (const Bad& b : cases) {
     SCOPED_TRACE(b.name);

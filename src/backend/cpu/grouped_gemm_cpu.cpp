@@ -2,7 +2,8 @@
 // exactly to FP32 in its LOGICAL layout (X (m, K), dY (m, N), W (N, K)), whatever copy is stored,
 // one token panel at a time, and multiplied with OpenBLAS sgemm (FP32 accumulation). Invariant: a
 // group's arithmetic depends only on (op, format, m_g, N, K) and its values, never on where its
-// pointers live, so packed (E, N, K) and per-expert buffers give the same bytes.
+// pointers live, so packed (E, N, K) and per-expert buffers give the same bytes. Token counts in
+// "device" memory (host memory here) are checked and run as host counts on per-group pointers.
 #include <cblas.h>
 
 #include <algorithm>
@@ -124,13 +125,6 @@ void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
 }
 
-// Host token counts: from `m` or from `m_device` (host memory on this backend).
-std::vector<int64_t> host_token_counts(const GroupedGemmArgs& a) {
-  if (!a.m.empty()) return a.m;
-  const int64_t* md = static_cast<const int64_t*>(a.m_device);  // (G,)
-  return std::vector<int64_t>(md, md + a.groups);
-}
-
 // Sizes must fit BLAS's 32-bit int.
 Status check_cpu_limits(const GroupedGemmArgs& a) {
   if (a.n > INT_MAX || a.k > INT_MAX)
@@ -143,7 +137,16 @@ Status check_cpu_limits(const GroupedGemmArgs& a) {
 
 Status grouped_gemm_cpu(const GroupedGemmArgs& args) {
   PACKMOE_RETURN_IF_ERROR(validate_token_source(args));
-  const std::vector<int64_t> m = host_token_counts(args);  // (G,) tokens per group
+  if (args.m_device != nullptr) {
+    // Device memory is host memory on this backend: read the counts, check them, and run the
+    // host-`m` form with per-group pointers into the packed token buffers.
+    PACKMOE_RETURN_IF_ERROR(validate_packed_tokens(args));
+    const int64_t* md = static_cast<const int64_t*>(args.m_device);  // (G,)
+    const std::vector<int64_t> m(md, md + args.groups);
+    PACKMOE_RETURN_IF_ERROR(check_device_counts(args, m));
+    return grouped_gemm_cpu(expand_packed_tokens(args, m));
+  }
+  const std::vector<int64_t>& m = args.m;  // (G,) tokens per group
   PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, m));
   PACKMOE_RETURN_IF_ERROR(check_cpu_limits(args));
 

@@ -6,8 +6,11 @@
 // dequantizes in its loader to the same BF16 values (use_fused_mxfp8). Invariant: the
 // implementation and a group's algorithm are functions of (op, m_g, N, K, out dtype) only, never
 // of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the same
-// bytes. Host synchronisation: only when `m_device` is given
-// (its G counts are copied to the host once per call) and when a cached device buffer has to grow.
+// bytes. Host synchronisation: when a cached device buffer has to grow, and for `m_device` calls
+// off the sm_90a path (other GPUs, PACKMOE_GEMM_IMPL=cublas, shapes or pointers the kernel does
+// not take, more than kSm90MaxDeviceGroups groups: the G counts are copied to the host). On the
+// sm_90a path an m_device call never synchronises after its first run (which makes its device
+// state) and can be captured in a CUDA graph ("token counts in device memory" below).
 //
 // The dequantize is this file's bandwidth-oriented BF16 kernel (hardware FP8 -> F16 converts,
 // a persistent grid, 8 x 8 elements a thread per tile) when the copies are 16-byte aligned, else the backend's
@@ -289,6 +292,25 @@ unsigned dequant_grid(Kernel kernel, uint64_t tiles) {
   return static_cast<unsigned>(std::min<uint64_t>(tiles, static_cast<uint64_t>(sms) * per_sm));
 }
 
+// The fast dequantize kernel of a stored copy (all share one signature).
+using DequantKernel = void (*)(const DequantGroup*, int, uint32_t);
+DequantKernel dequant_kernel(OperandFormat f, DType element, bool columnwise) {
+  if (f == OperandFormat::kNvfp4) return nvfp4_to_bf16_kernel;
+  if (element == DType::kE5M2)
+    return columnwise ? mxfp8_to_bf16_kernel<true, true> : mxfp8_to_bf16_kernel<true, false>;
+  return columnwise ? mxfp8_to_bf16_kernel<false, true> : mxfp8_to_bf16_kernel<false, false>;
+}
+
+// wgrad overwrite with device token counts: group g's (N, K) output, `vecs` 16-byte words,
+// becomes +0 when m_g = 0 (the host path's memset, decided on the device). Grid (x, G).
+__global__ void zero_empty_groups_kernel(const int64_t* m, void* const* out, int64_t vecs) {
+  if (m[blockIdx.y] != 0) return;
+  uint4* o = static_cast<uint4*>(out[blockIdx.y]);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    o[i] = make_uint4(0, 0, 0, 0);
+}
+
 // ---- per-backend state -------------------------------------------------------------------------
 
 // A device buffer that only grows; growing waits for queued work that may still read the old one.
@@ -311,6 +333,24 @@ class GrowBuffer {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
   bool grown_ = false;
+};
+
+// The state of one m_device call signature on the sm_90a path (grouped_gemm_cublas below): its
+// dequantize tables and map plan live in device memory kept for the life of the process and
+// never reused by another signature (the BF16 scratch they point to is GemmState's, shared).
+struct DeviceDequant {
+  const DequantGroup* table = nullptr;  // device, owned by the DeviceCall
+  int count = 0;
+  uint32_t tiles = 0;  // 0: nothing to dequantize
+  unsigned grid = 0;
+  DequantKernel kernel = nullptr;
+};
+
+struct DeviceCall {
+  const Sm90DevicePlan* plan = nullptr;
+  DeviceDequant lhs, rhs;
+  void* const* zero_outs = nullptr;  // wgrad overwrite: (G,) outputs on the device
+  int64_t zero_vecs = 0;             // 16-byte words per output
 };
 
 // How alpha and beta reach cuBLASLt.
@@ -352,6 +392,13 @@ class GemmState {
   GrowBuffer scratch;  // dequantized / staged operands and staged outputs
   GrowBuffer ones;     // (G,) 1.0f: NVFP4 decode scales for dequantizing e2m1 * e4m3 only
   GrowBuffer alpha;    // (G, rows of D) NVFP4 alpha vectors
+  // m_device calls on the sm_90a path, by signature (device_call_key): never freed or reused.
+  std::map<std::vector<uintptr_t>, DeviceCall> device_calls;
+  // BF16 copies of their quantized operands: one buffer shared by every signature (their work
+  // runs in stream order), replaced by a larger one when a new signature needs more; the old
+  // ones stay allocated for the signatures (and captured graphs) that use them.
+  uint8_t* device_scratch = nullptr;
+  size_t device_scratch_bytes = 0;
 
   cublasLtHandle_t lt() const { return lt_; }
   void* cublas_workspace() const { return cublas_ws_; }
@@ -570,21 +617,9 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
     PACKMOE_CHECK(tiles < (1ull << 31), "dequantize over " << tiles << " tiles");
     if (tiles == 0) return Status::ok();
     const auto* dt = static_cast<const DequantGroup*>(be.upload(table.data(), G * sizeof(DequantGroup)));
-    const int n = static_cast<int>(G);
-    const uint32_t nt = static_cast<uint32_t>(tiles);
-    constexpr int T = Config::kDequantThreads;
-    auto launch = [&](auto kernel) {
-      kernel<<<dequant_grid(kernel, tiles), T, 0, be.stream()>>>(dt, n, nt);
-    };
-    if (o.format == OperandFormat::kNvfp4) {
-      launch(nvfp4_to_bf16_kernel);
-    } else {
-      const bool e5 = o.element == DType::kE5M2, col = shape[0].columnwise;
-      if (e5 && col) launch(mxfp8_to_bf16_kernel<true, true>);
-      if (e5 && !col) launch(mxfp8_to_bf16_kernel<true, false>);
-      if (!e5 && col) launch(mxfp8_to_bf16_kernel<false, true>);
-      if (!e5 && !col) launch(mxfp8_to_bf16_kernel<false, false>);
-    }
+    const DequantKernel kernel = dequant_kernel(o.format, o.element, shape[0].columnwise);
+    kernel<<<dequant_grid(kernel, tiles), Config::kDequantThreads, 0, be.stream()>>>(
+        dt, static_cast<int>(G), static_cast<uint32_t>(tiles));
     PACKMOE_CUDA_CHECK_LAUNCH();
     return Status::ok();
   }
@@ -852,29 +887,268 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
   return Status::ok();
 }
 
+// ---- token counts in device memory (no host synchronisation) -----------------------------------
+// An m_device call on the sm_90a path queues, on be.stream(): the zeroing of empty wgrad groups
+// (overwrite), the dequantize of quantized operands (token-side ones over the whole m_capacity
+// buffer: the packed layout is the per-group layouts back to back, so this writes group g's BF16
+// values at off_g exactly where a per-group dequantize would), the device schedule and the GEMM.
+// Nothing reads the counts on the host. Everything the launches read besides their parameters
+// (dequantize tables, map templates, the schedule's output) belongs to the call's DeviceCall,
+// made on the first call with that signature (outside graph capture: it encodes, allocates and
+// uploads) and kept, unchanged, for the life of the process; the BF16 scratch is shared by all
+// signatures (GemmState::device_scratch), so their work, graph replays included, must run in
+// order on the backend's stream. A captured graph can be replayed with new counts and operand
+// values for as long as the pointers it names live.
+
+constexpr size_t kMaxDeviceCalls = 16384;  // signatures kept (each a few KB plus its scratch)
+
+bool capturing(CudaBackend& be) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  PACKMOE_CUDA_CHECK(cudaStreamIsCapturing(be.stream(), &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+// The sm_90a problem of an m_device call with the caller's pointers (the BF16 copies of quantized
+// operands are filled in by make_device_call); shapes decide everything else.
+Sm90DeviceGemm device_problem(const GroupedGemmArgs& a, bool fused) {
+  const TokenStrides ts = token_strides(a);
+  const bool nvfp4 = a.lhs.format == OperandFormat::kNvfp4;
+  Sm90DeviceGemm p;
+  p.groups = a.groups;
+  p.capacity = a.m_capacity;
+  p.align = gemm_token_alignment(a.lhs.format);
+  p.tokens_reduce = a.op == GemmOp::kWgrad;
+  p.fixed = a.op == GemmOp::kFprop ? a.k : a.n;
+  p.nk = a.op == GemmOp::kFprop ? a.n : a.k;
+  p.a_k_major = a.op != GemmOp::kWgrad || nvfp4;
+  p.b_k_major = a.op == GemmOp::kFprop || nvfp4;
+  p.out_bf16 = a.out_dtype == DType::kBF16;
+  p.accumulate = a.accumulate;
+  p.mxfp8_e4m3 = fused;
+  if (nvfp4) {
+    p.alpha_lhs = static_cast<const float*>(a.lhs.decode_scale);
+    p.alpha_rhs = static_cast<const float*>(a.rhs.decode_scale);
+  }
+  // Token-side operands: BF16 bytes per token are 2 * (their token-row length), FP8 1 (fused).
+  const int64_t lhs_cols = a.op == GemmOp::kFprop ? a.k : a.n;
+  p.a.base = a.lhs.data[0];
+  p.a.token_bytes = fused ? ts.lhs_data : 2 * lhs_cols;
+  if (a.op == GemmOp::kWgrad) {
+    p.b.base = a.rhs.data[0];
+    p.b.token_bytes = 2 * a.k;
+    p.out.ptr.assign(a.out.begin(), a.out.end());
+  } else {
+    p.b.ptr = a.rhs.data;
+    p.out.base = a.out[0];
+    p.out.token_bytes = ts.out;
+  }
+  if (fused) {
+    p.a_scale.base = a.lhs.scale[0];
+    p.a_scale.token_bytes = ts.lhs_scale;
+    p.b_scale.ptr = a.rhs.scale;
+  }
+  return p;
+}
+
+// Whether the call can take the no-sync path: an sm_90a device and kernel, at most
+// kSm90MaxDeviceGroups groups, the kernel's shape rules for any counts, 16-byte aligned data and
+// outputs (no staging) and the fast dequantize's alignment of MXFP8 columnwise scales.
+bool device_path_ok(const GroupedGemmArgs& a, Impl impl) {
+  if (impl != Impl::kSm90 || a.groups > kSm90MaxDeviceGroups || a.m_capacity >= (int64_t{1} << 31))
+    return false;
+  const Sm90DeviceGemm p = device_problem(a, false);
+  const int64_t align = gemm_token_alignment(a.lhs.format);
+  if (!sm90_gemm_shape_ok(sm90_device_geometry(p, sm90_uniform_split(p.capacity, p.groups, align))))
+    return false;
+  auto all_aligned = [](const auto& v) {
+    return std::all_of(v.begin(), v.end(), [](const void* q) { return aligned(q); });
+  };
+  if (!all_aligned(a.lhs.data) || !all_aligned(a.rhs.data) || !all_aligned(a.out)) return false;
+  for (const GemmOperand* o : {&a.lhs, &a.rhs}) {
+    const bool is_lhs = o == &a.lhs;
+    const Stored sh = stored_of(a.op, o->format, is_lhs, a.m_capacity, a.n, a.k);
+    if (sh.columnwise && (!all_aligned(o->scale) || sh.cols % 16 != 0)) return false;
+  }
+  return true;
+}
+
+// The fused MXFP8 loader on the device path: E4M3 fprop when chosen (use_fused_mxfp8's rules).
+bool device_fused(const GroupedGemmArgs& a) {
+  if (a.op != GemmOp::kFprop || a.lhs.format != OperandFormat::kMxfp8 ||
+      a.lhs.element != DType::kE4M3 || a.rhs.element != DType::kE4M3)
+    return false;
+  const char* env = std::getenv("PACKMOE_GEMM_SM90_FUSED");
+  if (!(env != nullptr ? std::string(env) != "0" : kFusedMxfp8ByDefault)) return false;
+  Sm90DeviceGemm p = device_problem(a, true);
+  return sm90_gemm_shape_ok(
+      sm90_device_geometry(p, sm90_uniform_split(p.capacity, p.groups, p.align)));
+}
+
+// The signature of a call: everything its DeviceCall depends on.
+std::vector<uintptr_t> device_call_key(const GroupedGemmArgs& a, Sm90Tiles tiles, bool fused) {
+  const std::vector<uintptr_t> head = {
+      static_cast<uintptr_t>(a.op), static_cast<uintptr_t>(a.lhs.format),
+      static_cast<uintptr_t>(a.lhs.element), static_cast<uintptr_t>(a.rhs.element),
+      static_cast<uintptr_t>(a.n), static_cast<uintptr_t>(a.k), static_cast<uintptr_t>(a.groups),
+      static_cast<uintptr_t>(a.m_capacity), static_cast<uintptr_t>(a.out_dtype),
+      a.accumulate, reinterpret_cast<uintptr_t>(a.m_device),
+      reinterpret_cast<uintptr_t>(a.lhs.decode_scale), reinterpret_cast<uintptr_t>(a.rhs.decode_scale),
+      static_cast<uintptr_t>(tiles.bn), static_cast<uintptr_t>(tiles.cluster), fused};
+  std::vector<uintptr_t> k = head;
+  for (const auto* v : {&a.lhs.data, &a.lhs.scale, &a.rhs.data, &a.rhs.scale}) {
+    k.push_back(v->size());
+    for (const void* q : *v) k.push_back(reinterpret_cast<uintptr_t>(q));
+  }
+  for (void* q : a.out) k.push_back(reinterpret_cast<uintptr_t>(q));
+  return k;
+}
+
+// Device memory that lives as long as the process (a captured graph may read it).
+void* keep_on_device(const void* host, size_t bytes) {
+  void* d = nullptr;
+  PACKMOE_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(bytes, 16)));
+  if (bytes) PACKMOE_CUDA_CHECK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+// The dequantize of quantized operand `o` into `out` (BF16, 256-byte aligned per group): one group
+// over the whole capacity for a token-side operand, G weight groups otherwise.
+DeviceDequant make_device_dequant(const GemmOperand& o, const std::vector<Stored>& shape,
+                                  const std::vector<uint8_t*>& out) {
+  DeviceDequant d;
+  std::vector<DequantGroup> table(shape.size());
+  uint64_t tiles = 0;
+  for (size_t g = 0; g < shape.size(); ++g) {
+    DequantGroup& t = table[g];
+    t.data = static_cast<const uint8_t*>(o.data[g]);
+    t.scale = static_cast<const uint8_t*>(o.scale[g]);
+    t.out = out[g];
+    t.tile_begin = static_cast<uint32_t>(tiles);
+    t.elems = shape[g].rows * shape[g].cols;
+    t.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : 0;
+    tiles += (t.elems + Config::kTileElems - 1) / Config::kTileElems;
+  }
+  PACKMOE_CHECK(tiles < (1ull << 31), "dequantize over " << tiles << " tiles");
+  d.table = static_cast<const DequantGroup*>(
+      keep_on_device(table.data(), table.size() * sizeof(DequantGroup)));
+  d.count = static_cast<int>(table.size());
+  d.tiles = static_cast<uint32_t>(tiles);
+  d.kernel = dequant_kernel(o.format, o.element, shape[0].columnwise);
+  d.grid = tiles ? dequant_grid(d.kernel, tiles) : 0;
+  return d;
+}
+
+DeviceCall make_device_call(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
+                            Sm90Tiles tiles, bool fused) {
+  const size_t G = static_cast<size_t>(a.groups);
+  const OperandFormat f = a.lhs.format;
+  const bool wgrad = a.op == GemmOp::kWgrad;
+  Sm90DeviceGemm p = device_problem(a, fused);
+  p.tiles = tiles;
+  DeviceCall call;
+  if (f != OperandFormat::kBF16 && !fused) {
+    // BF16 copies: token-side operands over the whole capacity, weights per group.
+    const Stored lhs_cap = stored_of(a.op, f, true, a.m_capacity, a.n, a.k);
+    const Stored rhs_sh = stored_of(a.op, f, false, a.m_capacity, a.n, a.k);
+    const size_t lhs_bytes = round_up(static_cast<size_t>(lhs_cap.rows * lhs_cap.cols) * 2,
+                                      Config::kScratchAlign);
+    const size_t rhs_group = round_up(static_cast<size_t>(rhs_sh.rows * rhs_sh.cols) * 2,
+                                      Config::kScratchAlign);
+    const size_t rhs_groups = wgrad ? 1 : G;
+    const size_t need = lhs_bytes + rhs_groups * rhs_group;
+    if (st.device_scratch_bytes < need) {  // never freed: earlier signatures may still use it
+      PACKMOE_CUDA_CHECK(cudaMalloc(&st.device_scratch, need));
+      st.device_scratch_bytes = need;
+    }
+    uint8_t* scratch = st.device_scratch;
+    call.lhs = make_device_dequant(a.lhs, {lhs_cap}, {scratch});
+    std::vector<uint8_t*> rhs_out;
+    for (size_t g = 0; g < rhs_groups; ++g) rhs_out.push_back(scratch + lhs_bytes + g * rhs_group);
+    call.rhs = make_device_dequant(a.rhs, std::vector<Stored>(rhs_groups, rhs_sh), rhs_out);
+    p.a.base = scratch;
+    if (wgrad)
+      p.b.base = rhs_out[0];
+    else
+      p.b.ptr.assign(rhs_out.begin(), rhs_out.end());
+  }
+  if (wgrad && !a.accumulate) {
+    call.zero_outs = static_cast<void* const*>(keep_on_device(a.out.data(), G * sizeof(void*)));
+    call.zero_vecs = a.n * a.k * (a.out_dtype == DType::kBF16 ? 2 : 4) / 16;
+  }
+  call.plan = make_sm90_device_plan(be, p);
+  return call;
+}
+
+// The no-sync path of an m_device call: false when it does not apply (the caller copies the
+// counts to the host instead).
+Result<bool> run_device_counts(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a) {
+  // Shape and pointer checks, with every group taken as non-empty (every pointer must be valid).
+  const std::vector<int64_t> probe(static_cast<size_t>(a.groups), gemm_token_alignment(a.lhs.format));
+  PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(expand_packed_tokens(a, probe), probe));
+  Result<Impl> impl = choose_impl(be, expand_packed_tokens(a, probe), probe);
+  if (!impl.is_ok()) return impl.status();
+  if (!device_path_ok(a, impl.value())) return false;
+  const bool fused = device_fused(a);
+  const Sm90Tiles tiles = sm90_device_tiles(be, device_problem(a, fused));
+  const std::vector<uintptr_t> key = device_call_key(a, tiles, fused);
+  auto it = st.device_calls.find(key);
+  if (it == st.device_calls.end()) {
+    if (capturing(be))
+      return Status::error("grouped_gemm: this m_device call has not run before; run it once "
+                           "outside CUDA-graph capture, then capture it");
+    if (st.device_calls.size() >= kMaxDeviceCalls)
+      return Status::error("grouped_gemm: more than " + std::to_string(kMaxDeviceCalls) +
+                           " distinct m_device call signatures (their device state is kept for "
+                           "CUDA graphs and never freed)");
+    it = st.device_calls.emplace(key, make_device_call(be, st, a, tiles, fused)).first;
+  }
+  const DeviceCall& call = it->second;
+  const auto* m = static_cast<const int64_t*>(a.m_device);
+  cudaStream_t s = be.stream();
+  if (call.zero_outs != nullptr) {
+    const unsigned x = static_cast<unsigned>(std::min<int64_t>((call.zero_vecs + 255) / 256, 64));
+    zero_empty_groups_kernel<<<dim3(std::max(x, 1u), static_cast<unsigned>(a.groups)), 256, 0, s>>>(
+        m, call.zero_outs, call.zero_vecs);
+    PACKMOE_CUDA_CHECK_LAUNCH();
+  }
+  for (const DeviceDequant* d : {&call.lhs, &call.rhs}) {
+    if (d->tiles == 0) continue;
+    d->kernel<<<d->grid, Config::kDequantThreads, 0, s>>>(d->table, d->count, d->tiles);
+    PACKMOE_CUDA_CHECK_LAUNCH();
+  }
+  PACKMOE_RETURN_IF_ERROR(grouped_gemm_sm90_device(be, *call.plan, m));
+  return true;
+}
+
 }  // namespace
 
 Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args) {
-  if (args.m.empty() == (args.m_device == nullptr))
-    return Status::error("grouped_gemm: give the token counts either on the host (m) or on the "
-                         "device (m_device), exactly one");
-  std::vector<int64_t> m = args.m;
-  if (args.m_device != nullptr) {
-    if (args.groups <= 0)
-      return Status::error("grouped_gemm: m_device needs the group count (groups > 0)");
-    m.resize(static_cast<size_t>(args.groups));
-    // The one host synchronisation of this op: the per-group shapes drive host-side cuBLAS calls.
-    be.copy(m.data(), args.m_device, m.size() * sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
-  } else if (args.groups != 0 && args.groups != static_cast<int64_t>(m.size())) {
-    return Status::error("grouped_gemm: groups = " + std::to_string(args.groups) + " but m has " +
-                         std::to_string(m.size()) + " entries");
-  }
-  PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, m));
+  PACKMOE_RETURN_IF_ERROR(validate_token_source(args));
   GemmState& st = state_of(be);
   std::lock_guard<std::mutex> lock(st.mu);
-  Result<Impl> impl = choose_impl(be, args, m);
+  if (args.m_device != nullptr) {
+    PACKMOE_RETURN_IF_ERROR(validate_packed_tokens(args));
+    Result<bool> done = run_device_counts(be, st, args);
+    if (!done.is_ok()) return done.status();
+    if (done.value()) return Status::ok();
+    // cuBLASLt (or shapes / pointers the sm_90a path does not take): the counts come to the
+    // host, a synchronisation, so this cannot be captured in a CUDA graph.
+    if (capturing(be))
+      return Status::error("grouped_gemm: this m_device call copies the counts to the host (no "
+                           "sm_90a path for it), so it cannot be captured in a CUDA graph");
+    std::vector<int64_t> m(static_cast<size_t>(args.groups));
+    be.copy(m.data(), args.m_device, m.size() * sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
+    PACKMOE_RETURN_IF_ERROR(check_device_counts(args, m));
+    const GroupedGemmArgs host = expand_packed_tokens(args, m);
+    PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(host, m));
+    Result<Impl> impl = choose_impl(be, host, m);
+    if (!impl.is_ok()) return impl.status();
+    return run_grouped(be, st, host, m, impl.value());
+  }
+  PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, args.m));
+  Result<Impl> impl = choose_impl(be, args, args.m);
   if (!impl.is_ok()) return impl.status();
-  return run_grouped(be, st, args, m, impl.value());
+  return run_grouped(be, st, args, args.m, impl.value());
 }
 
 }  // namespace packmoe

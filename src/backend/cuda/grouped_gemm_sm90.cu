@@ -51,6 +51,7 @@
 #include "backend/cuda/grouped_gemm_sm90.h"
 #include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/cuda/grouped_gemm_sm90_ptx.cuh"
+#include "backend/cuda/grouped_gemm_sm90_schedule.cuh"
 #include "backend/cuda/grouped_gemm_sm90_tiles.h"
 #include "core/codecs.h"
 
@@ -97,24 +98,13 @@ struct Layout {
                 "swizzle atoms 1024-aligned");
 };
 
-// One active group on the device. Work comes in units of one tile per CTA of the cluster: for a
-// cluster of 2, pairs of m-tiles sharing an n-tile (B multicast) and, when m_tiles is odd, the
-// last m-tile's pairs of n-tiles (A multicast). Unit order: bands of `band` n-tiles, m-rows of
-// the band one after the other, n fastest (the band's B stays in L2 while its rows pass).
-struct GroupTiles {
-  int32_t mk, kred;
-  int32_t unit_begin;
-  int32_t m_tiles;
-  int32_t band;
-  int32_t group;  // the caller's group index (alpha); tensor maps are indexed like this table
-};
-
 struct Params {
   const CUtensorMap* a_maps;  // per table row: A, boxes (64 reduction, 64 rows) / (64 rows, 64)
   const CUtensorMap* b_maps;  // B, boxes (64 reduction, BN / 2 cols) / (64 cols, 64 reduction)
   const CUtensorMap* c_maps;  // output, boxes (64 or 32 cols, 64 rows)
   const GroupTiles* groups;
-  int32_t num_groups, total_units, n_tiles, nk;
+  const Sm90Work* work;  // active groups and work units, in device memory (see Sm90Work)
+  int32_t n_tiles, nk;
   int32_t out_mode;  // 0: FP32, 1: BF16, 2: FP32 added to the output
   const float* alpha_lhs;
   const float* alpha_rhs;
@@ -142,9 +132,10 @@ struct TileAt {
 };
 
 template <int BN, int kCluster>
-__device__ __forceinline__ TileAt tile_of(const Params& p, int unit, int rank, GroupTiles& g) {
+__device__ __forceinline__ TileAt tile_of(const Params& p, const Sm90Work& w, int unit, int rank,
+                                          GroupTiles& g) {
   TileAt t;
-  t.gi = find_group(p.groups, p.num_groups, unit);
+  t.gi = find_group(p.groups, w.num_groups, unit);
   g = p.groups[t.gi];
   const int u = unit - g.unit_begin;
   const int rows = g.m_tiles / kCluster;  // m-rows of units that pair m-tiles
@@ -187,15 +178,15 @@ __device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, uint
 }
 
 template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
-__device__ __forceinline__ void produce(const Params& p, uint8_t* smem, uint64_t* full,
+__device__ __forceinline__ void produce(const Params& p, const Sm90Work& w, uint8_t* smem, uint64_t* full,
                                         uint64_t* empty, int rank) {
   using L = Layout<BN, kFused>;
   constexpr int kHalfB = L::kBBytes / 2;  // bytes of BN / 2 columns
   int stage = 0;
   uint32_t phase = 0;
-  for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
+  for (int unit = blockIdx.x / kCluster; unit < w.total_units; unit += gridDim.x / kCluster) {
     GroupTiles g;
-    const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
+    const TileAt at = tile_of<BN, kCluster>(p, w, unit, rank, g);
     const CUtensorMap* am = p.a_maps + at.gi;
     const CUtensorMap* bm = p.b_maps + at.gi;
     tensormap_acquire(am);
@@ -270,15 +261,15 @@ struct FusedShare {
 // from global memory (L2-resident), then one arrival on the stage's `full` barrier (which counts
 // the TMA producer's arrival and these). Runs ahead of the consumers like the TMA producer.
 template <int BN, int kCluster>
-__device__ __forceinline__ void load_scales(const Params& p, uint8_t* smem, uint64_t* full,
+__device__ __forceinline__ void load_scales(const Params& p, const Sm90Work& w, uint8_t* smem, uint64_t* full,
                                             uint64_t* empty, int rank, int lt) {
   using L = Layout<BN, true>;
   constexpr int kRows = kSm90TileM + BN;
   int stage = 0;
   uint32_t phase = 0;
-  for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
+  for (int unit = blockIdx.x / kCluster; unit < w.total_units; unit += gridDim.x / kCluster) {
     GroupTiles g;
-    const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
+    const TileAt at = tile_of<BN, kCluster>(p, w, unit, rank, g);
     const uint8_t* sa = p.a_scale[at.gi];
     const uint8_t* sb = p.b_scale[at.gi];
     const int blocks = g.kred / kScaleBlock;
@@ -413,7 +404,7 @@ __device__ __forceinline__ void mainloop_tma(uint32_t smem_base, uint64_t* full,
 
 // Consumer warpgroup `half` (0: tile rows [0, 64), 1: [64, 128)), thread t of it.
 template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
-__device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t* full,
+__device__ __forceinline__ void consume(const Params& p, const Sm90Work& w, uint8_t* smem, uint64_t* full,
                                         uint64_t* empty, int rank, int half, int t) {
   using L = Layout<BN, kFused>;
   const uint32_t smem_base = smem_addr(smem);
@@ -425,9 +416,9 @@ __device__ __forceinline__ void consume(const Params& p, uint8_t* smem, uint64_t
   int stage = 0;
   uint32_t phase = 0;
   uint32_t buf = 0;  // fused: the BF16 tile the next step converts into
-  for (int unit = blockIdx.x / kCluster; unit < p.total_units; unit += gridDim.x / kCluster) {
+  for (int unit = blockIdx.x / kCluster; unit < w.total_units; unit += gridDim.x / kCluster) {
     GroupTiles g;
-    const TileAt at = tile_of<BN, kCluster>(p, unit, rank, g);
+    const TileAt at = tile_of<BN, kCluster>(p, w, unit, rank, g);
     const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
     if constexpr (kFused) {
       static_assert(kAKMajor && kBKMajor, "fused MXFP8 operands are K-major (fprop)");
@@ -517,6 +508,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarOffset);
   uint64_t* empty = full + L::kStages;
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
+  // Written by the host upload or the device schedule before this launch. CTAs beyond the work
+  // (a grid sized without the counts) skip every loop; both CTAs of a cluster alike.
+  const Sm90Work w = *p.work;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       // the producer's expect_tx arrival (+ the bytes); fused: + each scale loader's
@@ -532,12 +526,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs<kFused>>();
-    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, smem, full, empty, rank);
+    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, w, smem, full, empty, rank);
     if constexpr (kFused)
-      if (t >= 128 - kScaleLoaders) load_scales<BN, kCluster>(p, smem, full, empty, rank, t - 32);
+      if (t >= 128 - kScaleLoaders) load_scales<BN, kCluster>(p, w, smem, full, empty, rank, t - 32);
   } else {
     setmaxnreg_inc<kConsumerRegs<kFused>>();
-    consume<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, smem, full, empty, rank, wg - 1, t);
+    consume<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, w, smem, full, empty, rank, wg - 1, t);
   }
   // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster == 2) cluster_sync();
@@ -631,8 +625,10 @@ int env_int(const char* name) {
   return v != nullptr ? std::atoi(v) : 0;
 }
 
+// `units`: the work units when the host knows them (the grid is no larger), else -1 (the grid is
+// the resident CTA count; CTAs without work exit).
 template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused = false>
-void launch(CudaBackend& be, const Params& p) {
+void launch(CudaBackend& be, const Params& p, int64_t units) {
   auto kernel = grouped_gemm_sm90_kernel<BN, kAKMajor, kBKMajor, kCluster, kFused>;
   constexpr int kSmem = Layout<BN, kFused>::kSmemBytes;
   cudaLaunchConfig_t cfg{};
@@ -660,22 +656,22 @@ void launch(CudaBackend& be, const Params& p) {
   // PACKMOE_GEMM_SM90_CTAS replaces the resident count (tests: a few CTAs walk many tiles).
   const int cap = env_int("PACKMOE_GEMM_SM90_CTAS");
   const int64_t limit = cap > 0 ? std::max(kCluster, cap / kCluster * kCluster) : resident;
-  const int64_t grid = std::min<int64_t>(static_cast<int64_t>(p.total_units) * kCluster, limit);
+  const int64_t grid = units >= 0 ? std::min<int64_t>(units * kCluster, limit) : limit;
   if (std::getenv("PACKMOE_GEMM_SM90_VERBOSE") != nullptr)
     std::fprintf(stderr,
-                 "grouped_gemm_sm90: BN %d cluster %d%s, %d units, grid %lld (resident %d)\n", BN,
-                 kCluster, kFused ? " fused MXFP8" : "", p.total_units,
+                 "grouped_gemm_sm90: BN %d cluster %d%s, %lld units, grid %lld (resident %d)\n", BN,
+                 kCluster, kFused ? " fused MXFP8" : "", static_cast<long long>(units),
                  static_cast<long long>(grid), resident);
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   PACKMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 template <int BN, int kCluster>
-void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k, bool fused) {
-  if (fused) return launch<BN, true, true, kCluster, true>(be, p);
-  if (a_k && b_k) return launch<BN, true, true, kCluster>(be, p);
-  if (a_k && !b_k) return launch<BN, true, false, kCluster>(be, p);
-  if (!a_k && !b_k) return launch<BN, false, false, kCluster>(be, p);
+void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k, bool fused, int64_t units) {
+  if (fused) return launch<BN, true, true, kCluster, true>(be, p, units);
+  if (a_k && b_k) return launch<BN, true, true, kCluster>(be, p, units);
+  if (a_k && !b_k) return launch<BN, true, false, kCluster>(be, p, units);
+  if (!a_k && !b_k) return launch<BN, false, false, kCluster>(be, p, units);
   PACKMOE_CHECK(false, "grouped_gemm_sm90: MN-major A with K-major B is not instantiated");
 }
 
@@ -712,14 +708,44 @@ bool sm90_gemm_shape_ok(const Sm90Gemm& p) {
   return true;
 }
 
-Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
-  if (!sm90_gemm_shape_ok(p)) return Status::error("grouped_gemm_sm90: unsupported shape");
-  const size_t G = p.mk.size();
-  Sm90Tiles tiles = choose_sm90_tiles(p.mk, p.kred, p.nk, be.sm_count());
+namespace {
+
+// The PACKMOE_GEMM_SM90_TILE_N / _CLUSTER overrides of a heuristic choice.
+Sm90Tiles with_overrides(Sm90Tiles tiles) {
   const int forced_n = env_int("PACKMOE_GEMM_SM90_TILE_N");
   if (forced_n == 128 || forced_n == 256) tiles.bn = forced_n;
   const int forced_c = env_int("PACKMOE_GEMM_SM90_CLUSTER");
   if (forced_c == 1 || forced_c == 2) tiles.cluster = forced_c;
+  return tiles;
+}
+
+// The maps of one group, (mk, kred) its shape: A and B boxes per the operand majors, C the output.
+MapKey a_map_key(const void* a, int64_t mk, int64_t kred, bool k_major, MapElem in) {
+  return k_major ? MapKey{a, kred, mk, kBox, 64, in} : MapKey{a, mk, kred, kBox, kSm90TileK, in};
+}
+MapKey b_map_key(const void* b, int64_t nk, int64_t kred, bool k_major, int bn, MapElem in) {
+  return k_major ? MapKey{b, kred, nk, kBox, bn / 2, in} : MapKey{b, nk, kred, kBox, kSm90TileK, in};
+}
+MapKey c_map_key(void* out, int64_t nk, int64_t mk, bool f32_out) {
+  return MapKey{out, nk, mk, f32_out ? 32 : 64, 64, f32_out ? MapElem::kF32 : MapElem::kBf16};
+}
+
+// Launches the kernel instance of `tiles` (units: see launch).
+void launch_tiles(CudaBackend& be, const Params& k, Sm90Tiles tiles, bool a_k, bool b_k,
+                  bool fused, int64_t units) {
+  const int bn = tiles.bn, cl = tiles.cluster;
+  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, a_k, b_k, fused, units);
+  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, a_k, b_k, fused, units);
+  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, a_k, b_k, fused, units);
+  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, a_k, b_k, fused, units);
+}
+
+}  // namespace
+
+Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
+  if (!sm90_gemm_shape_ok(p)) return Status::error("grouped_gemm_sm90: unsupported shape");
+  const size_t G = p.mk.size();
+  const Sm90Tiles tiles = with_overrides(choose_sm90_tiles(p.mk, p.kred, p.nk, be.sm_count()));
   const int bn = tiles.bn, cl = tiles.cluster;
   const int64_t n_tiles = (p.nk + bn - 1) / bn;
   const bool f32_out = !p.out_bf16;
@@ -740,18 +766,14 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
       PACKMOE_CHECK(!fused || (p.a_scale[g] != nullptr && p.b_scale[g] != nullptr),
                     "grouped_gemm_sm90: group " << g << " has no MXFP8 scales");
       const int64_t m_tiles = (mk + kSm90TileM - 1) / kSm90TileM;
-      const int64_t units = m_tiles / cl * n_tiles + (m_tiles % cl) * ((n_tiles + cl - 1) / cl);
       table.push_back(GroupTiles{static_cast<int32_t>(mk), static_cast<int32_t>(kred),
                                  static_cast<int32_t>(total), static_cast<int32_t>(m_tiles),
                                  sm90_band(bn, kred, n_tiles), static_cast<int32_t>(g)});
-      total += units;
+      total += sm90_units(m_tiles, n_tiles, cl);
       const MapElem in = fused ? MapElem::kU8 : MapElem::kBf16;
-      amaps.push_back(p.a_k_major ? cache.get({p.a[g], kred, mk, kBox, 64, in})
-                                  : cache.get({p.a[g], mk, kred, kBox, kSm90TileK, in}));
-      bmaps.push_back(p.b_k_major ? cache.get({p.b[g], kred, p.nk, kBox, bn / 2, in})
-                                  : cache.get({p.b[g], p.nk, kred, kBox, kSm90TileK, in}));
-      cmaps.push_back(cache.get({p.out[g], p.nk, mk, f32_out ? 32 : 64, 64,
-                                 f32_out ? MapElem::kF32 : MapElem::kBf16}));
+      amaps.push_back(cache.get(a_map_key(p.a[g], mk, kred, p.a_k_major, in)));
+      bmaps.push_back(cache.get(b_map_key(p.b[g], p.nk, kred, p.b_k_major, bn, in)));
+      cmaps.push_back(cache.get(c_map_key(p.out[g], p.nk, mk, f32_out)));
       if (fused) {
         a_scale.push_back(p.a_scale[g]);
         b_scale.push_back(p.b_scale[g]);
@@ -761,21 +783,25 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   if (total == 0) return Status::ok();
   PACKMOE_CHECK(total < (int64_t{1} << 30), "grouped_gemm_sm90: " << total << " work units");
 
-  // One upload: [A maps][B maps][C maps][group table][A scales][B scales] (the scale pointers
-  // only when fused); the staging buffers are 256-byte aligned, a CUtensorMap is 64-byte aligned
-  // and the table (24 bytes a row) ends 8-byte aligned.
+  // One upload: [A maps][B maps][C maps][group table][work][A scales][B scales] (the scale
+  // pointers only when fused); the staging buffers are 256-byte aligned, a CUtensorMap is 64-byte
+  // aligned, the table (24 bytes a row) and the work (8 bytes) end 8-byte aligned.
   const size_t n = table.size();
   const size_t maps_bytes = n * sizeof(CUtensorMap);
   const size_t table_bytes = n * sizeof(GroupTiles), ptr_bytes = a_scale.size() * sizeof(void*);
-  static_assert(sizeof(GroupTiles) % 8 == 0, "the scale pointers follow the table 8-byte aligned");
-  std::vector<uint8_t> blob(3 * maps_bytes + table_bytes + 2 * ptr_bytes);
+  static_assert(sizeof(GroupTiles) % 8 == 0 && sizeof(Sm90Work) == 8,
+                "the scale pointers follow the table and the work 8-byte aligned");
+  const Sm90Work work{static_cast<int32_t>(n), static_cast<int32_t>(total)};
+  const size_t work_at = 3 * maps_bytes + table_bytes, scales_at = work_at + sizeof(Sm90Work);
+  std::vector<uint8_t> blob(scales_at + 2 * ptr_bytes);
   std::memcpy(blob.data(), amaps.data(), maps_bytes);
   std::memcpy(blob.data() + maps_bytes, bmaps.data(), maps_bytes);
   std::memcpy(blob.data() + 2 * maps_bytes, cmaps.data(), maps_bytes);
   std::memcpy(blob.data() + 3 * maps_bytes, table.data(), table_bytes);
+  std::memcpy(blob.data() + work_at, &work, sizeof work);
   if (fused) {
-    std::memcpy(blob.data() + 3 * maps_bytes + table_bytes, a_scale.data(), ptr_bytes);
-    std::memcpy(blob.data() + 3 * maps_bytes + table_bytes + ptr_bytes, b_scale.data(), ptr_bytes);
+    std::memcpy(blob.data() + scales_at, a_scale.data(), ptr_bytes);
+    std::memcpy(blob.data() + scales_at + ptr_bytes, b_scale.data(), ptr_bytes);
   }
   const auto* dev = static_cast<const uint8_t*>(be.upload(blob.data(), blob.size()));
 
@@ -784,21 +810,161 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   k.b_maps = reinterpret_cast<const CUtensorMap*>(dev + maps_bytes);
   k.c_maps = reinterpret_cast<const CUtensorMap*>(dev + 2 * maps_bytes);
   k.groups = reinterpret_cast<const GroupTiles*>(dev + 3 * maps_bytes);
-  k.num_groups = static_cast<int32_t>(n);
-  k.total_units = static_cast<int32_t>(total);
+  k.work = reinterpret_cast<const Sm90Work*>(dev + work_at);
   k.n_tiles = static_cast<int32_t>(n_tiles);
   k.nk = static_cast<int32_t>(p.nk);
   k.out_mode = p.out_bf16 ? 1 : p.accumulate ? 2 : 0;
   k.alpha_lhs = p.alpha_lhs;
   k.alpha_rhs = p.alpha_rhs;
   if (fused) {
-    k.a_scale = reinterpret_cast<const uint8_t* const*>(dev + 3 * maps_bytes + table_bytes);
-    k.b_scale = reinterpret_cast<const uint8_t* const*>(dev + 3 * maps_bytes + table_bytes + ptr_bytes);
+    k.a_scale = reinterpret_cast<const uint8_t* const*>(dev + scales_at);
+    k.b_scale = reinterpret_cast<const uint8_t* const*>(dev + scales_at + ptr_bytes);
   }
-  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, p.a_k_major, p.b_k_major, fused);
-  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, p.a_k_major, p.b_k_major, fused);
-  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, p.a_k_major, p.b_k_major, fused);
-  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, p.a_k_major, p.b_k_major, fused);
+  launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, fused, total);
+  return Status::ok();
+}
+
+// ---- token counts in device memory ---------------------------------------------------------------
+
+Sm90Gemm sm90_device_geometry(const Sm90DeviceGemm& p, const std::vector<int64_t>& m) {
+  Sm90Gemm g;
+  g.nk = p.nk;
+  for (int64_t mg : m) {
+    g.mk.push_back(mg > 0 ? (p.tokens_reduce ? p.fixed : mg) : 0);
+    g.kred.push_back(mg > 0 ? (p.tokens_reduce ? mg : p.fixed) : 0);
+  }
+  g.a_k_major = p.a_k_major;
+  g.b_k_major = p.b_k_major;
+  g.out_bf16 = p.out_bf16;
+  g.accumulate = p.accumulate;
+  g.mxfp8_e4m3 = p.mxfp8_e4m3;
+  return g;
+}
+
+Sm90Tiles sm90_device_tiles(CudaBackend& be, const Sm90DeviceGemm& p) {
+  const Sm90Gemm g = sm90_device_geometry(p, sm90_uniform_split(p.capacity, p.groups, p.align));
+  return with_overrides(choose_sm90_tiles(g.mk, g.kred, g.nk, be.sm_count()));
+}
+
+// One allocation: [A templates][B templates][C templates][A maps][B maps][C maps] (G each),
+// [table (G)][work][B scale pointers per group (G)][A scale rows (G)][B scale rows (G)].
+static_assert(kSm90MaxDeviceGroups <= kMaxScheduleGroups, "the schedule kernel holds every group");
+
+struct Sm90DevicePlan {
+  Sm90DeviceGemm p;
+  uint8_t* memory = nullptr;
+  size_t maps_at = 0, table_at = 0, work_at = 0, b_scale_in_at = 0, scale_rows_at = 0;
+};
+
+namespace {
+
+// Which map dimension of an operand counts tokens: the contiguous one when the token axis is
+// contiguous (e.g. NVFP4's transposed wgrad copies), else the outer one.
+TokenDim token_dim(bool token_side, bool tokens_contiguous) {
+  if (!token_side) return TokenDim::kNone;
+  return tokens_contiguous ? TokenDim::kInner : TokenDim::kOuter;
+}
+
+}  // namespace
+
+const Sm90DevicePlan* make_sm90_device_plan(CudaBackend& be, const Sm90DeviceGemm& p) {
+  const size_t G = static_cast<size_t>(p.groups);
+  PACKMOE_CHECK(p.groups > 0 && p.groups <= kSm90MaxDeviceGroups,
+                "grouped_gemm_sm90: " << p.groups << " groups on the device-count path");
+  const int bn = p.tiles.bn;
+  const bool fused = p.mxfp8_e4m3, f32_out = !p.out_bf16;
+  const MapElem in = fused ? MapElem::kU8 : MapElem::kBf16;
+  // Templates: token-side maps over the whole capacity at the packed base, weight-side maps of
+  // each group as the host path encodes them.
+  const int64_t cap = p.capacity;
+  const int64_t mk = p.tokens_reduce ? p.fixed : cap, kred = p.tokens_reduce ? cap : p.fixed;
+  std::vector<CUtensorMap> templates(3 * G);
+  {
+    MapCache& cache = map_cache();
+    std::lock_guard<std::mutex> lock(cache.mu);
+    for (size_t g = 0; g < G; ++g) {
+      const void* a = p.a.token_bytes ? p.a.base : p.a.ptr[g];
+      const void* b = p.b.token_bytes ? p.b.base : p.b.ptr[g];
+      void* out = const_cast<void*>(p.out.token_bytes ? p.out.base : p.out.ptr[g]);
+      PACKMOE_CHECK(aligned16(a) && aligned16(b) && aligned16(out),
+                    "grouped_gemm_sm90: group " << g << " has a pointer off 16-byte alignment");
+      templates[g] = cache.get(a_map_key(a, mk, kred, p.a_k_major, in));
+      templates[G + g] = cache.get(b_map_key(b, p.nk, kred, p.b_k_major, bn, in));
+      templates[2 * G + g] = cache.get(c_map_key(out, p.nk, mk, f32_out));
+    }
+  }
+  auto* plan = new Sm90DevicePlan();  // kept for the life of the process (graphs may use it)
+  plan->p = p;
+  const size_t maps = 3 * G * sizeof(CUtensorMap);
+  plan->maps_at = maps;
+  plan->table_at = 2 * maps;
+  plan->work_at = plan->table_at + G * sizeof(GroupTiles);
+  plan->b_scale_in_at = plan->work_at + sizeof(Sm90Work);
+  plan->scale_rows_at = plan->b_scale_in_at + G * sizeof(void*);
+  const size_t bytes = plan->scale_rows_at + 2 * G * sizeof(void*);
+  std::vector<uint8_t> blob(bytes, 0);
+  std::memcpy(blob.data(), templates.data(), maps);
+  if (fused) std::memcpy(blob.data() + plan->b_scale_in_at, p.b_scale.ptr.data(), G * sizeof(void*));
+  PACKMOE_CUDA_CHECK(cudaMalloc(&plan->memory, bytes));
+  PACKMOE_CUDA_CHECK(cudaMemcpy(plan->memory, blob.data(), bytes, cudaMemcpyHostToDevice));
+  return plan;
+}
+
+Status grouped_gemm_sm90_device(CudaBackend& be, const Sm90DevicePlan& plan, const int64_t* m_device) {
+  const Sm90DeviceGemm& p = plan.p;
+  const size_t G = static_cast<size_t>(p.groups);
+  const Sm90Tiles tiles = p.tiles;
+  const int64_t n_tiles = (p.nk + tiles.bn - 1) / tiles.bn;
+  uint8_t* mem = plan.memory;
+  auto* templates = reinterpret_cast<const CUtensorMap*>(mem);
+  auto* maps = reinterpret_cast<CUtensorMap*>(mem + plan.maps_at);
+  auto* scale_rows = reinterpret_cast<const uint8_t**>(mem + plan.scale_rows_at);
+
+  ScheduleParams s{};
+  s.m = m_device;
+  s.groups = static_cast<int32_t>(p.groups);
+  s.align = static_cast<int32_t>(p.align);
+  s.capacity = p.capacity;
+  s.tokens_reduce = p.tokens_reduce;
+  s.fixed = static_cast<int32_t>(p.fixed);
+  s.bn = tiles.bn;
+  s.cluster = tiles.cluster;
+  s.n_tiles = static_cast<int32_t>(n_tiles);
+  s.fused = p.mxfp8_e4m3;
+  s.table = reinterpret_cast<GroupTiles*>(mem + plan.table_at);
+  s.work = reinterpret_cast<Sm90Work*>(mem + plan.work_at);
+  // Token axis contiguous: A K-major with tokens as the reduction (wgrad), B K-major likewise;
+  // the output's token axis (fprop / dgrad rows) is always the outer one.
+  const Sm90DeviceOperand* ops[3] = {&p.a, &p.b, &p.out};
+  const bool contiguous[3] = {p.tokens_reduce && p.a_k_major, p.tokens_reduce && p.b_k_major, false};
+  const int32_t elem[3] = {p.mxfp8_e4m3 ? 1 : 2, p.mxfp8_e4m3 ? 1 : 2, p.out_bf16 ? 2 : 4};
+  for (int i = 0; i < 3; ++i)
+    s.maps[i] = ScheduleMap{templates + i * G, maps + i * G,
+                            reinterpret_cast<uint64_t>(ops[i]->base), ops[i]->token_bytes, elem[i],
+                            token_dim(ops[i]->token_bytes != 0, contiguous[i])};
+  s.scales[0] = ScheduleScale{nullptr, static_cast<const uint8_t*>(p.a_scale.base),
+                              p.a_scale.token_bytes, scale_rows};
+  s.scales[1] = ScheduleScale{reinterpret_cast<const uint8_t* const*>(mem + plan.b_scale_in_at),
+                              nullptr, 0, scale_rows + G};
+  sm90_schedule_kernel<<<schedule_ctas(p.groups), kScheduleThreads, 0, be.stream()>>>(s);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+
+  Params k{};
+  k.a_maps = maps;
+  k.b_maps = maps + G;
+  k.c_maps = maps + 2 * G;
+  k.groups = s.table;
+  k.work = s.work;
+  k.n_tiles = static_cast<int32_t>(n_tiles);
+  k.nk = static_cast<int32_t>(p.nk);
+  k.out_mode = p.out_bf16 ? 1 : p.accumulate ? 2 : 0;
+  k.alpha_lhs = p.alpha_lhs;
+  k.alpha_rhs = p.alpha_rhs;
+  if (p.mxfp8_e4m3) {
+    k.a_scale = scale_rows;
+    k.b_scale = scale_rows + G;
+  }
+  launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, p.mxfp8_e4m3, -1);
   return Status::ok();
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/grouped_gemm_sm90_tiles.h"
 #include "core/status.h"
 
 namespace packmoe {
@@ -48,5 +49,54 @@ bool sm90_gemm_shape_ok(const Sm90Gemm& p);
 
 // Queues the GEMM on be.stream(); no host synchronisation.
 Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p);
+
+// ---- token counts in device memory -------------------------------------------------------------
+// The same GEMM when the G token counts m_g live only in device memory (no host copy, CUDA-graph
+// capturable). Token-side operands are packed: group g's part starts at token row off_g =
+// sum_{h<g} m_h, i.e. at base + off_g * token_bytes. fprop / dgrad: mk_g = m_g (A and out are
+// token-side, B per group); wgrad: kred_g = m_g (A and B token-side, out per group).
+
+struct Sm90DeviceOperand {
+  std::vector<const void*> ptr;  // (G,) weight-side: each group's own (16-byte aligned)
+  const void* base = nullptr;    // token-side: the packed buffer (16-byte aligned)
+  int64_t token_bytes = 0;       // token-side: bytes one token adds (0: weight-side)
+};
+
+struct Sm90DeviceGemm {
+  int64_t groups = 0;    // G (at most kSm90MaxDeviceGroups)
+  int64_t capacity = 0;  // token rows of the packed buffers; the counts sum to at most this
+  int64_t align = 1;     // every m_g is a multiple of it (checked on the device)
+  bool tokens_reduce = false;  // wgrad
+  int64_t fixed = 0;     // the per-group dimension that is not m_g: kred (fprop, dgrad), mk (wgrad)
+  int64_t nk = 0;
+  bool a_k_major = true, b_k_major = true;
+  bool out_bf16 = false, accumulate = false;
+  const float* alpha_lhs = nullptr;  // (G,) on the device, or null
+  const float* alpha_rhs = nullptr;
+  bool mxfp8_e4m3 = false;  // fused MXFP8 (fprop): A and B are the E4M3 bytes, scales below
+  Sm90DeviceOperand a, b, out, a_scale, b_scale;
+  Sm90Tiles tiles;  // from sm90_device_tiles
+};
+
+constexpr int64_t kSm90MaxDeviceGroups = 1024;
+
+// The sm_90a geometry of `p` with the host-chosen per-group counts `m` standing in for the device
+// ones (shape rules and the tile choice): mk / kred per group as Sm90Gemm has them.
+Sm90Gemm sm90_device_geometry(const Sm90DeviceGemm& p, const std::vector<int64_t>& m);
+
+// The tile shape for `p` without its counts: the heuristic on an even split of the capacity
+// (sm90_uniform_split), then the PACKMOE_GEMM_SM90_TILE_N / _CLUSTER overrides. Same bytes as
+// any other tile shape (the summation order does not depend on it).
+Sm90Tiles sm90_device_tiles(CudaBackend& be, const Sm90DeviceGemm& p);
+
+// Device memory of one call signature (templates, maps, table): made on a call outside graph
+// capture (encodes maps, allocates, uploads: synchronises), kept for the life of the process (a
+// captured graph may read it), never overwritten by another signature.
+struct Sm90DevicePlan;
+const Sm90DevicePlan* make_sm90_device_plan(CudaBackend& be, const Sm90DeviceGemm& p);
+
+// Queues the schedule kernel and the GEMM on be.stream(): no host synchronisation, nothing read
+// from host memory at run (or graph replay) time but the launch parameters.
+Status grouped_gemm_sm90_device(CudaBackend& be, const Sm90DevicePlan& plan, const int64_t* m_device);
 
 }  // namespace packmoe

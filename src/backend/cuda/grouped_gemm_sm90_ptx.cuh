@@ -64,9 +64,39 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 
 // ---- TMA -------------------------------------------------------------------------------------------
 
-// Orders earlier writes of the tensor map at `map` (uploaded by a copy) before the TMA reads it.
+// Orders earlier writes of the tensor map at `map` (uploaded by a copy, or published by the
+// device schedule with tensormap_publish) before the TMA reads it.
 __device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+}
+
+// A tensor map in shared memory (`map`, 128-byte aligned) patched on the device (sm_90a): base
+// address, extent of dimension kOrd (0 innermost) in elements, byte stride of dimension kOrd + 1.
+__device__ __forceinline__ void tensormap_set_address(uint32_t map, uint64_t address) {
+  asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;" ::"r"(map),
+               "l"(address)
+               : "memory");
+}
+template <int kOrd>
+__device__ __forceinline__ void tensormap_set_dim(uint32_t map, uint32_t elements) {
+  asm volatile("tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [%0], %1, %2;" ::"r"(map),
+               "n"(kOrd), "r"(elements)
+               : "memory");
+}
+template <int kOrd>
+__device__ __forceinline__ void tensormap_set_stride(uint32_t map, uint64_t bytes) {
+  asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], %1, %2;" ::"r"(map),
+               "n"(kOrd), "l"(bytes)
+               : "memory");
+}
+// Warp-collective (every lane, same operands): copies the map at shared `src` to global `dst` and
+// releases it to the tensormap proxy at GPU scope; a user acquires it (tensormap_acquire) first.
+__device__ __forceinline__ void tensormap_publish(CUtensorMap* dst, uint32_t src) {
+  asm volatile(
+      "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned "
+      "[%0], [%1], 128;" ::"l"(__cvta_generic_to_global(dst)),
+      "r"(src)
+      : "memory");
 }
 
 // Box at element coordinates (c0 innermost, c1) of the 2-D tensor `map` into shared memory `dst`;

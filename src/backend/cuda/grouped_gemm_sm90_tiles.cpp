@@ -5,7 +5,8 @@
 // large problems; narrow ones when nk is small or padding to 256 wastes a column block, or when
 // there are too few tiles to fill the grid. Clusters of 2 always: a pair shares its B (or A)
 // tile through TMA multicast, a third less L2 -> shared memory traffic per CTA (measured on the
-// H200: 560-615 TFLOP/s without, 630-660 with, on the large shapes; docs/gemm-sm90.md).
+// H200: 560-615 TFLOP/s without, 630-660 with, on the large shapes; docs/gemm-sm90.md). Calls
+// whose token counts stay on the device choose from an even split of their capacity instead.
 #include "backend/cuda/grouped_gemm_sm90_tiles.h"
 
 #include <algorithm>
@@ -42,11 +43,9 @@ Sm90Tiles choose_sm90_tiles(const std::vector<int64_t>& mk, const std::vector<in
   return Sm90Tiles{narrow < wide ? 128 : 256, 2};
 }
 
-int32_t sm90_band(int bn, int64_t kred, int64_t n_tiles) {
-  constexpr int64_t kBandBytes = int64_t{16} << 20;
-  const int64_t b_tile = static_cast<int64_t>(bn) * kred * 2;
-  return static_cast<int32_t>(std::clamp<int64_t>(kBandBytes / std::max<int64_t>(b_tile, 1), 1,
-                                                  std::max<int64_t>(n_tiles, 1)));
+std::vector<int64_t> sm90_uniform_split(int64_t capacity, int64_t groups, int64_t align) {
+  const int64_t per = (capacity / std::max<int64_t>(groups, 1) + align - 1) / align * align;
+  return std::vector<int64_t>(static_cast<size_t>(groups), std::max(per, align));
 }
 
 }  // namespace packmoe
