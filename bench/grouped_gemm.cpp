@@ -335,6 +335,29 @@ class ShapeCase {
     return a;
   }
 
+  // The same call with the token counts in device memory (m_device, m_capacity = M): each
+  // token-side operand as one packed buffer (its group-0 pointer). No host synchronisation.
+  GroupedGemmArgs with_device_counts(GroupedGemmArgs a) {
+    if (m_dev_ == nullptr) {
+      m_dev_ = buf(s_.E * 8);
+      be_.copy(m_dev_, s_.splits.data(), s_.E * 8, Backend::CopyKind::kHostToDevice);
+    }
+    a.m.clear();
+    a.m_device = m_dev_;
+    a.groups = s_.E;
+    a.m_capacity = s_.M();
+    auto packed = [](GemmOperand& o) {
+      o.data.resize(1);
+      if (!o.scale.empty()) o.scale.resize(1);
+    };
+    packed(a.lhs);
+    if (a.op == GemmOp::kWgrad)
+      packed(a.rhs);
+    else
+      a.out.resize(1);
+    return a;
+  }
+
  private:
   struct Mx {
     void *rd = nullptr, *rs = nullptr, *cd = nullptr, *cs = nullptr;
@@ -354,6 +377,7 @@ class ShapeCase {
   const Shape& s_;
   std::vector<std::unique_ptr<DeviceBuffer>> bufs_;
   void *x_, *dy_, *w_, *y_, *dx_, *dw_bf16_, *dw_f32_;
+  void* m_dev_ = nullptr;  // (E,) int64 splits, for with_device_counts
   Mx mx_x_, mx_dy_, mx_w_;
   Nv nv_x_, nv_dy_, nv_w_;
 };
@@ -393,7 +417,9 @@ int run(const Options& o) {
       "# cublas = one cuBLASLt matmul per group. vs_gmm = torch._grouped_mm BF16 ms of the same op /\n"
       "# our ms; vs_loop = per-expert torch.matmul loop (fprop); vs_fp8 = torch._scaled_grouped_mm\n"
       "# FP8 rowwise fprop ms / our sm90 ms. mxfp8 fprop on sm90, forced routes: mx-pre = the\n"
-      "# dequantize pre-pass (PACKMOE_GEMM_SM90_FUSED=0), mx-fus = the fused loader (=1)\n");
+      "# dequantize pre-pass (PACKMOE_GEMM_SM90_FUSED=0), mx-fus = the fused loader (=1);\n"
+      "# bf16:d = the BF16 call with the token counts in device memory (m_device: packed token\n"
+      "# buffers, no host sync; on CUDA the sm90 kernel)\n");
   std::printf("%-16s %-9s %-6s %9s %8s %9s %8s %8s %8s %8s %8s\n", "shape", "op", "recipe", "sm90_ms",
               "TFLOP/s", "cublas_ms", "TFLOP/s", "vs_gmm", "cub_gmm", "vs_loop", "vs_fp8");
   std::fflush(stdout);
@@ -429,6 +455,17 @@ int run(const Options& o) {
                     fp ? ratio(s.scaled_fprop, ms[0]).c_str() : "-");
         std::fflush(stdout);
         if (fp) fprop_ms[s.name + "/" + rname] = ms[0];
+        if (f == OperandFormat::kBF16) {
+          const GroupedGemmArgs d = sc.with_device_counts(a);
+          setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
+          check(be.grouped_gemm(d));
+          const double t = be.time_ms([&] { check(be.grouped_gemm(d)); }, o.warmup, o.iters);
+          unsetenv("PACKMOE_GEMM_IMPL");
+          std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
+                      acc ? "wgrad+acc" : op_text(op), "bf16:d", t, flops / (t * 1e-3) / 1e12, "-",
+                      "-", ratio(torch_ms, t).c_str(), "-", "-", "-");
+          std::fflush(stdout);
+        }
         for (int fused = 0; fused < 2 && fp && f == OperandFormat::kMxfp8; ++fused) {
           // The sm90 call forced through the dequantize pre-pass, then the fused loader.
           const char* route = fused ? "mx-fus" : "mx-pre";
