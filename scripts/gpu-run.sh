@@ -28,7 +28,14 @@ for d in shared/peers ../shared/peers; do [ -f "$d/torch_grouped_gemm_and_quant.
 
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
-note "$(nvidia-smi -L | head -1); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'); $(date -u +%F)"
+# The commit, and whether the tree differs from it (a copy of a working tree may carry an older
+# .git than its files: then the label says so instead of naming a commit the files are not).
+tree_label() {
+  local head
+  head=$(git rev-parse --short HEAD 2>/dev/null) || { echo "commit ?"; return; }
+  if git diff --quiet HEAD -- 2>/dev/null; then echo "commit $head"; else echo "commit $head + uncommitted changes"; fi
+}
+note "$(nvidia-smi -L | head -1); $(tree_label); $(date -u +%F)"
 
 t0=$(date +%s)
 if cmake -S . -B build-gpu -G Ninja -DPACKMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
