@@ -669,27 +669,26 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
 // BF16 operands.
 enum class Impl { kCublasLt, kSm90 };
 
-// The sm_90a kernel's view of the op (pointers left empty): output rows mk_g, reduction kred_g,
-// output columns nk, and which operands are K-major. The kernel's A is always the lhs (X or dY),
-// B the rhs (W or X). Shapes only.
-Sm90Gemm sm90_geometry(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
-  Sm90Gemm p;
-  const size_t G = m.size();
+// The sm_90a kernel's view of the op, shapes only (no pointers, no counts): which per-group
+// dimension is the token count (mk_g for fprop / dgrad, kred_g for wgrad), the other one, the
+// output columns nk and which operands are K-major. The kernel's A is always the lhs (X or dY), B
+// the rhs (W or X). Both the host-count and the device-count paths start from it.
+Sm90DeviceGemm sm90_op_shape(const GroupedGemmArgs& a) {
   const bool nvfp4 = a.lhs.format == OperandFormat::kNvfp4;  // columnwise copies stored transposed
+  Sm90DeviceGemm p;
+  p.tokens_reduce = a.op == GemmOp::kWgrad;
+  p.fixed = a.op == GemmOp::kFprop ? a.k : a.n;
   p.nk = a.op == GemmOp::kFprop ? a.n : a.k;
-  for (size_t g = 0; g < G; ++g) {
-    const bool active = m[g] > 0;
-    switch (a.op) {
-      case GemmOp::kFprop: p.mk.push_back(m[g]), p.kred.push_back(active ? a.k : 0); break;
-      case GemmOp::kDgrad: p.mk.push_back(m[g]), p.kred.push_back(active ? a.n : 0); break;
-      case GemmOp::kWgrad: p.mk.push_back(active ? a.n : 0), p.kred.push_back(m[g]); break;
-    }
-  }
   p.a_k_major = a.op != GemmOp::kWgrad || nvfp4;  // wgrad reads dY (m, N): MN-major
   p.b_k_major = a.op == GemmOp::kFprop || nvfp4;  // dgrad W (N, K), wgrad X (m, K): MN-major
   p.out_bf16 = a.out_dtype == DType::kBF16;
   p.accumulate = a.accumulate;
   return p;
+}
+
+// The sm_90a problem with the host's token counts `m` (pointers left empty).
+Sm90Gemm sm90_geometry(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+  return sm90_device_geometry(sm90_op_shape(a), m);
 }
 
 // PACKMOE_GEMM_IMPL=cublas forces cuBLASLt; otherwise (unset, `auto` or `sm90`) the sm_90a kernel
@@ -912,20 +911,12 @@ bool capturing(CudaBackend& be) {
 // operands are filled in by make_device_call); shapes decide everything else.
 Sm90DeviceGemm device_problem(const GroupedGemmArgs& a, bool fused) {
   const TokenStrides ts = token_strides(a);
-  const bool nvfp4 = a.lhs.format == OperandFormat::kNvfp4;
-  Sm90DeviceGemm p;
+  Sm90DeviceGemm p = sm90_op_shape(a);
   p.groups = a.groups;
   p.capacity = a.m_capacity;
   p.align = gemm_token_alignment(a.lhs.format);
-  p.tokens_reduce = a.op == GemmOp::kWgrad;
-  p.fixed = a.op == GemmOp::kFprop ? a.k : a.n;
-  p.nk = a.op == GemmOp::kFprop ? a.n : a.k;
-  p.a_k_major = a.op != GemmOp::kWgrad || nvfp4;
-  p.b_k_major = a.op == GemmOp::kFprop || nvfp4;
-  p.out_bf16 = a.out_dtype == DType::kBF16;
-  p.accumulate = a.accumulate;
   p.mxfp8_e4m3 = fused;
-  if (nvfp4) {
+  if (a.lhs.format == OperandFormat::kNvfp4) {
     p.alpha_lhs = static_cast<const float*>(a.lhs.decode_scale);
     p.alpha_rhs = static_cast<const float*>(a.rhs.decode_scale);
   }

@@ -80,8 +80,9 @@ struct Sm90DeviceGemm {
 
 constexpr int64_t kSm90MaxDeviceGroups = 1024;
 
-// The sm_90a geometry of `p` with the host-chosen per-group counts `m` standing in for the device
-// ones (shape rules and the tile choice): mk / kred per group as Sm90Gemm has them.
+// The sm_90a geometry of `p` with per-group counts `m` (the host's counts, or host-chosen ones
+// standing in for the device's: shape rules and the tile choice): mk / kred per group as Sm90Gemm
+// has them, pointers left empty.
 Sm90Gemm sm90_device_geometry(const Sm90DeviceGemm& p, const std::vector<int64_t>& m);
 
 // The tile shape for `p` without its counts: the heuristic on an even split of the capacity
