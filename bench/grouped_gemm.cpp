@@ -8,6 +8,7 @@
 // dequantizes in its loader; mx-pre / mx-fus force either route). Backend interface only.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -35,10 +36,25 @@ struct Options {
   std::string device = "cuda";
   std::string peer_json;
   int iters = 20;
-  int warmup = 5;
+  double warmup_ms = 200;
   bool small = false;
   std::string only;  // comma-separated shape names
 };
+
+// The median ms of o.iters back-to-back calls (an event pair each, read after one sync), after
+// calling `body` for at least o.warmup_ms of wall time so that the GPU's clocks have settled under
+// this call's own load (a short warm-up inherits the state the previous measurement left).
+// bench/torch_grouped_gemm.py times torch the same way.
+double timed_ms(Backend& be, const Options& o, const std::function<void()>& body) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int n = 1;; ++n) {
+    body();
+    if (n % 4 == 0) be.synchronize();  // wall time follows the GPU, not the launch queue
+    const std::chrono::duration<double, std::milli> dt = std::chrono::steady_clock::now() - t0;
+    if (dt.count() >= o.warmup_ms) break;
+  }
+  return be.time_ms(body, 0, o.iters);
+}
 
 // One MoE FC1 shape: E experts of W (N, K) = (2F, H), M routed rows split over the experts.
 struct Shape {
@@ -408,8 +424,8 @@ int run(const Options& o) {
     shapes = keep;
   }
 
-  std::printf("# bench_grouped_gemm on %s; median of %d after %d warm-up\n", be.name().c_str(),
-              o.iters, o.warmup);
+  std::printf("# bench_grouped_gemm on %s; median of %d back-to-back calls after %.0f ms of warm-up\n",
+              be.name().c_str(), o.iters, o.warmup_ms);
   std::printf(
       "# FLOPs = 2*M*N*K per op (M = routed tokens incl. padding to 32); time = one grouped_gemm\n"
       "# call incl. the MXFP8/NVFP4 dequantize pre-pass; outputs BF16, wgrad+acc = FP32 main_grad\n"
@@ -441,7 +457,7 @@ int run(const Options& o) {
         for (int impl = 0; impl < 2; ++impl) {
           setenv("PACKMOE_GEMM_IMPL", impl == 0 ? "sm90" : "cublas", 1);
           check(be.grouped_gemm(a));  // argument errors surface before timing
-          ms[impl] = be.time_ms([&] { check(be.grouped_gemm(a)); }, o.warmup, o.iters);
+          ms[impl] = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
         }
         unsetenv("PACKMOE_GEMM_IMPL");
         const double torch_ms = op == GemmOp::kFprop ? s.gmm_fprop
@@ -459,7 +475,7 @@ int run(const Options& o) {
           const GroupedGemmArgs d = sc.with_device_counts(a);
           setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
           check(be.grouped_gemm(d));
-          const double t = be.time_ms([&] { check(be.grouped_gemm(d)); }, o.warmup, o.iters);
+          const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(d)); });
           unsetenv("PACKMOE_GEMM_IMPL");
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                       acc ? "wgrad+acc" : op_text(op), "bf16:d", t, flops / (t * 1e-3) / 1e12, "-",
@@ -472,7 +488,7 @@ int run(const Options& o) {
           setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
           setenv("PACKMOE_GEMM_SM90_FUSED", fused ? "1" : "0", 1);
           check(be.grouped_gemm(a));
-          const double t = be.time_ms([&] { check(be.grouped_gemm(a)); }, o.warmup, o.iters);
+          const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
           unsetenv("PACKMOE_GEMM_SM90_FUSED");
           unsetenv("PACKMOE_GEMM_IMPL");
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
@@ -512,7 +528,9 @@ int main(int argc, char** argv) {
   app.add_option("--peer-json", o.peer_json,
                  "torch_gemm_peers.json from bench/torch_grouped_gemm.py (shapes, splits, figures)");
   app.add_option("--iters", o.iters, "timed iterations (median)")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", o.warmup, "untimed warm-up iterations")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup-ms", o.warmup_ms,
+                 "untimed warm-up before each measurement, in ms of wall time (at least one call)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--only", o.only, "comma-separated shape names");
   app.add_flag("--small", o.small, "small shapes (seconds on a CPU)");
   CLI11_PARSE(app, argc, argv);

@@ -3,7 +3,8 @@
 
 For four MoE shapes (E experts, weight W stored (E, N, K) = (E, 2F, H), M routed token rows split
 unevenly over the experts, each split rounded UP to 32 tokens, packmoe's MXFP8 alignment) it times
-with CUDA events (median of 20 after 5 warm-ups):
+with CUDA events the way bench_grouped_gemm times packmoe (after at least 200 ms of warm-up calls, the
+median of 20 back-to-back calls, an event pair each, read after one synchronisation):
   torch._grouped_mm BF16    fprop Y = X W^T, dgrad dX = dY W, wgrad dW = dY^T X
   per-expert torch.matmul   fprop
   torch._scaled_grouped_mm  fprop, FP8 E4M3 with rowwise scales
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -31,20 +33,26 @@ def log(*a):
     print(*a, flush=True)
 
 
-def time_ms(fn, warmup=5, iters=20):
-    for _ in range(warmup):
+def time_ms(fn, warmup_ms=200.0, iters=20):
+    """Median ms of `iters` back-to-back calls after calling fn for at least warmup_ms of wall time
+    (the GPU's clocks settle under this call's own load first): bench_grouped_gemm's method."""
+    t0 = time.perf_counter()
+    n = 0
+    while True:
         fn()
+        n += 1
+        if n % 4 == 0:
+            torch.cuda.synchronize()  # wall time follows the GPU, not the launch queue
+        if (time.perf_counter() - t0) * 1e3 >= warmup_ms:
+            break
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn()
+        stops[i].record()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
+    times = sorted(a.elapsed_time(b) for a, b in zip(starts, stops))
     return times[len(times) // 2]
 
 
@@ -160,7 +168,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     res = {"info": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                    "gpu": torch.cuda.get_device_name(), "timing": "CUDA events, median of 20 after 5 warm-ups",
+                    "gpu": torch.cuda.get_device_name(), "timing": "CUDA events, median of 20 back-to-back calls after 200 ms of warm-up",
                     "flops": "2*M*N*K per op"}}
     log(json.dumps(res["info"]))
     for name in args.shapes.split(","):
