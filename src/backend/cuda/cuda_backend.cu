@@ -31,10 +31,11 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 // The process-wide instance is never destroyed (see cuda_backend_instance), so this runs only for
 // explicitly constructed backends; errors are ignored because the runtime may be shutting down.
 CudaBackend::~CudaBackend() {
+  for (UploadSlot& s : slots_)
+    if (s.device) cudaFreeAsync(s.device, stream_);  // stream-ordered allocations
   cudaStreamSynchronize(stream_);
   for (UploadSlot& s : slots_) {
     if (s.host) cudaFreeHost(s.host);
-    if (s.device) cudaFree(s.device);
     if (s.copied) cudaEventDestroy(s.copied);
   }
   if (workspace_) cudaFree(workspace_);
@@ -114,13 +115,15 @@ const void* CudaBackend::upload(const void* host, size_t bytes) {
   // slots this only waits when 32 uploads are still queued.
   PACKMOE_CUDA_CHECK(cudaEventSynchronize(s.copied));
   if (s.capacity < bytes) {
-    size_t cap = std::max<size_t>(bytes, 4096);
-    // The device buffer may still be read by queued kernels: free it only after they ran.
-    synchronize();
+    // Rare: slots start at kUploadSlotBytes (the tables of a few hundred groups) and double. The
+    // old pinned buffer is no longer read (its copy is done); the old device buffer may still be
+    // read by queued kernels, so it is freed in stream order: no device synchronisation.
+    size_t cap = std::max(s.capacity * 2, kUploadSlotBytes);
+    while (cap < bytes) cap *= 2;
     if (s.host) PACKMOE_CUDA_CHECK(cudaFreeHost(s.host));
-    if (s.device) PACKMOE_CUDA_CHECK(cudaFree(s.device));
+    if (s.device) PACKMOE_CUDA_CHECK(cudaFreeAsync(s.device, stream_));
     PACKMOE_CUDA_CHECK(cudaMallocHost(&s.host, cap));
-    PACKMOE_CUDA_CHECK(cudaMalloc(&s.device, cap));
+    PACKMOE_CUDA_CHECK(cudaMallocAsync(&s.device, cap, stream_));
     s.capacity = cap;
   }
   std::memcpy(s.host, host, bytes);

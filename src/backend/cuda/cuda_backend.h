@@ -106,6 +106,7 @@ class CudaBackend final : public Backend {
     cudaEvent_t copied = nullptr;  // recorded after the copy out of `host`
   };
   static constexpr int kUploadSlots = 32;
+  static constexpr size_t kUploadSlotBytes = size_t{64} << 10;  // a slot's first capacity
 
   int device_ = 0;
   int sm_count_ = 0;
