@@ -150,9 +150,14 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
                                          << shape_string(dy.shape()));
   PACKMOE_CHECK(dy.device() == backend_->device(), "backward: dy is not in the backend's memory");
 
+  const int64_t draws = rows * n / kNvfp4Block;  // blocks of 16 SR draws (NVFP4)
+  PACKMOE_CHECK(draws < (int64_t{1} << kSrBlockBits),
+                "backward: dy of " << rows << " x " << n
+                                   << " needs more SR draws than a micro-batch has (2^"
+                                   << kSrBlockBits << " blocks)");
   dy_ = quantize_activation(*backend_, cfg_.recipe, TensorRole::kGradOutput, dy, m_,
                             grad_sr_offset_);
-  grad_sr_offset_ += static_cast<uint64_t>(rows * n / kNvfp4Block);
+  grad_sr_offset_ += static_cast<uint64_t>(draws);
   Tensor dx = Tensor::empty(*backend_, cfg_.out_dtype, {rows, k});  // (M, K)
   GroupedGemmArgs a;
   a.op = GemmOp::kDgrad;
@@ -177,11 +182,7 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   return dx;
 }
 
-void GroupedLinear::set_grad_sr_offset(uint64_t offset) {
-  PACKMOE_CHECK(state_ == LinearState::kIdle,
-                "set_grad_sr_offset between forward and backward (or with a wgrad queued)");
-  grad_sr_offset_ = offset;
-}
+void GroupedLinear::set_grad_sr_offset(uint64_t offset) { grad_sr_offset_ = offset; }
 
 void GroupedLinear::backward_dw() {
   PACKMOE_CHECK(state_ == LinearState::kWgradPending,

@@ -63,8 +63,7 @@ class GroupedLinear {
   LinearState state() const { return state_; }
   // SR offset the next dY quantization uses: it advances by the M * N / 16 blocks each call draws.
   uint64_t grad_sr_offset() const { return grad_sr_offset_; }
-  // Restores the offset (checkpoint resume), so a resumed run draws the bits the uninterrupted
-  // run would have drawn. Only in kIdle: a saved forward or queued wgrad belongs to the old run.
+  // Sets it: a trainer, before each micro-batch, to nvfp4_grad_sr_offset of that micro-batch.
   void set_grad_sr_offset(uint64_t offset);
 
   // x: (M, K) BF16 in the backend's memory, expert g's m[g] rows after expert g-1's; m: (E,) host

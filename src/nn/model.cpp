@@ -159,17 +159,11 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
   m.lm_head_param = order.size();
   if (!c.tie_word_embeddings) add_linear(*m.lm_head);
   PACKMOE_CHECK(order.size() == specs.size(), "Model: parameter list out of step with the specs");
-  std::vector<std::string> linear_names;
   for (size_t i = 0; i < specs.size(); ++i) {
     params_.push_back({specs[i].name, order[i].param, specs[i].weight_decay, order[i].reads_fp32});
     order[i].param->create_master();
-    if (order[i].linear) {
-      linears_.push_back(order[i].linear);
-      linear_names.push_back(specs[i].name);
-    }
+    if (order[i].linear) linears_.push_back(order[i].linear);
   }
-  PACKMOE_CHECK(linear_names == model_linear_names(c),
-                "Model: linear list out of step with model_linear_names");
 }
 
 Model::~Model() = default;
@@ -189,16 +183,8 @@ ModelWeights Model::master_weights() const {
   return out;
 }
 
-std::vector<uint64_t> Model::grad_sr_offsets() const {
-  std::vector<uint64_t> out;
-  for (const GroupedLinear* l : linears_) out.push_back(l->grad_sr_offset());
-  return out;
-}
-
-void Model::set_grad_sr_offsets(const std::vector<uint64_t>& offsets) {
-  PACKMOE_CHECK(offsets.size() == linears_.size(),
-                offsets.size() << " SR offsets for " << linears_.size() << " linears");
-  for (size_t i = 0; i < offsets.size(); ++i) linears_[i]->set_grad_sr_offset(offsets[i]);
+void Model::set_grad_sr_offset(uint64_t offset) {
+  for (GroupedLinear* l : linears_) l->set_grad_sr_offset(offset);
 }
 
 Result<ForwardLosses> Model::forward(const Batch& batch) {

@@ -62,10 +62,6 @@ std::vector<ParamSpec> model_param_specs(const ModelConfig& config);
 // every machine.
 ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
 
-// The GroupedLinears of the model, each named by its parameter, in model_param_specs order: every
-// parameter but the norms and the untied embedding (tied, the embedding IS the LM head's weight
-// and comes first). The order of Model::grad_sr_offsets().
-std::vector<std::string> model_linear_names(const ModelConfig& config);
 
 // Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, on the
 // host; the error names the first offending tensor.
@@ -132,11 +128,10 @@ class Model {
   const std::vector<NamedParam>& params() const { return params_; }
   // FP32 masters copied to the host, in the ModelWeights layout (for checkpoints and tests).
   ModelWeights master_weights() const;
-  // The NVFP4 stochastic-rounding offset of every GroupedLinear (GroupedLinear::grad_sr_offset),
-  // in model_linear_names order: with the seed, the whole random state of a run. A checkpoint
-  // saves them and set_grad_sr_offsets restores them (size must match; only between steps).
-  std::vector<uint64_t> grad_sr_offsets() const;
-  void set_grad_sr_offsets(const std::vector<uint64_t>& offsets);
+  // Sets the NVFP4 stochastic-rounding offset of every GroupedLinear (each has its own seed):
+  // the trainer's nvfp4_grad_sr_offset of the coming micro-batch. With the seed, that is the
+  // whole random state of a run, so a checkpoint needs none.
+  void set_grad_sr_offset(uint64_t offset);
 
   // Forward of one micro-batch; returns its losses (one host sync). Allowed from any state: a
   // forward never followed by backward (eval) is dropped by the next forward. Bad ids / targets
@@ -157,7 +152,7 @@ class Model {
   ModelPrecision precision_;
   ModelState state_ = ModelState::kIdle;
   std::vector<NamedParam> params_;
-  std::vector<GroupedLinear*> linears_;  // model_linear_names order
+  std::vector<GroupedLinear*> linears_;  // every GroupedLinear (set_grad_sr_offset)
   GradReadyHook grad_ready_;
   void grad_ready(size_t first, size_t end) const;  // the hook for params() [first, end)
 

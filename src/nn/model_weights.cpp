@@ -51,17 +51,6 @@ std::vector<ParamSpec> model_param_specs(const ModelConfig& c) {
   return s;
 }
 
-std::vector<std::string> model_linear_names(const ModelConfig& c) {
-  std::vector<std::string> out;
-  for (const ParamSpec& spec : model_param_specs(c)) {
-    const bool norm = spec.init == ParamInit::kOnes;  // the only parameters initialised to 1
-    const bool untied_embedding =
-        spec.name == "model.embed_tokens.weight" && !c.tie_word_embeddings;
-    if (!norm && !untied_embedding) out.push_back(spec.name);
-  }
-  return out;
-}
-
 ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed) {
   Allocator& host = cpu_backend();
   const std::vector<ParamSpec> specs = model_param_specs(config);

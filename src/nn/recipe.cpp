@@ -1,6 +1,8 @@
 // Per-role quantizer settings of each recipe (TE defaults).
 #include "nn/recipe.h"
 
+#include "core/check.h"
+
 namespace packmoe {
 
 const char* recipe_name(Recipe r) {
@@ -51,6 +53,17 @@ Nvfp4Config nvfp4_config(const QuantRecipe& q, TensorRole role, uint64_t sr_offs
       break;
   }
   return c;
+}
+
+uint64_t nvfp4_grad_sr_offset(int64_t step, int64_t index) {
+  static_assert(kSrStepBits + kSrIndexBits + kSrBlockBits == 64, "the offset's 64 bits");
+  PACKMOE_CHECK(step >= 1 && step < (int64_t{1} << kSrStepBits),
+                "NVFP4 stochastic rounding: step " << step << " outside [1, 2^" << kSrStepBits << ")");
+  PACKMOE_CHECK(index >= 0 && index < (int64_t{1} << kSrIndexBits),
+                "NVFP4 stochastic rounding: " << index + 1 << " micro-batches in one step (at most 2^"
+                                              << kSrIndexBits << ")");
+  return (static_cast<uint64_t>(step) << (kSrIndexBits + kSrBlockBits)) |
+         (static_cast<uint64_t>(index) << kSrBlockBits);
 }
 
 }  // namespace packmoe

@@ -33,9 +33,20 @@ struct QuantRecipe {
   // enable_2d_quantization, off by default).
   bool mxfp8_weight_2d = false;
   // NVFP4 stochastic rounding of gradients: Philox seed. The offset is advanced by the layer at
-  // every call (formats/nvfp4.h numbers the draws), so no two calls reuse random bits.
+  // every call (formats/nvfp4.h numbers the draws), so no two calls reuse random bits; a trainer
+  // sets it per micro-batch (nvfp4_grad_sr_offset).
   uint64_t sr_seed = 0;
 };
+
+// NVFP4 gradient SR: where the Philox stream of every GroupedLinear (each has its own seed) starts
+// for micro-batch `index` of optimizer step `step` (1-based). `index` numbers the step's
+// micro-batches in the sampler's order (micro * world + rank), so the offset is a function of the
+// rows, not of the rank that processes them: the ranks of a data-parallel job draw different
+// bits, and a run resumed on any number of ranks that splits the step alike draws the bits the
+// uninterrupted run drew. Layout of the 64-bit offset: step (24 bits) | index (12) | the
+// micro-batch's own 2^28 blocks of 16 draws. Errors (one line) past step 2^24 or index 2^12.
+uint64_t nvfp4_grad_sr_offset(int64_t step, int64_t index);
+constexpr int kSrStepBits = 24, kSrIndexBits = 12, kSrBlockBits = 28;
 
 const char* recipe_name(Recipe r);
 OperandFormat operand_format(Recipe r);

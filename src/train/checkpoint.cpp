@@ -25,7 +25,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kStateFormat = "packmoe-trainer-state";
-constexpr int64_t kStateVersion = 1;
+constexpr int64_t kStateVersion = 2;  // 1 also stored per-linear NVFP4 SR offsets
 constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 
 std::string in_dir(const std::string& dir, const char* file) {
@@ -34,16 +34,14 @@ std::string in_dir(const std::string& dir, const char* file) {
 
 // ---- trainer_state.json -------------------------------------------------------------------------
 
-// "shard_plan": the saving job's layout and, per rank, its shard file and SR offsets.
+// "shard_plan": the saving job's layout and, per rank, its shard file.
 json shard_plan_json(const TrainerCheckpoint& c) {
   const SavedShardPlan& plan = *c.shard_plan;
   const std::vector<ParamSpec> specs = model_param_specs(c.model);
   PACKMOE_CHECK(plan.params.size() == specs.size() && plan.offsets.size() == specs.size(),
                 "a shard plan of " << plan.params.size() << " parameters for " << specs.size());
-  PACKMOE_CHECK(
-      static_cast<int64_t>(plan.shards.size()) == c.world_size &&
-          c.rank_sr_offsets.size() == plan.shards.size(),
-      "a shard plan of " << plan.shards.size() << " ranks for world size " << c.world_size);
+  PACKMOE_CHECK(static_cast<int64_t>(plan.shards.size()) == c.world_size,
+                "a shard plan of " << plan.shards.size() << " ranks for world size " << c.world_size);
   json params = json::array();
   for (size_t p = 0; p < specs.size(); ++p) {
     const ParamGeometry& g = plan.params[p];
@@ -60,8 +58,7 @@ json shard_plan_json(const TrainerCheckpoint& c) {
         {{"rank", r},
          {"begin", plan.shards[r].begin},
          {"end", plan.shards[r].end},
-         {"file", optimizer_shard_file(static_cast<int>(r), static_cast<int>(c.world_size))},
-         {"sr_offsets", c.rank_sr_offsets[r]}});
+         {"file", optimizer_shard_file(static_cast<int>(r), static_cast<int>(c.world_size))}});
   return {{"total", plan.total},
           {"bucket_elems", plan.bucket_elems},
           {"params", std::move(params)},
@@ -77,13 +74,6 @@ json state_json(const TrainerCheckpoint& c) {
   j["sampler"] = {{"offset", c.sampler.offset},
                   {"epoch", c.sampler.epoch},
                   {"stream_tokens", c.train_stream_tokens}};
-  const std::vector<std::string> linears = model_linear_names(c.model);
-  PACKMOE_CHECK(linears.size() == c.sr_offsets.size(),
-                c.sr_offsets.size() << " SR offsets for " << linears.size() << " linears");
-  json sr = json::array();
-  for (size_t i = 0; i < linears.size(); ++i)
-    sr.push_back({{"linear", linears[i]}, {"offset", c.sr_offsets[i]}});
-  j["sr_offsets"] = std::move(sr);
   j["train"] = train_config_to_json(c.config);
   j["world_size"] = c.world_size;
   j["shard_plan"] = c.shard_plan ? shard_plan_json(c) : json(nullptr);
@@ -128,17 +118,14 @@ class StateReader {
   std::string path_;
 };
 
-bool is_u64(const json& v) { return v.is_number_unsigned(); }
-
-// "shard_plan" (after world_size and sr_offsets): null for a single process; else the saving
-// job's plan, which must be one of this model's parameters (names in order, element counts) and
-// cover the flat buffer with world_size consecutive shards, each with its file and SR offsets.
+// "shard_plan" (after world_size): null for a single process; else the saving job's plan, which
+// must be one of this model's parameters (names in order, element counts) and cover the flat
+// buffer with world_size consecutive shards, each with its file.
 Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* c) {
   Status s;
   const json* plan = r.find(j, "", "shard_plan", &s);
   if (!plan) return s;
   c->shard_plan.reset();
-  c->rank_sr_offsets.clear();
   if (plan->is_null()) {
     if (c->world_size == 1) return Status::ok();
     return r.error("world_size " + std::to_string(c->world_size) +
@@ -188,7 +175,6 @@ Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* 
   if (!shards->is_array() || static_cast<int64_t>(shards->size()) != c->world_size)
     return r.error("shard_plan.shards must be an array of world_size = " +
                    std::to_string(c->world_size) + " entries, one per rank");
-  const size_t linears = c->sr_offsets.size();
   int64_t next = 0;
   for (int64_t rank = 0; rank < c->world_size; ++rank) {
     const json& e = (*shards)[rank];
@@ -208,25 +194,17 @@ Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* 
         optimizer_shard_file(static_cast<int>(rank), static_cast<int>(c->world_size));
     if (!e.contains("file") || e["file"] != file)
       return r.error(at + "file must be \"" + file + "\"");
-    const json* sr = r.find(e, at, "sr_offsets", &s);
-    if (!sr) return s;
-    if (!sr->is_array() || sr->size() != linears || !std::all_of(sr->begin(), sr->end(), is_u64))
-      return r.error(at + "sr_offsets must be an array of " + std::to_string(linears) +
-                     " unsigned integers, one per linear of the model");
-    c->rank_sr_offsets.push_back(sr->get<std::vector<uint64_t>>());
     sp.shards.push_back(range);
   }
   if (next != sp.total)
     return r.error("shard_plan.shards end at " + std::to_string(next) +
                    ", not at total = " + std::to_string(sp.total));
-  if (c->rank_sr_offsets[0] != c->sr_offsets)
-    return r.error("shard_plan.shards[0].sr_offsets differ from sr_offsets (rank 0's)");
   c->shard_plan = std::move(sp);
   return Status::ok();
 }
 
-// Parses trainer_state.json into `c` (model already read: it names the SR offsets and checks the
-// train config).
+// Parses trainer_state.json into `c` (model already read: it checks the train config and the shard
+// plan).
 Status parse_state(const json& j, const std::string& path, int64_t marker_step,
                    TrainerCheckpoint* c) {
   const StateReader r(path);
@@ -256,22 +234,6 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(*sampler, "sampler.", "epoch", 0, &c->sampler.epoch));
   PACKMOE_RETURN_IF_ERROR(
       r.int_at_least(*sampler, "sampler.", "stream_tokens", 1, &c->train_stream_tokens));
-
-  const json* sr = r.find(j, "", "sr_offsets", &s);
-  if (!sr) return s;
-  const std::vector<std::string> linears = model_linear_names(c->model);
-  if (!sr->is_array() || sr->size() != linears.size())
-    return r.error("sr_offsets must be an array of " + std::to_string(linears.size()) +
-                   " entries, one per linear of the model");
-  c->sr_offsets.clear();
-  for (size_t i = 0; i < linears.size(); ++i) {
-    const json& e = (*sr)[i];
-    if (!e.is_object() || !e.contains("linear") || e["linear"] != linears[i] ||
-        !e.contains("offset") || !e["offset"].is_number_unsigned())
-      return r.error("sr_offsets[" + std::to_string(i) + "] must be {\"linear\": \"" + linears[i] +
-                     "\", \"offset\": <unsigned integer>} (got " + e.dump() + ")");
-    c->sr_offsets.push_back(e["offset"].get<uint64_t>());
-  }
 
   PACKMOE_RETURN_IF_ERROR(parse_shard_plan(j, r, c));
 
@@ -382,15 +344,6 @@ SavedShardPlan saved_shard_plan(const ShardPlan& plan) {
   for (int p = 0; p < plan.params(); ++p) s.offsets.push_back(plan.slot(p).offset);
   for (int r = 0; r < plan.world_size(); ++r) s.shards.push_back(plan.shard(r));
   return s;
-}
-
-std::vector<uint64_t> sr_offsets_for_rank(const TrainerCheckpoint& c, int rank) {
-  if (c.rank_sr_offsets.empty()) return c.sr_offsets;
-  if (rank < static_cast<int>(c.rank_sr_offsets.size())) return c.rank_sr_offsets[rank];
-  std::vector<uint64_t> out = c.rank_sr_offsets[0];
-  for (const std::vector<uint64_t>& saved : c.rank_sr_offsets)
-    for (size_t i = 0; i < out.size(); ++i) out[i] = std::max(out[i], saved[i]);
-  return out;
 }
 
 Status write_trainer_checkpoint(const std::string& dir, const TrainerCheckpoint& c) {

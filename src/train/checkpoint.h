@@ -63,18 +63,11 @@ struct TrainerCheckpoint {
   io::StateTensors moments;     // exp_avg_name / exp_avg_sq_name of every parameter, full
   int64_t optimizer_steps = 0;  // AdamW's t
   SamplerPosition sampler;      // where the next training row starts
-  int64_t train_stream_tokens = 0;   // the training stream it indexes
-  std::vector<uint64_t> sr_offsets;  // model_linear_names(model) order (rank 0's)
-  int64_t world_size = 1;            // ranks that wrote it
-  // Data-parallel saves only: the plan (the moments were in one shard file per rank) and every
-  // rank's SR offsets ([0] equals sr_offsets). Single-process saves: none and empty.
+  int64_t train_stream_tokens = 0;  // the training stream it indexes
+  int64_t world_size = 1;           // ranks that wrote it
+  // Data-parallel saves only: the plan (the moments were in one shard file per rank).
   std::optional<SavedShardPlan> shard_plan;
-  std::vector<std::vector<uint64_t>> rank_sr_offsets;
 };
-
-// The SR offsets rank `rank` continues with: the saving rank's own when it existed, else per
-// linear the largest of every saving rank (so the rank draws no bits any rank drew before).
-std::vector<uint64_t> sr_offsets_for_rank(const TrainerCheckpoint& checkpoint, int rank);
 
 // Writes config.json, model.safetensors and trainer_state.json into `dir` (normally a
 // CheckpointWriter's temporary directory), each file atomically, and optimizer.safetensors unless
@@ -89,7 +82,7 @@ Status write_optimizer_shard(const std::string& dir, const OptimizerShard& shard
 // model.safetensors (load_hf_weights: every name, shape, dtype), the moments: optimizer.safetensors
 // (exactly the moments of the model's parameters) or every rank's shard file (each of this save
 // and rank, the plan's parameters; together every element exactly once; their masters equal to
-// model.safetensors), the SR offsets named by model_linear_names. One error line naming the file.
+// model.safetensors). One error line naming the file.
 Result<TrainerCheckpoint> read_trainer_checkpoint(const std::string& dir);
 
 // A checkpoint directory from a path that is either one (it holds complete.json) or a save root:

@@ -50,17 +50,4 @@ std::string broadcast_string(Communicator& comm, const std::string& value, int r
   return out;
 }
 
-std::vector<std::vector<uint64_t>> all_gather_u64(Communicator& comm,
-                                                  const std::vector<uint64_t>& mine) {
-  const int64_t bytes = static_cast<int64_t>(mine.size() * sizeof(uint64_t));
-  DeviceBuffer in = to_device(comm.backend(), mine.data(), mine.size() * sizeof(uint64_t));
-  DeviceBuffer out(comm.backend(), static_cast<size_t>(bytes) * comm.size());
-  comm.all_gather(in.get(), out.get(), bytes);
-  const std::vector<uint8_t> all = out.download();
-  std::vector<std::vector<uint64_t>> ranks(comm.size(), std::vector<uint64_t>(mine.size()));
-  for (int r = 0; r < comm.size(); ++r)
-    if (bytes) std::memcpy(ranks[r].data(), all.data() + r * bytes, static_cast<size_t>(bytes));
-  return ranks;
-}
-
 }  // namespace packmoe::train

@@ -21,8 +21,4 @@ Status agree_on_status(Communicator& comm, const Status& mine);
 // `root`'s `value` on every rank.
 std::string broadcast_string(Communicator& comm, const std::string& value, int root);
 
-// Every rank's `mine` (all of one length), in rank order.
-std::vector<std::vector<uint64_t>> all_gather_u64(Communicator& comm,
-                                                  const std::vector<uint64_t>& mine);
-
 }  // namespace packmoe::train

@@ -73,6 +73,17 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
   PACKMOE_RETURN_IF_ERROR(at_least("eval_interval", c.eval_interval, 0));
   if (c.eval_interval > 0) PACKMOE_RETURN_IF_ERROR(at_least("eval_batches", c.eval_batches, 1));
   PACKMOE_RETURN_IF_ERROR(at_least("log_interval", c.log_interval, 1));
+  // NVFP4 gradient SR numbers each micro-batch's draws by its step and place in the step
+  // (nvfp4_grad_sr_offset).
+  if (c.precision.recipe.recipe == Recipe::kNvfp4) {
+    if (c.steps >= (int64_t{1} << kSrStepBits))
+      return Status::error("NVFP4: steps must be below 2^" + std::to_string(kSrStepBits) +
+                           " (its stochastic rounding numbers the steps' draws)");
+    if (c.grad_accum_steps > (int64_t{1} << kSrIndexBits))
+      return Status::error("NVFP4: grad_accum_steps must be at most 2^" +
+                           std::to_string(kSrIndexBits) +
+                           " (its stochastic rounding numbers the micro-batches of a step)");
+  }
   return Status::ok();
 }
 

@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 
+#include "nn/recipe.h"
 #include "optim/grad_clip.h"
 #include "train/rank_agreement.h"
 
@@ -56,6 +57,13 @@ Tensor download_f32(const GroupedStorage& s, const Shape& shape) {
                 "storage of " << bytes.size() << " bytes for shape " << shape_string(shape));
   std::memcpy(t.data(), bytes.data(), bytes.size());
   return t;
+}
+
+// NVFP4: every linear's gradient SR offset for micro-batch `index` of step `step` (the other
+// recipes draw nothing; validate() and enable_data_parallel keep NVFP4 runs inside its range).
+void set_sr_offset(Model& model, int64_t step, int64_t index) {
+  if (model.precision().recipe.recipe == Recipe::kNvfp4)
+    model.set_grad_sr_offset(nvfp4_grad_sr_offset(step, index));
 }
 
 }  // namespace
@@ -136,8 +144,6 @@ TrainerCheckpoint Trainer::snapshot() const {
     c.optimizer_steps = full.steps;
     c.world_size = comm_->size();
     c.shard_plan = saved_shard_plan(dist_->plan());
-    c.rank_sr_offsets = all_gather_u64(*comm_, model_->grad_sr_offsets());
-    c.sr_offsets = c.rank_sr_offsets[0];
     return c;
   }
   c.masters = model_->master_weights();
@@ -149,7 +155,6 @@ TrainerCheckpoint Trainer::snapshot() const {
     c.moments.emplace(exp_avg_sq_name(params[i].name), download_f32(states[i].exp_avg_sq, shape));
   }
   c.optimizer_steps = optimizer_.steps();
-  c.sr_offsets = model_->grad_sr_offsets();
   return c;
 }
 
@@ -236,7 +241,6 @@ void Trainer::restore_state(const TrainerCheckpoint& c) {
     }
     optimizer_.set_steps(c.optimizer_steps);
   }
-  model_->set_grad_sr_offsets(sr_offsets_for_rank(c, dist_ ? comm_->rank() : 0));
   const Status position = train_sampler_.set_position(c.sampler);
   PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
   step_ = c.step;
@@ -279,6 +283,12 @@ Status Trainer::enable_data_parallel(Communicator& comm, GatherMode mode, int64_
   if (step_ != 0) return Status::error("data parallelism must be enabled before the first step");
   if (&comm.backend() != &model_->backend())
     return Status::error("the communicator runs on another backend than the model");
+  if (model_->precision().recipe.recipe == Recipe::kNvfp4 &&
+      config_.grad_accum_steps * comm.size() > (int64_t{1} << kSrIndexBits))
+    return Status::error("NVFP4: grad_accum_steps x ranks = " +
+                         std::to_string(config_.grad_accum_steps * comm.size()) +
+                         " micro-batches per step; its stochastic rounding numbers at most " +
+                         std::to_string(int64_t{1} << kSrIndexBits));
   // The layers that read their FP32 weight itself (every norm, the embedding table) get full
   // FP32 replicas; the rest is gathered in `mode`.
   std::vector<DistParam> params;
@@ -314,6 +324,7 @@ Result<StepResult> Trainer::train_step_dist() {
       Batch b = train_sampler_.next();
       if (w == rank) batch = std::move(b);
     }
+    set_sr_offset(*model_, r.step, micro * world + rank);
     dist_->prepare_forward();
     Result<ForwardLosses> losses = model_->forward(batch);
     if (!losses) return losses.status();
@@ -360,6 +371,7 @@ Result<StepResult> Trainer::train_step() {
   double loss_sum = 0, aux_sum = 0;
   for (int64_t micro = 0; micro < A; ++micro) {
     const Batch batch = train_sampler_.next();
+    set_sr_offset(*model_, r.step, micro);
     Result<ForwardLosses> losses = model_->forward(batch);
     if (!losses) return losses.status();
     model_->backward(loss_scale);

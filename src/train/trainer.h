@@ -91,7 +91,8 @@ class Trainer {
   // The same from a checkpoint already read (e.g. by every rank of `packmoe train --resume`).
   // Without data parallelism the model is rebuilt from the stored masters; with it, the
   // DistOptimizer takes this rank's part of the masters and moments (re-split by this job's
-  // plan) and the next forward gathers the weights; SR offsets: sr_offsets_for_rank.
+  // plan) and the next forward gathers the weights. NVFP4 stochastic rounding needs nothing
+  // restored: each micro-batch's offset follows from the step (nvfp4_grad_sr_offset).
   Status load_checkpoint(const TrainerCheckpoint& checkpoint);
 
   // zero_grad; A x (forward + backward(1 / A)); global grad norm; clip coefficient; lr of step

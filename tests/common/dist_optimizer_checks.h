@@ -170,9 +170,9 @@ TEST(DistOptimizer, ReuseGradBufferTrainEvalTrainSaveTrainEqualsTrainOnly) {
     EXPECT_TRUE(mixed.opt().grad_buffer().download() == plain.opt().grad_buffer().download());
 
     // Resume from the save into a block built from another init: step 2 and the weights agree.
-    // (Not NVFP4: its gradients' stochastic rounding draws from a counter each layer keeps,
-    // GroupedLinear::grad_sr_offset, which a fresh block starts at 0; the trainer's checkpoint
-    // must carry it.)
+    // (Not NVFP4: used without a trainer, a block's gradient SR draws from a counter each layer
+    // keeps, GroupedLinear::grad_sr_offset, which a fresh block starts at 0; a trainer sets it
+    // per micro-batch from the step instead, nvfp4_grad_sr_offset.)
     if (c.recipe.recipe == Recipe::kNvfp4) continue;
     DistRun resumed(c, make_init(g_seed + 4), GatherMode::kReuseGradBuffer);
     ASSERT_TRUE(resumed.opt().load_state(saved).is_ok());

@@ -75,7 +75,6 @@ struct Trace {
   SamplerPosition position;  // of the train sampler at the end
   int64_t step = 0, optimizer_steps = 0;
   std::vector<std::vector<uint8_t>> masters, exp_avg, exp_avg_sq;
-  std::vector<uint64_t> sr_offsets;
 };
 
 inline std::vector<uint8_t> bytes_of(const Tensor& t) {
@@ -97,7 +96,6 @@ inline void capture_state(Trainer& t, Trace* trace) {
     trace->exp_avg.push_back(s.exp_avg.download());
     trace->exp_avg_sq.push_back(s.exp_avg_sq.download());
   }
-  trace->sr_offsets = t.model().grad_sr_offsets();
 }
 
 // Trains `steps` more steps, appending to `trace`; evaluates after the steps in `eval_after`.
@@ -139,7 +137,6 @@ inline void expect_bitwise_equal(const Trace& a, const Trace& b) {
   EXPECT_EQ(a.position.epoch, b.position.epoch);
   EXPECT_EQ(a.step, b.step);
   EXPECT_EQ(a.optimizer_steps, b.optimizer_steps);
-  EXPECT_EQ(a.sr_offsets, b.sr_offsets);
   ASSERT_EQ(a.masters.size(), b.masters.size());
   for (size_t i = 0; i < a.masters.size(); ++i)
     EXPECT_EQ(a.masters[i], b.masters[i]) << "master " << i;

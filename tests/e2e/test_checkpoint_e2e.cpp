@@ -95,16 +95,6 @@ TEST_F(CheckpointE2E, SaveLoadContinueIsBitwiseTheUninterruptedRunInEveryRecipe)
     EXPECT_EQ(t->step(), kSaveAt);
     train(*t, kSteps - kSaveAt, &resumed);
     expect_bitwise_equal(straight, resumed);
-    if (recipe == Recipe::kNvfp4) {
-      // The SR offsets are part of the state: without them the resumed NVFP4 gradients differ.
-      EXPECT_NE(straight.sr_offsets, std::vector<uint64_t>(straight.sr_offsets.size(), 0));
-      std::unique_ptr<Trainer> fresh_offsets = resume(dir, c);
-      fresh_offsets->model().set_grad_sr_offsets(
-          std::vector<uint64_t>(straight.sr_offsets.size(), 0));
-      Trace wrong;
-      train(*fresh_offsets, 1, &wrong);
-      EXPECT_NE(wrong.grad_norms.front(), straight.grad_norms[kSaveAt]);
-    }
   }
 }
 
@@ -172,7 +162,6 @@ TEST_F(CheckpointE2E, Bf16CheckpointStartsQuantizedRunsWithTheSavedMasters) {
     EXPECT_EQ(loaded.masters, before.masters);
     EXPECT_EQ(loaded.exp_avg, before.exp_avg);  // the moments carry over too
     EXPECT_EQ(loaded.exp_avg_sq, before.exp_avg_sq);
-    EXPECT_EQ(loaded.sr_offsets, before.sr_offsets);
     EXPECT_EQ(loaded.optimizer_steps, kSaveAt);
     Trace after;
     train(*t, 1, &after);
@@ -338,15 +327,13 @@ TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
                                        [](nlohmann::json& j) { j["step"] = 7; });
                             }),
                    "step 7 differs from the step 2 of complete.json"});
-  cases.push_back({"sr offsets",
-                   recommit(good, root("sr"),
+  cases.push_back({"older version",
+                   recommit(good, root("version"),
                             [&](const fs::path& d) {
-                              set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
-                                j["sr_offsets"][3]["linear"] =
-                                    "model.layers.9.self_attn.o_proj.weight";
-                              });
+                              set_json(d / kTrainerStateFile,
+                                       [](nlohmann::json& j) { j["version"] = 1; });
                             }),
-                   "sr_offsets[3] must be"});
+                   "version 1 is not supported (this build reads 2)"});
   cases.push_back({"other data",
                    recommit(good, root("data"),
                             [&](const fs::path& d) {

@@ -5,6 +5,7 @@
 // reporting a device (over host memory) bitwise equal to the CPU backend.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -285,6 +286,26 @@ TEST_F(GroupedStateDeathTest, RequantizeWithoutMasterDies) {
   EXPECT_DEATH(p.requantize_from_master(), "requantize_from_master before create_master");
 }
 
+// The trainer's NVFP4 gradient SR offsets: step (24 bits) | micro-batch index (12) | 2^28 blocks
+// of the micro-batch's own, so every (step, index) owns a disjoint window of the stream.
+TEST(GradSrOffset, StepAndMicroBatchOwnDisjointWindows) {
+  EXPECT_EQ(nvfp4_grad_sr_offset(1, 0), uint64_t{1} << 40);
+  EXPECT_EQ(nvfp4_grad_sr_offset(3, 5), (uint64_t{3} << 40) | (uint64_t{5} << 28));
+  EXPECT_EQ(nvfp4_grad_sr_offset((1 << 24) - 1, 4095), ~uint64_t{0} << 28);
+  std::vector<uint64_t> starts;
+  for (int64_t step = 1; step <= 4; ++step)
+    for (int64_t index = 0; index < 4; ++index) starts.push_back(nvfp4_grad_sr_offset(step, index));
+  std::sort(starts.begin(), starts.end());
+  for (size_t i = 1; i < starts.size(); ++i)
+    EXPECT_GE(starts[i] - starts[i - 1], uint64_t{1} << kSrBlockBits) << i;
+}
+
+TEST_F(GroupedStateDeathTest, GradSrOffsetOutOfRangeDies) {
+  EXPECT_DEATH(nvfp4_grad_sr_offset(0, 0), "step 0 outside");
+  EXPECT_DEATH(nvfp4_grad_sr_offset(1 << 24, 0), "outside \\[1, 2\\^24\\)");
+  EXPECT_DEATH(nvfp4_grad_sr_offset(1, 4096), "4097 micro-batches in one step");
+}
+
 TEST_F(GroupedStateDeathTest, ForwardWithPendingWgradDies) {
   auto l = layer(true);
   l->forward(x(), m_);
@@ -443,7 +464,8 @@ TEST(GroupedLinear, OneStepMatchesFp64OnDequantizedOperands) {
         cfg.out_dtype = DType::kF32;
         GroupedLinear layer(b, cfg, random_init(31));
         std::vector<uint16_t> xh = random_bf16_host(41, m, kK), dyh = random_bf16_host(42, m, kN);
-        const uint64_t sr_offset = layer.grad_sr_offset();
+        const uint64_t sr_offset = nvfp4_grad_sr_offset(2, 3);  // as a trainer sets it
+        layer.set_grad_sr_offset(sr_offset);
         layer.param().zero_grad();
         const std::vector<float> y = floats_of(b, layer.forward(upload_bf16(b, xh, kK), m));
         const std::vector<float> dx =
@@ -490,6 +512,8 @@ TEST(GroupedLinear, OneStepMatchesFp64OnDequantizedOperands) {
         }
         EXPECT_LE(rel_frobenius(y, y_ref), kTol) << "y";
         EXPECT_LE(rel_frobenius(dx, dx_ref), kTol) << "dx";
+        // The backward drew its blocks of 16 from the set offset on: the next call starts past them.
+        EXPECT_EQ(layer.grad_sr_offset(), sr_offset + static_cast<uint64_t>(rows * kN / 16));
         EXPECT_LE(rel_frobenius(dw, dw_ref), kTol) << "main_grad";
       }
 }

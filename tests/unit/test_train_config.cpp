@@ -65,6 +65,19 @@ TEST(TrainConfig, DefaultsAreValidAndBadValuesAreNamed) {
   EXPECT_NE(error([](TrainConfig& c) { c.eval_batches = 0; }).find("eval_batches"), std::string::npos);
   EXPECT_TRUE(error([](TrainConfig& c) { c.eval_batches = 0, c.eval_interval = 0; }).empty());
   EXPECT_NE(error([](TrainConfig& c) { c.min_lr = 1.0; }).find("min_lr"), std::string::npos);
+  // NVFP4 numbers its gradient SR draws by step and micro-batch (nvfp4_grad_sr_offset): the
+  // limits hold for NVFP4 only.
+  const auto nvfp4 = [&](int64_t steps, int64_t accum) {
+    return error([&](TrainConfig& c) {
+      c.precision.recipe.recipe = Recipe::kNvfp4;
+      c.steps = steps;
+      c.grad_accum_steps = accum;
+    });
+  };
+  EXPECT_TRUE(nvfp4((1 << 24) - 1, 4096).empty());
+  EXPECT_EQ(nvfp4(1 << 24, 1), "NVFP4: steps must be below 2^24 (its stochastic rounding numbers the steps' draws)");
+  EXPECT_NE(nvfp4(10, 4097).find("NVFP4: grad_accum_steps must be at most 2^12"), std::string::npos);
+  EXPECT_TRUE(error([](TrainConfig& c) { c.steps = 1 << 24, c.grad_accum_steps = 4097; }).empty());
   EXPECT_EQ(lr_schedule(TrainConfig{}).decay_steps, TrainConfig{}.steps);
 }
 
