@@ -62,7 +62,6 @@ std::vector<ParamSpec> model_param_specs(const ModelConfig& config);
 // every machine.
 ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
 
-
 // Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, on the
 // host; the error names the first offending tensor.
 Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights);
