@@ -25,7 +25,10 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kStateFormat = "packmoe-trainer-state";
-constexpr int64_t kStateVersion = 2;  // 1 also stored per-linear NVFP4 SR offsets
+constexpr int64_t kStateVersion = 2;
+// Version 1 also held per-linear NVFP4 SR counters ("sr_offsets", and per shard); they are ignored:
+// the trainer now derives every micro-batch's offset from the step (nvfp4_grad_sr_offset).
+constexpr int64_t kOldestStateVersion = 1;
 constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 
 std::string in_dir(const std::string& dir, const char* file) {
@@ -214,9 +217,10 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
                    "\")");
   int64_t version = 0;
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "version", 0, &version));
-  if (version != kStateVersion)
+  if (version < kOldestStateVersion || version > kStateVersion)
     return r.error("version " + std::to_string(version) + " is not supported (this build reads " +
-                   std::to_string(kStateVersion) + ")");
+                   std::to_string(kOldestStateVersion) + " to " + std::to_string(kStateVersion) +
+                   ")");
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "step", 0, &c->step));
   if (c->step != marker_step)
     return r.error("step " + std::to_string(c->step) + " differs from the step " +

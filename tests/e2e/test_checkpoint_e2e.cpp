@@ -203,6 +203,14 @@ std::string damaged_copy(const std::string& src, const std::string& root,
   return dst.string();
 }
 
+// A JSON file rewritten with `f` applied to its document.
+void set_json(const fs::path& file, const std::function<void(nlohmann::json&)>& f) {
+  std::ifstream in(file);
+  nlohmann::json j = nlohmann::json::parse(in);
+  f(j);
+  std::ofstream(file, std::ios::trunc) << j.dump(2);
+}
+
 // model.safetensors rewritten with `change` applied to its tensor list (name -> keep / replace).
 void rewrite_weights(
     const fs::path& dir,
@@ -216,6 +224,25 @@ void rewrite_weights(
   ASSERT_TRUE(out.write(path.string()).is_ok());
 }
 
+// A version-1 trainer state (it also held per-linear NVFP4 SR counters) still loads; the counters
+// are ignored, since every micro-batch's SR offset follows from the step, so the run continues
+// bitwise like the uninterrupted one.
+TEST_F(CheckpointE2E, Version1StateLoadsAndContinuesBitwise) {
+  const TrainConfig c = resume_run(Recipe::kNvfp4, Layout::kSingle);
+  const Trace straight = run(c, kSteps);
+  Trace resumed;
+  const std::string saved = save_after_steps(c, "v2", &resumed);
+  const std::string v1 = recommit(saved, root("v1"), [](const fs::path& d) {
+    set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
+      j["version"] = 1;
+      j["sr_offsets"] = nlohmann::json::array(
+          {{{"linear", "model.layers.0.self_attn.q_proj.weight"}, {"offset", 51200}}});
+    });
+  });
+  train(*resume(v1, c), kSteps - kSaveAt, &resumed);
+  expect_bitwise_equal(straight, resumed);
+}
+
 TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
   const TrainConfig c = resume_run(Recipe::kNvfp4, Layout::kSingle);
   Trace unused;
@@ -227,12 +254,6 @@ TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
     std::unique_ptr<Trainer> t = make_trainer(c, other_model);
     other = t->save_checkpoint(root("other"), 1).value().info.dir;
   }
-  auto set_json = [](const fs::path& file, const std::function<void(nlohmann::json&)>& f) {
-    std::ifstream in(file);
-    nlohmann::json j = nlohmann::json::parse(in);
-    f(j);
-    std::ofstream(file, std::ios::trunc) << j.dump(2);
-  };
   const std::string weights = io::kHfWeightsFile;
   const std::string expert0 = "model.layers.0.mlp.experts.0.gate_proj.weight";
 
@@ -327,13 +348,13 @@ TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
                                        [](nlohmann::json& j) { j["step"] = 7; });
                             }),
                    "step 7 differs from the step 2 of complete.json"});
-  cases.push_back({"older version",
+  cases.push_back({"newer version",
                    recommit(good, root("version"),
                             [&](const fs::path& d) {
                               set_json(d / kTrainerStateFile,
-                                       [](nlohmann::json& j) { j["version"] = 1; });
+                                       [](nlohmann::json& j) { j["version"] = 3; });
                             }),
-                   "version 1 is not supported (this build reads 2)"});
+                   "version 3 is not supported (this build reads 1 to 2)"});
   cases.push_back({"other data",
                    recommit(good, root("data"),
                             [&](const fs::path& d) {
