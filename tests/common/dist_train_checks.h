@@ -178,6 +178,24 @@ TEST(DistTrain, NormsAndTheEmbeddingReadFp32) {
   }
 }
 
+// NVFP4 numbers each micro-batch's SR draws by its place in the step (12 bits): more than 4096
+// micro-batches per step across the ranks is one clear error (one process: the config check,
+// tests/unit/test_train_config.cpp).
+TEST(DistTrain, Nvfp4WithTooManyMicroBatchesPerStepIsAnError) {
+  if (comm().size() == 1) GTEST_SKIP() << "needs 2+ ranks";
+  Backend& b = comm().backend();
+  const ModelConfig model = train::model_config_preset("tiny").value();
+  const int64_t accum = 4096 / comm().size() + 1;  // valid alone, accum x ranks > 4096
+  auto t = train::Trainer::create(b, model, train_config(accum, Recipe::kNvfp4, 1), corpus()).value();
+  const Status s = t->enable_data_parallel(comm(), GatherMode::kBf16, 4096);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("NVFP4: grad_accum_steps x ranks = " +
+                             std::to_string(accum * comm().size()) + " micro-batches per step"),
+            std::string::npos)
+      << s.message();
+  EXPECT_EQ(s.message().find('\n'), std::string::npos);
+}
+
 // The grad-ready hook reports every parameter exactly once per backward, from the last layer's to
 // the embedding table's (whose gradient, the last written, also ends a tied LM head's).
 TEST(DistTrain, BackwardReportsEveryParameterOnceEmbeddingLast) {
