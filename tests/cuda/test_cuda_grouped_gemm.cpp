@@ -7,7 +7,8 @@
 // (m_capacity past the last group, garbage in the unused rows); the three outputs must be the
 // same bytes, and the sm_90a variants must agree with each other byte for byte. Sentinel gaps
 // catch writes outside a group's slice. MXFP8 E4M3 fprop through the sm_90a kernel's fused
-// loader (no pre-pass) must give the pre-pass's bytes. Device counts: a call captured in a CUDA
+// loader (no pre-pass) must give the pre-pass's bytes, and so must the kernel's streaming
+// dequantize of every quantized recipe. Device counts: a call captured in a CUDA
 // graph (which fails on any host synchronisation) and replayed with new counts and values gives
 // the bytes of an eager host-m call. Skips when no GPU is visible.
 #include <gtest/gtest.h>
@@ -864,6 +865,73 @@ TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
                       static_cast<long long>(c.k), ms.c_str(), bytes, differing);
           EXPECT_EQ(differing, 0u) << "fused and pre-pass MXFP8 fprop differ (" << v.name << ")";
           EXPECT_EQ(fused.gap_changes, 0u) << "bytes outside the group slices changed (fused)";
+          if (HasFailure()) return;
+        }
+      }
+    }
+}
+
+// Quantized operands on the sm_90a kernel are dequantized by the kernel's own converter warps
+// while it runs (PACKMOE_GEMM_SM90_DEQUANT=stream: every copy; by default only the MXFP8 rowwise
+// ones, which the other tests therefore cover too) or by a pre-pass launch before it (=prepass):
+// the same BF16 values in the same scratch for the same wgmmas, so the same bytes, in
+// every op and recipe, on every tile variant (one CTA: its converters do every chunk while its own
+// producer waits; 4 CTAs: each converts many chunks), for per-expert and packed operands. The
+// weights span several converter chunks (24576 elements), the last one partial.
+TEST(CudaGroupedGemm, StreamDequantSameBytesAsPrepass) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 1300;
+  const Recipe recipes[] = {Recipe{OperandFormat::kMxfp8, DType::kE4M3, DType::kE4M3},
+                            Recipe{OperandFormat::kMxfp8, DType::kE4M3, DType::kE5M2},
+                            Recipe{OperandFormat::kMxfp8, DType::kE5M2, DType::kE5M2},
+                            Recipe{OperandFormat::kNvfp4, DType::kE4M3, DType::kE4M3, true, true}};
+  for (const Recipe& rc : recipes)
+    for (GemmOp op : kAllOps) {
+      const int64_t a = gemm_token_alignment(rc.format);
+      Case c;
+      c.op = op;
+      c.recipe = rc;
+      c.out = op == GemmOp::kDgrad ? DType::kBF16 : DType::kF32;
+      c.m = {5 * a, 0, 13 * a, a};
+      c.n = 288;
+      c.k = 416;
+      std::mt19937_64 rng(seed++);
+      const size_t G = c.m.size();
+      const bool wgrad = op == GemmOp::kWgrad;
+      const Logical lhs_l = make_logical(c.m, op == GemmOp::kFprop ? c.k : c.n, -1, rng);
+      const Logical rhs_l = wgrad ? make_logical(c.m, c.k, -1, rng)
+                                  : make_logical(std::vector<int64_t>(G, c.n), c.k, -1, rng);
+      const HostOperand lhs = make_operand(
+          lhs_l, rc, op == GemmOp::kFprop ? Role::kActivation : Role::kGradient, wgrad, seed * 3);
+      const HostOperand rhs = make_operand(rhs_l, rc, wgrad ? Role::kActivation : Role::kWeight,
+                                           op != GemmOp::kFprop, seed * 3 + 1);
+      const size_t el = c.out == DType::kBF16 ? 2 : 4;
+      std::vector<std::vector<uint8_t>> init(G);
+      for (size_t g = 0; g < G; ++g)
+        init[g].assign(static_cast<size_t>((wgrad ? c.n : c.m[g]) * (op == GemmOp::kFprop ? c.n : c.k)) * el,
+                       kUnset);
+      for (const Variant& v : kVariants) {
+        if (std::string(v.impl) != "sm90") continue;
+        const UseVariant use(v);
+        for (Placement pl : {Placement::kPacked, Placement::kDiscrete}) {
+          setenv("PACKMOE_GEMM_SM90_DEQUANT", "prepass", 1);
+          const RunOut pre = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
+          setenv("PACKMOE_GEMM_SM90_DEQUANT", "stream", 1);
+          const RunOut stream = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
+          unsetenv("PACKMOE_GEMM_SM90_DEQUANT");
+          ASSERT_TRUE(pre.status.is_ok()) << pre.status.message();
+          ASSERT_TRUE(stream.status.is_ok()) << stream.status.message();
+          size_t differing = 0, bytes = 0;
+          for (size_t g = 0; g < G; ++g) {
+            bytes += stream.regions[g].size();
+            if (stream.regions[g] != pre.regions[g]) ++differing;
+          }
+          std::printf("[gemm cuda] stream==prepass %-14s %-5s %-16s %-8s bytes=%zu "
+                      "differing_groups=%zu\n",
+                      v.name, op_name_of(op), rc.name().c_str(),
+                      pl == Placement::kPacked ? "packed" : "discrete", bytes, differing);
+          EXPECT_EQ(differing, 0u) << "streaming and pre-pass dequantize differ (" << v.name << ")";
+          EXPECT_EQ(stream.gap_changes, 0u) << "bytes outside the group slices changed (stream)";
           if (HasFailure()) return;
         }
       }

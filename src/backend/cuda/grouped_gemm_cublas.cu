@@ -56,7 +56,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/grouped_gemm_sm90.h"
-#include "backend/cuda/grouped_gemm_sm90_convert.cuh"
+#include "backend/cuda/grouped_gemm_dequant.cuh"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
@@ -120,20 +120,12 @@ __global__ void nvfp4_alpha_kernel(const float* lhs, const float* rhs, float* al
 // (cvt.rn.bf16x2.f32, no FTZ), i.e. f32_to_bf16(mxfp8_decode(...)) /
 // f32_to_bf16(nvfp4_decode(..., S_dec = 1)).
 
-struct DequantGroup {
-  const uint8_t* data;
-  const uint8_t* scale;
-  uint8_t* out;        // BF16
-  int64_t elems;       // multiple of 32 (MXFP8) / 16 (NVFP4)
-  int64_t cols;        // MXFP8: row length (multiple of 32); NVFP4: unused
-  uint32_t tile_begin;
-};
-
-__device__ __forceinline__ int find_group(const DequantGroup* t, int count, uint32_t tile) {
+// Tile t of an operand's table belongs to the last job with begin <= t.
+__device__ __forceinline__ int find_job(const DequantJob* t, int count, uint32_t tile) {
   int lo = 0, hi = count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(&t[mid].tile_begin) <= tile)
+    if (__ldg(&t[mid].begin) <= tile)
       lo = mid;
     else
       hi = mid - 1;
@@ -141,138 +133,32 @@ __device__ __forceinline__ int find_group(const DequantGroup* t, int count, uint
   return lo;
 }
 
-__device__ __forceinline__ uint2 load_stream8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
-               : "=r"(v.x), "=r"(v.y)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint32_t load_stream4(const void* p) {
-  uint32_t v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void store_stream16(void* p, uint32_t a, uint32_t b, uint32_t c,
-                                               uint32_t d) {
-  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c),
-               "r"(d)
-               : "memory");
-}
-
-// MXFP8 (rows, cols) -> BF16. Step u of a thread converts elements
-// tile_start + (u * T + threadIdx.x) * 8 + [0, 8): one row's block (cols is a multiple of 32).
-template <bool kE5M2, bool kColumnwise>
+// Step u of a thread converts elements tile_start + (u * T + threadIdx.x) * 8 + [0, 8) of its
+// job (grouped_gemm_dequant.cuh: one row, one block scale or 8 column codes).
+template <DequantKind kKind>
 __global__ void __launch_bounds__(Config::kDequantThreads)
-    mxfp8_to_bf16_kernel(const DequantGroup* __restrict__ table, int count, uint32_t tiles) {
+    dequantize_to_bf16_kernel(const DequantJob* __restrict__ table, int count, uint32_t tiles) {
   constexpr int T = Config::kDequantThreads, U = Config::kDequantUnroll, V = Config::kDequantVec;
   uint32_t tile = blockIdx.x;
   if (tile >= tiles) return;
-  int g = find_group(table, count, tile);
+  int g = find_job(table, count, tile);
   for (;;) {
-    const uint8_t* data = table[g].data;
-    const uint8_t* scale = table[g].scale;
-    uint8_t* out = table[g].out;
-    const int64_t elems = table[g].elems;
-    const int64_t base = static_cast<int64_t>(tile - table[g].tile_begin) * Config::kTileElems +
+    const DequantJob job = table[g];
+    const int64_t base = static_cast<int64_t>(tile - job.begin) * Config::kTileElems +
                          threadIdx.x * V;
-    uint2 d[U];
-    uint2 s[U];  // columnwise: 8 scale codes; rowwise: s[u].x holds the one code
+    Raw8 raw[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t e = base + u * (T * V);
-      if (e < elems) {
-        d[u] = load_stream8(data + e);
-        if constexpr (kColumnwise) {
-          const int64_t cols = table[g].cols;
-          int64_t r, c;
-          if (elems <= 0xFFFFFFFFll) {
-            const uint32_t q = static_cast<uint32_t>(e) / static_cast<uint32_t>(cols);
-            r = q;
-            c = static_cast<uint32_t>(e) - q * static_cast<uint32_t>(cols);
-          } else {
-            r = e / cols;
-            c = e - r * cols;
-          }
-          // (rows / 32, cols) codes; 8-byte aligned (scale 16-byte aligned, cols % 16 == 0)
-          s[u] = __ldg(reinterpret_cast<const uint2*>(scale + (r / kMxfp8Block) * cols + c));
-        } else {
-          s[u].x = __ldg(scale + (e >> 5));  // (rows, cols / 32): index e / 32
-        }
-      }
+      if (e < job.elems) raw[u] = load8<kKind>(job, e);
     }
     const uint32_t next = tile + gridDim.x;
-    const int ng = next < tiles ? find_group(table, count, next) : g;
+    const int ng = next < tiles ? find_job(table, count, next) : g;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t e = base + u * (T * V);
-      if (e >= elems) break;
-      const uint32_t w[2] = {d[u].x, d[u].y};
-      uint32_t o[4];
-      if constexpr (!kColumnwise) {
-        const float sc = e8m0_to_f32(static_cast<uint8_t>(s[u].x));
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          o[j] = fp8x2_scaled_to_bf16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1)), sc);
-      } else {
-        const uint32_t sw[2] = {s[u].x, s[u].y};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = f16x2_to_f32x2(fp8x2_to_f16x2<kE5M2>(w[j >> 1] >> (16 * (j & 1))));
-          const uint32_t sv = sw[j >> 1] >> (16 * (j & 1));
-          o[j] = f32x2_to_bf16x2(f.x * e8m0_to_f32(static_cast<uint8_t>(sv)),
-                                 f.y * e8m0_to_f32(static_cast<uint8_t>(sv >> 8)));
-        }
-      }
-      store_stream16(out + e * 2, o[0], o[1], o[2], o[3]);
-    }
-    if (next >= tiles) break;
-    tile = next;
-    g = ng;
-  }
-}
-
-// NVFP4 blocks (16 elements = 8 bytes + one E4M3 scale each, in stored order) -> BF16 e2m1 * s_b.
-// Steps as above: 8 elements (4 bytes, half a block) a lane.
-__global__ void __launch_bounds__(Config::kDequantThreads)
-    nvfp4_to_bf16_kernel(const DequantGroup* __restrict__ table, int count, uint32_t tiles) {
-  constexpr int T = Config::kDequantThreads, U = Config::kDequantUnroll, V = Config::kDequantVec;
-  uint32_t tile = blockIdx.x;
-  if (tile >= tiles) return;
-  int g = find_group(table, count, tile);
-  for (;;) {
-    const uint8_t* data = table[g].data;
-    const uint8_t* scale = table[g].scale;
-    uint8_t* out = table[g].out;
-    const int64_t elems = table[g].elems;
-    const int64_t base = static_cast<int64_t>(tile - table[g].tile_begin) * Config::kTileElems +
-                         threadIdx.x * V;
-    uint32_t d[U];
-    uint8_t c[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t e = base + u * (T * V);
-      if (e < elems) {
-        d[u] = load_stream4(data + e / 2);
-        c[u] = __ldg(scale + e / kNvfp4Block);
-      }
-    }
-    const uint32_t next = tile + gridDim.x;
-    const int ng = next < tiles ? find_group(table, count, next) : g;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t e = base + u * (T * V);
-      if (e >= elems) break;
-      const float sc = e4m3_to_f32(c[u]);
-      uint32_t o[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // byte j: elements 2j (low nibble) and 2j + 1
-        const uint8_t byte = static_cast<uint8_t>(d[u] >> (8 * j));
-        o[j] = f32x2_to_bf16x2(e2m1_to_f32(byte & 0xF) * sc, e2m1_to_f32(byte >> 4) * sc);
-      }
-      store_stream16(out + e * 2, o[0], o[1], o[2], o[3]);
+      if (e >= job.elems) break;
+      store8<true>(job.out, e, convert8<kKind>(raw[u]));
     }
     if (next >= tiles) break;
     tile = next;
@@ -292,13 +178,25 @@ unsigned dequant_grid(Kernel kernel, uint64_t tiles) {
   return static_cast<unsigned>(std::min<uint64_t>(tiles, static_cast<uint64_t>(sms) * per_sm));
 }
 
-// The fast dequantize kernel of a stored copy (all share one signature).
-using DequantKernel = void (*)(const DequantGroup*, int, uint32_t);
-DequantKernel dequant_kernel(OperandFormat f, DType element, bool columnwise) {
-  if (f == OperandFormat::kNvfp4) return nvfp4_to_bf16_kernel;
+// The layout of a stored copy, as the dequantize kernels and the sm_90a converter name it.
+DequantKind dequant_kind(OperandFormat f, DType element, bool columnwise) {
+  if (f == OperandFormat::kNvfp4) return DequantKind::kNvfp4;
   if (element == DType::kE5M2)
-    return columnwise ? mxfp8_to_bf16_kernel<true, true> : mxfp8_to_bf16_kernel<true, false>;
-  return columnwise ? mxfp8_to_bf16_kernel<false, true> : mxfp8_to_bf16_kernel<false, false>;
+    return columnwise ? DequantKind::kE5m2Columnwise : DequantKind::kE5m2Rowwise;
+  return columnwise ? DequantKind::kE4m3Columnwise : DequantKind::kE4m3Rowwise;
+}
+
+// The fast dequantize kernel of a stored copy (all share one signature).
+using DequantKernel = void (*)(const DequantJob*, int, uint32_t);
+DequantKernel dequant_kernel(DequantKind kind) {
+  switch (kind) {
+    case DequantKind::kE4m3Rowwise: return dequantize_to_bf16_kernel<DequantKind::kE4m3Rowwise>;
+    case DequantKind::kE4m3Columnwise: return dequantize_to_bf16_kernel<DequantKind::kE4m3Columnwise>;
+    case DequantKind::kE5m2Rowwise: return dequantize_to_bf16_kernel<DequantKind::kE5m2Rowwise>;
+    case DequantKind::kE5m2Columnwise: return dequantize_to_bf16_kernel<DequantKind::kE5m2Columnwise>;
+    case DequantKind::kNvfp4: break;
+  }
+  return dequantize_to_bf16_kernel<DequantKind::kNvfp4>;
 }
 
 // wgrad overwrite with device token counts: group g's (N, K) output, `vecs` 16-byte words,
@@ -339,7 +237,7 @@ class GrowBuffer {
 // dequantize tables and map plan live in device memory kept for the life of the process and
 // never reused by another signature (the BF16 scratch they point to is GemmState's, shared).
 struct DeviceDequant {
-  const DequantGroup* table = nullptr;  // device, owned by the DeviceCall
+  const DequantJob* table = nullptr;  // device, owned by the DeviceCall
   int count = 0;
   uint32_t tiles = 0;  // 0: nothing to dequantize
   unsigned grid = 0;
@@ -559,13 +457,50 @@ struct Prepared {
   std::vector<Stored> shape;
 };
 
+// Whether the fast dequantize kernels (and the sm_90a kernel's converter) read quantized operand
+// `o`: 16-byte aligned copies and, for MXFP8 columnwise scales, rows of 16 bytes.
+bool fast_dequant_ok(const GemmOperand& o, const std::vector<Stored>& shape,
+                     const std::vector<bool>& active) {
+  for (size_t g = 0; g < shape.size(); ++g)
+    if (active[g] && (!aligned(o.data[g]) ||
+                      (shape[g].columnwise && (!aligned(o.scale[g]) || shape[g].cols % 16))))
+      return false;
+  return true;
+}
+
+// One job per group of quantized operand `o` (inactive groups: no elements), BF16 out at `out`,
+// begins in tiles of Config::kTileElems; returns the tile count.
+uint64_t dequant_jobs(const GemmOperand& o, const std::vector<Stored>& shape,
+                      const std::vector<bool>& active, const std::vector<uint8_t*>& out,
+                      std::vector<DequantJob>& jobs) {
+  const DequantKind kind = dequant_kind(o.format, o.element, shape[0].columnwise);
+  jobs.assign(shape.size(), DequantJob{});
+  uint64_t tiles = 0;
+  for (size_t g = 0; g < shape.size(); ++g) {
+    DequantJob& d = jobs[g];
+    d.data = static_cast<const uint8_t*>(o.data[g]);
+    d.scale = static_cast<const uint8_t*>(o.scale[g]);
+    d.out = out[g];
+    d.begin = static_cast<uint32_t>(tiles);
+    d.elems = active[g] ? shape[g].rows * shape[g].cols : 0;
+    d.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : 0;
+    d.kind = kind;
+    tiles += (d.elems + Config::kTileElems - 1) / Config::kTileElems;
+  }
+  PACKMOE_CHECK(tiles < (1ull << 31), "dequantize over " << tiles << " tiles");
+  return tiles;
+}
+
 // Fills `dst` (scratch, 256-byte aligned per group) with the BF16 form of operand `o`: one
 // dequantize launch for a quantized operand, per-group async copies for a BF16 operand with a
-// misaligned pointer (rare: only odd shapes), nothing for an aligned BF16 operand. Validity of
+// misaligned pointer (rare: only odd shapes), nothing for an aligned BF16 operand. With `in_gemm`
+// a quantized operand that the fast kernels can read is not dequantized here: its jobs go to
+// *in_gemm for the sm_90a kernel's streaming converter (same values, same scratch). Validity of
 // the quantized pointers was checked by validate_grouped_gemm (non-null for active groups).
 Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
                const std::vector<Stored>& shape, const std::vector<bool>& active, uint8_t* dst,
-               const std::vector<size_t>& offset, Prepared& out) {
+               const std::vector<size_t>& offset, Prepared& out,
+               std::vector<DequantJob>* in_gemm = nullptr) {
   const size_t G = shape.size();
   out.ptr.assign(G, nullptr);
   out.shape = shape;
@@ -595,29 +530,18 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
   }
   for (size_t g = 0; g < G; ++g) out.ptr[g] = outs[g];
 
-  // Fast path: 16-byte aligned copies (and, for MXFP8 columnwise scales, rows of 16 bytes).
-  bool fast = true;
-  for (size_t g = 0; g < G; ++g)
-    if (active[g] && (!aligned(o.data[g]) ||
-                      (shape[g].columnwise && (!aligned(o.scale[g]) || shape[g].cols % 16))))
-      fast = false;
-  if (fast) {
-    std::vector<DequantGroup> table(G);
-    uint64_t tiles = 0;
-    for (size_t g = 0; g < G; ++g) {
-      DequantGroup& d = table[g];
-      d.data = static_cast<const uint8_t*>(o.data[g]);
-      d.scale = static_cast<const uint8_t*>(o.scale[g]);
-      d.out = static_cast<uint8_t*>(outs[g]);
-      d.tile_begin = static_cast<uint32_t>(tiles);
-      d.elems = active[g] ? shape[g].rows * shape[g].cols : 0;
-      d.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : 0;
-      tiles += (d.elems + Config::kTileElems - 1) / Config::kTileElems;
+  if (fast_dequant_ok(o, shape, active)) {
+    std::vector<uint8_t*> dst_of(G, nullptr);
+    for (size_t g = 0; g < G; ++g) dst_of[g] = static_cast<uint8_t*>(outs[g]);
+    std::vector<DequantJob> table;
+    const uint64_t tiles = dequant_jobs(o, shape, active, dst_of, table);
+    if (in_gemm != nullptr) {  // the sm_90a kernel converts them (stream_dequant)
+      *in_gemm = std::move(table);
+      return Status::ok();
     }
-    PACKMOE_CHECK(tiles < (1ull << 31), "dequantize over " << tiles << " tiles");
     if (tiles == 0) return Status::ok();
-    const auto* dt = static_cast<const DequantGroup*>(be.upload(table.data(), G * sizeof(DequantGroup)));
-    const DequantKernel kernel = dequant_kernel(o.format, o.element, shape[0].columnwise);
+    const auto* dt = static_cast<const DequantJob*>(be.upload(table.data(), G * sizeof(DequantJob)));
+    const DequantKernel kernel = dequant_kernel(table[0].kind);
     kernel<<<dequant_grid(kernel, tiles), Config::kDequantThreads, 0, be.stream()>>>(
         dt, static_cast<int>(G), static_cast<uint32_t>(tiles));
     PACKMOE_CUDA_CHECK_LAUNCH();
@@ -725,6 +649,32 @@ bool use_fused_mxfp8(const GroupedGemmArgs& a, const std::vector<int64_t>& m, Im
   return sm90_gemm_shape_ok(p);
 }
 
+// Which quantized copies the sm_90a kernel dequantizes itself while it runs (its converter warps,
+// Sm90Gemm::a_dequant) instead of a pre-pass launch before it. PACKMOE_GEMM_SM90_DEQUANT=stream:
+// every copy; =prepass: none; unset or auto: the MXFP8 rowwise copies only. Those convert in
+// about 3 instructions an element (one scale per 8), so the 96 converter threads per CTA stay
+// ahead of the tensor cores; columnwise MXFP8 (a scale per element) and NVFP4 take about twice
+// that and were slower in the kernel than in the pre-pass on qwen3 and small_64e shapes
+// (docs/gemm-sm90.md, "Streaming dequantize"). Either way the same BF16 values reach the same
+// wgmmas: the same bytes.
+enum class StreamDequant { kNone, kRowwiseMxfp8, kAll };
+
+StreamDequant stream_dequant_mode(const GroupedGemmArgs& a, Impl impl, bool fused) {
+  if (impl != Impl::kSm90 || fused || a.lhs.format == OperandFormat::kBF16)
+    return StreamDequant::kNone;
+  const char* env = std::getenv("PACKMOE_GEMM_SM90_DEQUANT");
+  const std::string v = env != nullptr ? env : "auto";
+  if (v == "stream") return StreamDequant::kAll;
+  if (v == "prepass") return StreamDequant::kNone;
+  return StreamDequant::kRowwiseMxfp8;
+}
+
+bool streams(StreamDequant mode, const GemmOperand& o, const std::vector<Stored>& shape) {
+  if (mode == StreamDequant::kAll) return o.format != OperandFormat::kBF16;
+  return mode == StreamDequant::kRowwiseMxfp8 && o.format == OperandFormat::kMxfp8 &&
+         !shape[0].columnwise;
+}
+
 Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
                    const std::vector<int64_t>& m, Impl impl) {
   const size_t G = m.size();
@@ -781,9 +731,13 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
   uint8_t* scratch = total ? static_cast<uint8_t*>(st.scratch.get(be, total)) : nullptr;
 
   Prepared lhs, rhs;
+  const StreamDequant mode = stream_dequant_mode(a, impl, fused);
+  std::vector<DequantJob> lhs_jobs, rhs_jobs;  // converted by the sm_90a kernel itself
   if (!fused) {
-    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs));
-    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs));
+    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs,
+                                    streams(mode, a.lhs, lhs_shape) ? &lhs_jobs : nullptr));
+    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs,
+                                    streams(mode, a.rhs, rhs_shape) ? &rhs_jobs : nullptr));
   }
 
   // Rows of D in cuBLASLt's column-major view (fprop N, dgrad and wgrad K): the alpha vector length.
@@ -827,6 +781,8 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
     } else {
       p.a = lhs.ptr;
       p.b = rhs.ptr;
+      p.a_dequant = std::move(lhs_jobs);
+      p.b_dequant = std::move(rhs_jobs);
     }
     p.out = out;
     if (f == OperandFormat::kNvfp4) {
@@ -1007,24 +963,14 @@ void* keep_on_device(const void* host, size_t bytes) {
 DeviceDequant make_device_dequant(const GemmOperand& o, const std::vector<Stored>& shape,
                                   const std::vector<uint8_t*>& out) {
   DeviceDequant d;
-  std::vector<DequantGroup> table(shape.size());
-  uint64_t tiles = 0;
-  for (size_t g = 0; g < shape.size(); ++g) {
-    DequantGroup& t = table[g];
-    t.data = static_cast<const uint8_t*>(o.data[g]);
-    t.scale = static_cast<const uint8_t*>(o.scale[g]);
-    t.out = out[g];
-    t.tile_begin = static_cast<uint32_t>(tiles);
-    t.elems = shape[g].rows * shape[g].cols;
-    t.cols = o.format == OperandFormat::kMxfp8 ? shape[g].cols : 0;
-    tiles += (t.elems + Config::kTileElems - 1) / Config::kTileElems;
-  }
-  PACKMOE_CHECK(tiles < (1ull << 31), "dequantize over " << tiles << " tiles");
-  d.table = static_cast<const DequantGroup*>(
-      keep_on_device(table.data(), table.size() * sizeof(DequantGroup)));
+  std::vector<DequantJob> table;
+  const uint64_t tiles =
+      dequant_jobs(o, shape, std::vector<bool>(shape.size(), true), out, table);
+  d.table = static_cast<const DequantJob*>(
+      keep_on_device(table.data(), table.size() * sizeof(DequantJob)));
   d.count = static_cast<int>(table.size());
   d.tiles = static_cast<uint32_t>(tiles);
-  d.kernel = dequant_kernel(o.format, o.element, shape[0].columnwise);
+  d.kernel = dequant_kernel(table[0].kind);
   d.grid = tiles ? dequant_grid(d.kernel, tiles) : 0;
   return d;
 }

@@ -49,6 +49,7 @@
 #include <unordered_map>
 
 #include "backend/cuda/grouped_gemm_sm90.h"
+#include "backend/cuda/grouped_gemm_dequant.cuh"
 #include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/cuda/grouped_gemm_sm90_ptx.cuh"
 #include "backend/cuda/grouped_gemm_sm90_schedule.cuh"
@@ -66,12 +67,18 @@ constexpr int kBlockBytes = kBox * kSm90TileK * 2;  // one 64 x 64 BF16 box: 8 K
 constexpr int kEpiBytes = 16384;         // epilogue staging per consumer warpgroup
 constexpr int kScaleBlock = 32;         // MXFP8: elements per E8M0 scale
 constexpr int kScaleLoaders = 96;       // fused: warps 1-3 of the producer warpgroup
-// Registers per thread after setmaxnreg: the producer warpgroup (fused: with the scale loaders)
-// and the consumers; 128 * producer + 256 * consumer <= 64K.
-template <bool kFused>
-constexpr int kProducerRegs = kFused ? 56 : 40;
-template <bool kFused>
-constexpr int kConsumerRegs = kFused ? 224 : 232;
+constexpr int kConverters = 96;         // streaming dequantize: the same warps otherwise
+constexpr int kConvertUnroll = 8;       // 16-element loads a converter has in flight
+constexpr int kConvertRounds = 2;       // rounds of kConvertUnroll loads per chunk
+constexpr int kConvertChunk = kConverters * 16 * kConvertUnroll * kConvertRounds;  // elements
+constexpr int kConvertBarrier = 4;      // named barrier of the converters (1, 2: epilogue; 3: fused)
+// Registers per thread after setmaxnreg: the producer warpgroup (with the scale loaders or the
+// converters) and the consumers. The launch gives every thread the 168 of __launch_bounds__, so
+// what the producers release must be what the consumers take: 128 * 136 + 256 * 184 = 384 * 168.
+// (ptxas compiles the consumers within 168 and the producer warpgroup within kProducerRegs.)
+constexpr int kProducerRegs = 136;
+constexpr int kConsumerRegs = 184;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "balanced setmaxnreg");
 static_assert(kSm90TileK == kBox, "one swizzle row per reduction step");
 
 // kFused: the ring holds FP8 bytes (1 byte an element) and, per stage, the two E8M0 codes of the
@@ -92,7 +99,8 @@ struct Layout {
   static constexpr int kEpiOffset =
       kScaleOffset + (kFused ? (kStages * kScaleStageBytes + 1023) / 1024 * 1024 : 0);
   static constexpr int kBarOffset = kEpiOffset + 2 * kEpiBytes;
-  static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + 1024-byte align
+  static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;  // the converters' chunk word
+  static constexpr int kSmemBytes = kSlotOffset + 16 + 1024;  // + 1024-byte align
   static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 CTA has");
   static_assert(kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 && kEpiOffset % 1024 == 0,
                 "swizzle atoms 1024-aligned");
@@ -111,6 +119,13 @@ struct Params {
   // Fused MXFP8: per table row, the (rows, kred / 32) E8M0 scales of A and B.
   const uint8_t* const* a_scale;
   const uint8_t* const* b_scale;
+  // Streaming dequantize (null: the operands are BF16 already): jobs 2 row and 2 row + 1 convert
+  // table row `row`'s A and B into the BF16 storage its maps read, then a sentinel; `begin` counts
+  // chunks of kConvertChunk elements. dq_counters (zeroed before the launch): [0] the next chunk
+  // to take, [1 + row] the chunks of that row converted.
+  const gemm_convert::DequantJob* dq_jobs;
+  int32_t dq_rows;
+  uint32_t* dq_counters;
 };
 
 __device__ __forceinline__ int find_group(const GroupTiles* t, int count, int unit) {
@@ -184,6 +199,7 @@ __device__ __forceinline__ void produce(const Params& p, const Sm90Work& w, uint
   constexpr int kHalfB = L::kBBytes / 2;  // bytes of BN / 2 columns
   int stage = 0;
   uint32_t phase = 0;
+  int converted_row = -1;  // streaming dequantize: the last table row known to be converted
   for (int unit = blockIdx.x / kCluster; unit < w.total_units; unit += gridDim.x / kCluster) {
     GroupTiles g;
     const TileAt at = tile_of<BN, kCluster>(p, w, unit, rank, g);
@@ -191,6 +207,13 @@ __device__ __forceinline__ void produce(const Params& p, const Sm90Work& w, uint
     const CUtensorMap* bm = p.b_maps + at.gi;
     tensormap_acquire(am);
     tensormap_acquire(bm);
+    if (p.dq_jobs != nullptr && at.gi != converted_row) {
+      // The group's BF16 operands are written by the converters of every CTA (stream_dequant).
+      const uint32_t chunks = p.dq_jobs[2 * at.gi + 2].begin - p.dq_jobs[2 * at.gi].begin;
+      wait_counter(p.dq_counters + 1 + at.gi, chunks);
+      fence_async_global();  // the acquired BF16 writes come before this thread's TMA reads
+      converted_row = at.gi;
+    }
     // With a cluster, the shared operand is loaded half by each CTA, multicast to both.
     const bool mc_a = kCluster == 2 && !at.shares_b, mc_b = kCluster == 2 && at.shares_b;
     const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
@@ -223,6 +246,75 @@ __device__ __forceinline__ void produce(const Params& p, const Sm90Work& w, uint
         }
       }
       if (++stage == L::kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// ---- streaming dequantize -----------------------------------------------------------------------
+// With quantized operands (host token counts), the pre-pass's work runs inside this launch: the 96
+// converter threads of every CTA take chunks of kConvertChunk elements in job order (row 0's A and
+// B, row 1's, ...) from one global counter, convert each exactly as the pre-pass does
+// (grouped_gemm_dequant.cuh) into the BF16 storage the maps read, and count the chunk as done
+// for its table row; a producer waits until every chunk of its tile's row is done. Units run in
+// row order, so conversion stays ahead of the tensor cores after the first rows, and the BF16
+// values are written while other tiles compute. Any resident CTA takes chunks until none is left,
+// so no CTA waits for one that is not running.
+
+template <gemm_convert::DequantKind kKind>
+__device__ __forceinline__ void convert_chunk(const gemm_convert::DequantJob& job, int64_t base,
+                                              int ct) {
+  using namespace gemm_convert;
+#pragma unroll 1
+  for (int r = 0; r < kConvertRounds; ++r) {
+    const int64_t first = base + static_cast<int64_t>(r) * (kConverters * 16 * kConvertUnroll);
+    Raw8 lo[kConvertUnroll], hi[kConvertUnroll];
+#pragma unroll
+    for (int u = 0; u < kConvertUnroll; ++u) {
+      const int64_t e = first + (u * kConverters + ct) * 16;
+      if (e < job.elems) load16<kKind>(job, e, lo[u], hi[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kConvertUnroll; ++u) {
+      const int64_t e = first + (u * kConverters + ct) * 16;
+      if (e >= job.elems) break;
+      store8<false>(job.out, e, convert8<kKind>(lo[u]));
+      store8<false>(job.out, e + 8, convert8<kKind>(hi[u]));
+    }
+  }
+}
+
+// Converter ct (0 .. kConverters - 1); `slot`: a shared word to hand the taken chunk to the others.
+__device__ __forceinline__ void stream_dequant(const Params& p, volatile uint32_t* slot, int ct) {
+  using gemm_convert::DequantKind;
+  const uint32_t total = p.dq_jobs[2 * p.dq_rows].begin;
+  uint32_t next = ct == 0 ? atomicAdd(p.dq_counters, 1u) : 0;
+  // Chunks come in increasing order, so the job only ever moves forward (no search per chunk).
+  int j = 0;
+  gemm_convert::DequantJob job = p.dq_jobs[0];
+  uint32_t job_end = p.dq_jobs[1].begin;
+  for (;;) {
+    if (ct == 0) *slot = next;
+    named_barrier_sync(kConvertBarrier, kConverters);
+    const uint32_t chunk = *slot;
+    if (chunk >= total) break;
+    if (ct == 0) next = atomicAdd(p.dq_counters, 1u);  // in flight while this chunk converts
+    while (chunk >= job_end) {
+      job = p.dq_jobs[++j];
+      job_end = p.dq_jobs[j + 1].begin;
+    }
+    const int64_t base = static_cast<int64_t>(chunk - job.begin) * kConvertChunk;
+    switch (job.kind) {
+      case DequantKind::kE4m3Rowwise: convert_chunk<DequantKind::kE4m3Rowwise>(job, base, ct); break;
+      case DequantKind::kE4m3Columnwise: convert_chunk<DequantKind::kE4m3Columnwise>(job, base, ct); break;
+      case DequantKind::kE5m2Rowwise: convert_chunk<DequantKind::kE5m2Rowwise>(job, base, ct); break;
+      case DequantKind::kE5m2Columnwise: convert_chunk<DequantKind::kE5m2Columnwise>(job, base, ct); break;
+      case DequantKind::kNvfp4: convert_chunk<DequantKind::kNvfp4>(job, base, ct); break;
+    }
+    fence_async_global();  // this thread's BF16 writes, for the TMA reads of other CTAs
+    named_barrier_sync(kConvertBarrier, kConverters);  // the chunk is written; `slot` was read
+    if (ct == 0) {
+      __threadfence();
+      red_release_add(p.dq_counters + 1 + j / 2, 1u);
     }
   }
 }
@@ -525,12 +617,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
     __syncthreads();
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   if (wg == 0) {
-    setmaxnreg_dec<kProducerRegs<kFused>>();
+    setmaxnreg_dec<kProducerRegs>();
     if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, w, smem, full, empty, rank);
-    if constexpr (kFused)
+    if constexpr (kFused) {
       if (t >= 128 - kScaleLoaders) load_scales<BN, kCluster>(p, w, smem, full, empty, rank, t - 32);
+    } else {
+      if (t >= 128 - kConverters && p.dq_jobs != nullptr)
+        stream_dequant(p, reinterpret_cast<volatile uint32_t*>(smem + L::kSlotOffset), t - 32);
+    }
   } else {
-    setmaxnreg_inc<kConsumerRegs<kFused>>();
+    setmaxnreg_inc<kConsumerRegs>();
     consume<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, w, smem, full, empty, rank, wg - 1, t);
   }
   // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
@@ -754,6 +850,18 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   std::vector<GroupTiles> table;
   std::vector<CUtensorMap> amaps, bmaps, cmaps;
   std::vector<const void*> a_scale, b_scale;  // fused: per table row
+  std::vector<gemm_convert::DequantJob> jobs;  // streaming dequantize: A, B per table row
+  const bool stream = !p.a_dequant.empty() || !p.b_dequant.empty();
+  uint32_t chunks = 0;
+  auto add_job = [&](const std::vector<gemm_convert::DequantJob>& d, size_t g) {
+    gemm_convert::DequantJob j{};
+    if (!d.empty()) j = d[g];
+    j.begin = chunks;
+    const int64_t n = (j.elems + kConvertChunk - 1) / kConvertChunk;
+    PACKMOE_CHECK(chunks + n < (int64_t{1} << 31), "grouped_gemm_sm90: too many dequantize chunks");
+    chunks += static_cast<uint32_t>(n);
+    jobs.push_back(j);
+  };
   int64_t total = 0;
   {
     MapCache& cache = map_cache();
@@ -778,14 +886,20 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
         a_scale.push_back(p.a_scale[g]);
         b_scale.push_back(p.b_scale[g]);
       }
+      if (stream) add_job(p.a_dequant, g), add_job(p.b_dequant, g);
     }
+  }
+  if (stream) {  // the sentinel: begin = every chunk
+    jobs.push_back(gemm_convert::DequantJob{});
+    jobs.back().begin = chunks;
   }
   if (total == 0) return Status::ok();
   PACKMOE_CHECK(total < (int64_t{1} << 30), "grouped_gemm_sm90: " << total << " work units");
 
   // One upload: [A maps][B maps][C maps][group table][work][A scales][B scales] (the scale
-  // pointers only when fused); the staging buffers are 256-byte aligned, a CUtensorMap is 64-byte
-  // aligned, the table (24 bytes a row) and the work (8 bytes) end 8-byte aligned.
+  // pointers only when fused)[dequantize jobs][zeroed counters] (only when streaming); the staging
+  // buffers are 256-byte aligned, a CUtensorMap is 64-byte aligned, the table (24 bytes a row) and
+  // the work (8 bytes) end 8-byte aligned.
   const size_t n = table.size();
   const size_t maps_bytes = n * sizeof(CUtensorMap);
   const size_t table_bytes = n * sizeof(GroupTiles), ptr_bytes = a_scale.size() * sizeof(void*);
@@ -793,7 +907,11 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
                 "the scale pointers follow the table and the work 8-byte aligned");
   const Sm90Work work{static_cast<int32_t>(n), static_cast<int32_t>(total)};
   const size_t work_at = 3 * maps_bytes + table_bytes, scales_at = work_at + sizeof(Sm90Work);
-  std::vector<uint8_t> blob(scales_at + 2 * ptr_bytes);
+  static_assert(sizeof(gemm_convert::DequantJob) % 8 == 0, "the counters follow the jobs");
+  const size_t jobs_at = scales_at + 2 * ptr_bytes,
+               counters_at = jobs_at + jobs.size() * sizeof(gemm_convert::DequantJob);
+  const size_t counters = stream ? 1 + n : 0;
+  std::vector<uint8_t> blob(counters_at + counters * sizeof(uint32_t), 0);
   std::memcpy(blob.data(), amaps.data(), maps_bytes);
   std::memcpy(blob.data() + maps_bytes, bmaps.data(), maps_bytes);
   std::memcpy(blob.data() + 2 * maps_bytes, cmaps.data(), maps_bytes);
@@ -803,6 +921,7 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
     std::memcpy(blob.data() + scales_at, a_scale.data(), ptr_bytes);
     std::memcpy(blob.data() + scales_at + ptr_bytes, b_scale.data(), ptr_bytes);
   }
+  if (stream) std::memcpy(blob.data() + jobs_at, jobs.data(), jobs.size() * sizeof(jobs[0]));
   const auto* dev = static_cast<const uint8_t*>(be.upload(blob.data(), blob.size()));
 
   Params k{};
@@ -819,6 +938,13 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   if (fused) {
     k.a_scale = reinterpret_cast<const uint8_t* const*>(dev + scales_at);
     k.b_scale = reinterpret_cast<const uint8_t* const*>(dev + scales_at + ptr_bytes);
+  }
+  if (stream) {
+    k.dq_jobs = reinterpret_cast<const gemm_convert::DequantJob*>(dev + jobs_at);
+    k.dq_rows = static_cast<int32_t>(n);
+    // Uploaded zeros; this launch is the only writer of its upload slot's memory until the next
+    // upload into that slot, which the stream orders after it.
+    k.dq_counters = reinterpret_cast<uint32_t*>(const_cast<uint8_t*>(dev) + counters_at);
   }
   launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, fused, total);
   return Status::ok();

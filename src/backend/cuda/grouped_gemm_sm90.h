@@ -8,13 +8,15 @@
 // tile shape are functions of (mk, kred, nk), never of pointers. grouped_gemm_cublas.cu prepares
 // the operands (quantized ones dequantized exactly to BF16, misaligned ones staged) and calls this;
 // MXFP8 E4M3 K-major operands may instead come as FP8 bytes and scales (mxfp8_e4m3), dequantized
-// in the kernel to the same BF16 values.
+// in the kernel to the same BF16 values, and quantized operands may be dequantized into their BF16
+// storage by the kernel itself while it runs (a_dequant / b_dequant: the pre-pass's work, in-launch).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/grouped_gemm_dequant_job.h"
 #include "backend/cuda/grouped_gemm_sm90_tiles.h"
 #include "core/status.h"
 
@@ -38,6 +40,10 @@ struct Sm90Gemm {
   // in the kernel to exactly the BF16 values of the dequantize pre-pass (no BF16 copy in memory).
   bool mxfp8_e4m3 = false;
   std::vector<const void*> a_scale, b_scale;
+  // Streaming dequantize: per group, the quantized copy (grouped_gemm_dequant_job.h; no elements:
+  // that operand is BF16 already) that the kernel itself converts into a[g] / b[g] before any
+  // tile of the group reads them; empty vectors: nothing to convert.
+  std::vector<gemm_convert::DequantJob> a_dequant, b_dequant;
 };
 
 // The device runs sm_90a code (compute capability 9.0 exactly).

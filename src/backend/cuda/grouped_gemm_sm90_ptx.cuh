@@ -62,6 +62,32 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   } while (!done);
 }
 
+// ---- signals between CTAs through global memory ------------------------------------------------
+
+// Generic-proxy global writes of this thread are ordered with its async-proxy (TMA) accesses.
+__device__ __forceinline__ void fence_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// counter += v at GPU scope, releasing this thread's earlier writes (and those it has observed).
+__device__ __forceinline__ void red_release_add(uint32_t* counter, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* counter) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+// Spins until *counter >= target (acquire); traps after about 10 s instead of hanging the GPU.
+__device__ __forceinline__ void wait_counter(const uint32_t* counter, uint32_t target) {
+  uint64_t start = 0;
+  while (ld_acquire(counter) < target) {
+    __nanosleep(64);
+    const uint64_t now = global_ns();
+    if (start == 0) start = now;
+    if (now - start > 10000000000ull) __trap();
+  }
+}
+
 // ---- TMA -------------------------------------------------------------------------------------------
 
 // Orders earlier writes of the tensor map at `map` (uploaded by a copy, or published by the
