@@ -4,8 +4,8 @@
 // same problems). One line per case, both implementations (the sm_90a wgmma kernel and cuBLASLt
 // per group, chosen through PACKMOE_GEMM_IMPL): shape op recipe ms TFLOP/s for each, and
 // vs_* = torch ms / our ms. Quantized operands are prepared once outside the timed region; the
-// time covers the grouped_gemm call only (with its dequantize pre-pass unless the kernel
-// dequantizes in its loader; mx-pre / mx-fus force either route). Backend interface only.
+// time covers the grouped_gemm call only (with its dequantize, a pre-pass or inside the sm90
+// kernel; mx-pre / mx-fus force the pre-pass or the fused loader). Backend interface only.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -423,12 +423,14 @@ int run(const Options& o) {
               be.name().c_str(), o.iters, o.warmup_ms);
   std::printf(
       "# FLOPs = 2*M*N*K per op (M = routed tokens incl. padding to 32); time = one grouped_gemm\n"
-      "# call incl. the MXFP8/NVFP4 dequantize pre-pass; outputs BF16, wgrad+acc = FP32 main_grad\n"
+      "# call incl. the MXFP8/NVFP4 dequantize (a pre-pass, or inside the sm90 kernel: MXFP8 rowwise\n"
+      "# copies by default); outputs BF16, wgrad+acc = FP32 main_grad\n"
       "# accumulate. Two implementations per case (PACKMOE_GEMM_IMPL): sm90 = the wgmma kernel,\n"
       "# cublas = one cuBLASLt matmul per group. vs_gmm = torch._grouped_mm BF16 ms of the same op /\n"
       "# our ms; vs_loop = per-expert torch.matmul loop (fprop); vs_fp8 = torch._scaled_grouped_mm\n"
       "# FP8 rowwise fprop ms / our sm90 ms. mxfp8 fprop on sm90, forced routes: mx-pre = the\n"
-      "# dequantize pre-pass (PACKMOE_GEMM_SM90_FUSED=0), mx-fus = the fused loader (=1);\n"
+      "# dequantize pre-pass (PACKMOE_GEMM_SM90_DEQUANT=prepass), mx-fus = the fused loader\n"
+      "# (PACKMOE_GEMM_SM90_FUSED=1);\n"
       "# bf16:d = the BF16 call with the token counts in device memory (m_device: packed token\n"
       "# buffers, no host sync; on CUDA the sm90 kernel)\n");
   std::printf("%-16s %-9s %-6s %9s %8s %9s %8s %8s %8s %8s %8s\n", "shape", "op", "recipe", "sm90_ms",
@@ -481,10 +483,12 @@ int run(const Options& o) {
           // The sm90 call forced through the dequantize pre-pass, then the fused loader.
           const char* route = fused ? "mx-fus" : "mx-pre";
           setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
-          setenv("PACKMOE_GEMM_SM90_FUSED", fused ? "1" : "0", 1);
+          setenv(fused ? "PACKMOE_GEMM_SM90_FUSED" : "PACKMOE_GEMM_SM90_DEQUANT",
+                 fused ? "1" : "prepass", 1);
           check(be.grouped_gemm(a));
           const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
           unsetenv("PACKMOE_GEMM_SM90_FUSED");
+          unsetenv("PACKMOE_GEMM_SM90_DEQUANT");
           unsetenv("PACKMOE_GEMM_IMPL");
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                       "fprop", route, t, flops / (t * 1e-3) / 1e12, "-", "-",

@@ -2,8 +2,9 @@
 // dequantized EXACTLY, one launch per operand over all groups), then either the sm_90a wgmma kernel
 // runs all groups in one launch (grouped_gemm_sm90.cu; chosen by choose_impl from the device and
 // the shapes) or each group is one cuBLASLt matmul with true FP32 accumulation, all on
-// be.stream(). MXFP8 E4M3 fprop on the sm_90a kernel can skip the pre-pass: the kernel then
-// dequantizes in its loader to the same BF16 values (use_fused_mxfp8). Invariant: the
+// be.stream(). On the sm_90a kernel the MXFP8 rowwise copies skip the pre-pass: the kernel's
+// converter warps write the same BF16 values while it runs (stream_dequant_mode), and MXFP8 E4M3
+// fprop can dequantize in the kernel's loader instead (use_fused_mxfp8). Invariant: the
 // implementation and a group's algorithm are functions of (op, m_g, N, K, out dtype) only, never
 // of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the same
 // bytes. Host synchronisation: when a cached device buffer has to grow, and for `m_device` calls

@@ -20,6 +20,10 @@
 // thread stores it with TMA (clipped at the group's rows and columns; FP32 accumulation into
 // main_grad is a TMA reduce-add), while the warpgroup goes on with the next unit.
 //
+// Streaming dequantize (Params::dq_jobs): warps 1-3 of warpgroup 0 convert quantized operands into
+// the BF16 storage the maps read, group by group, while the consumers compute; a producer waits
+// until its tile's group is converted (the section "streaming dequantize" below).
+//
 // Fused MXFP8 operands (kFused, E4M3 fprop): the TMA ring holds FP8 bytes, warps 1-3 of
 // warpgroup 0 add each stage's scale codes, and the consumers convert every stage into one of two
 // BF16 tiles before their wgmmas read it (the section "fused MXFP8 (E4M3) operands" below).
