@@ -501,7 +501,7 @@ uint64_t dequant_jobs(const GemmOperand& o, const std::vector<Stored>& shape,
 Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
                const std::vector<Stored>& shape, const std::vector<bool>& active, uint8_t* dst,
                const std::vector<size_t>& offset, Prepared& out,
-               std::vector<DequantJob>* in_gemm = nullptr) {
+               std::vector<DequantJob>* in_gemm) {
   const size_t G = shape.size();
   out.ptr.assign(G, nullptr);
   out.shape = shape;
