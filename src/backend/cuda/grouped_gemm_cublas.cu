@@ -652,12 +652,10 @@ bool use_fused_mxfp8(const GroupedGemmArgs& a, const std::vector<int64_t>& m, Im
 
 // Which quantized copies the sm_90a kernel dequantizes itself while it runs (its converter warps,
 // Sm90Gemm::a_dequant) instead of a pre-pass launch before it. PACKMOE_GEMM_SM90_DEQUANT=stream:
-// every copy; =prepass: none; unset or auto: the MXFP8 rowwise copies only. Those convert in
-// about 3 instructions an element (one scale per 8), so the 96 converter threads per CTA stay
-// ahead of the tensor cores; columnwise MXFP8 (a scale per element) and NVFP4 take about twice
-// that and were slower in the kernel than in the pre-pass on qwen3 and small_64e shapes
-// (docs/gemm-sm90.md, "Streaming dequantize"). Either way the same BF16 values reach the same
-// wgmmas: the same bytes.
+// every copy; =prepass: none; unset or auto: the MXFP8 rowwise copies only, where streaming was
+// measured faster than the pre-pass (qwen3, deepseek, small_64e fprop); columnwise MXFP8 and
+// NVFP4 copies stream as fast as the pre-pass converts them, not faster (docs/gemm-sm90.md,
+// "Streaming dequantize"). Either way the same BF16 values reach the same wgmmas: the same bytes.
 enum class StreamDequant { kNone, kRowwiseMxfp8, kAll };
 
 StreamDequant stream_dequant_mode(const GroupedGemmArgs& a, Impl impl, bool fused) {

@@ -9,7 +9,7 @@
 // device); inside a group in bands of n-tiles whose B fits in L2, the band's m-rows one after
 // the other. Cluster c takes units c, c + clusters, ... (a persistent grid of resident CTAs).
 //
-// CTA = 3 warpgroups. Warpgroup 0 gives its registers away (setmaxnreg) and one thread of it is the
+// CTA = 3 warpgroups. Warpgroup 0 gives registers away (setmaxnreg) and one thread of it is the
 // producer: per 64-deep reduction step it waits until the stage is free in every CTA of the
 // cluster (`empty` mbarrier), announces the stage's bytes on its `full` mbarrier and issues the
 // TMA loads of the A (128 x 64) and B (64 x BN) tiles. Warpgroups 1 and 2 are the consumers, rows
@@ -72,16 +72,14 @@ constexpr int kEpiBytes = 16384;         // epilogue staging per consumer warpgr
 constexpr int kScaleBlock = 32;         // MXFP8: elements per E8M0 scale
 constexpr int kScaleLoaders = 96;       // fused: warps 1-3 of the producer warpgroup
 constexpr int kConverters = 96;         // streaming dequantize: the same warps otherwise
-constexpr int kConvertUnroll = 8;       // 16-element loads a converter has in flight
-constexpr int kConvertRounds = 2;       // rounds of kConvertUnroll loads per chunk
-constexpr int kConvertChunk = kConverters * 16 * kConvertUnroll * kConvertRounds;  // elements
-constexpr int kConvertBarrier = 4;      // named barrier of the converters (1, 2: epilogue; 3: fused)
+constexpr int kConvertChunk = 24576;    // elements a converter warp takes at a time
 // Registers per thread after setmaxnreg: the producer warpgroup (with the scale loaders or the
 // converters) and the consumers. The launch gives every thread the 168 of __launch_bounds__, so
-// what the producers release must be what the consumers take: 128 * 136 + 256 * 184 = 384 * 168.
-// (ptxas compiles the consumers within 168 and the producer warpgroup within kProducerRegs.)
-constexpr int kProducerRegs = 136;
-constexpr int kConsumerRegs = 184;
+// what the producers release must be what the consumers take: 128 * 152 + 256 * 176 = 384 * 168.
+// ptxas compiles the producer warpgroup within kProducerRegs and the consumers within 168 (their
+// code spills a few bytes at BN = 256 when setmaxnreg is left out altogether).
+constexpr int kProducerRegs = 152;
+constexpr int kConsumerRegs = 176;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "balanced setmaxnreg");
 static_assert(kSm90TileK == kBox, "one swizzle row per reduction step");
 
@@ -103,8 +101,7 @@ struct Layout {
   static constexpr int kEpiOffset =
       kScaleOffset + (kFused ? (kStages * kScaleStageBytes + 1023) / 1024 * 1024 : 0);
   static constexpr int kBarOffset = kEpiOffset + 2 * kEpiBytes;
-  static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;  // the converters' chunk word
-  static constexpr int kSmemBytes = kSlotOffset + 16 + 1024;  // + 1024-byte align
+  static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + 1024-byte align
   static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 CTA has");
   static_assert(kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 && kEpiOffset % 1024 == 0,
                 "swizzle atoms 1024-aligned");
@@ -255,68 +252,84 @@ __device__ __forceinline__ void produce(const Params& p, const Sm90Work& w, uint
 }
 
 // ---- streaming dequantize -----------------------------------------------------------------------
-// With quantized operands (host token counts), the pre-pass's work runs inside this launch: the 96
-// converter threads of every CTA take chunks of kConvertChunk elements in job order (row 0's A and
-// B, row 1's, ...) from one global counter, convert each exactly as the pre-pass does
+// With quantized operands (host token counts), the pre-pass's work runs inside this launch: the 3
+// converter warps of every CTA each take chunks of kConvertChunk elements in job order (row 0's A
+// and B, row 1's, ...) from one global counter, convert each exactly as the pre-pass does
 // (grouped_gemm_dequant.cuh) into the BF16 storage the maps read, and count the chunk as done
 // for its table row; a producer waits until every chunk of its tile's row is done. Units run in
 // row order, so conversion stays ahead of the tensor cores after the first rows, and the BF16
 // values are written while other tiles compute. Any resident CTA takes chunks until none is left,
 // so no CTA waits for one that is not running.
 
+// A warp converts its chunk in rounds of kUnroll 16-element loads per lane (lane l: elements
+// [16 (u * 32 + l), + 16) of the round), loading round r + 1 before converting and storing
+// round r, so up to 2 kUnroll loads per lane are in flight (kUnroll = 4: both buffers and the
+// addresses fit kProducerRegs without spills).
 template <gemm_convert::DequantKind kKind>
 __device__ __forceinline__ void convert_chunk(const gemm_convert::DequantJob& job, int64_t base,
-                                              int ct) {
+                                              int lane) {
   using namespace gemm_convert;
-#pragma unroll 1
-  for (int r = 0; r < kConvertRounds; ++r) {
-    const int64_t first = base + static_cast<int64_t>(r) * (kConverters * 16 * kConvertUnroll);
-    Raw8 lo[kConvertUnroll], hi[kConvertUnroll];
+  constexpr int kUnroll = 4;
+  constexpr int kRound = 32 * 16 * kUnroll;
+  constexpr int kRounds = kConvertChunk / kRound;
+  static_assert(kConvertChunk % (2 * kRound) == 0, "pairs of rounds: buffer 0, then buffer 1");
+  const int64_t first = base + lane * 16;  // this lane's first element
+  Raw8 lo0[kUnroll], hi0[kUnroll], lo1[kUnroll], hi1[kUnroll];
+  auto load = [&](int r, Raw8 (&lo)[kUnroll], Raw8 (&hi)[kUnroll]) {
 #pragma unroll
-    for (int u = 0; u < kConvertUnroll; ++u) {
-      const int64_t e = first + (u * kConverters + ct) * 16;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = first + r * kRound + u * 512;
       if (e < job.elems) load16<kKind>(job, e, lo[u], hi[u]);
     }
+  };
+  auto store = [&](int r, const Raw8 (&lo)[kUnroll], const Raw8 (&hi)[kUnroll]) {
 #pragma unroll
-    for (int u = 0; u < kConvertUnroll; ++u) {
-      const int64_t e = first + (u * kConverters + ct) * 16;
-      if (e >= job.elems) break;
-      store8<false>(job.out, e, convert8<kKind>(lo[u]));
-      store8<false>(job.out, e + 8, convert8<kKind>(hi[u]));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t e = first + r * kRound + u * 512;
+      if (e < job.elems) {
+        store8<false>(job.out, e, convert8<kKind>(lo[u]));
+        store8<false>(job.out, e + 8, convert8<kKind>(hi[u]));
+      }
     }
+  };
+  load(0, lo0, hi0);
+#pragma unroll 1
+  for (int r = 0; r < kRounds; r += 2) {
+    load(r + 1, lo1, hi1);
+    store(r, lo0, hi0);
+    if (r + 2 < kRounds) load(r + 2, lo0, hi0);
+    store(r + 1, lo1, hi1);
   }
 }
 
-// Converter ct (0 .. kConverters - 1); `slot`: a shared word to hand the taken chunk to the others.
-__device__ __forceinline__ void stream_dequant(const Params& p, volatile uint32_t* slot, int ct) {
+// One converter warp (lane 0 takes the chunks and signals them done).
+__device__ __forceinline__ void stream_dequant(const Params& p, int lane) {
   using gemm_convert::DequantKind;
   const uint32_t total = p.dq_jobs[2 * p.dq_rows].begin;
-  uint32_t next = ct == 0 ? atomicAdd(p.dq_counters, 1u) : 0;
+  uint32_t next = lane == 0 ? atomicAdd(p.dq_counters, 1u) : 0;
   // Chunks come in increasing order, so the job only ever moves forward (no search per chunk).
   int j = 0;
   gemm_convert::DequantJob job = p.dq_jobs[0];
   uint32_t job_end = p.dq_jobs[1].begin;
   for (;;) {
-    if (ct == 0) *slot = next;
-    named_barrier_sync(kConvertBarrier, kConverters);
-    const uint32_t chunk = *slot;
+    const uint32_t chunk = __shfl_sync(0xFFFFFFFFu, next, 0);
     if (chunk >= total) break;
-    if (ct == 0) next = atomicAdd(p.dq_counters, 1u);  // in flight while this chunk converts
+    if (lane == 0) next = atomicAdd(p.dq_counters, 1u);  // in flight while this chunk converts
     while (chunk >= job_end) {
       job = p.dq_jobs[++j];
       job_end = p.dq_jobs[j + 1].begin;
     }
     const int64_t base = static_cast<int64_t>(chunk - job.begin) * kConvertChunk;
     switch (job.kind) {
-      case DequantKind::kE4m3Rowwise: convert_chunk<DequantKind::kE4m3Rowwise>(job, base, ct); break;
-      case DequantKind::kE4m3Columnwise: convert_chunk<DequantKind::kE4m3Columnwise>(job, base, ct); break;
-      case DequantKind::kE5m2Rowwise: convert_chunk<DequantKind::kE5m2Rowwise>(job, base, ct); break;
-      case DequantKind::kE5m2Columnwise: convert_chunk<DequantKind::kE5m2Columnwise>(job, base, ct); break;
-      case DequantKind::kNvfp4: convert_chunk<DequantKind::kNvfp4>(job, base, ct); break;
+      case DequantKind::kE4m3Rowwise: convert_chunk<DequantKind::kE4m3Rowwise>(job, base, lane); break;
+      case DequantKind::kE4m3Columnwise: convert_chunk<DequantKind::kE4m3Columnwise>(job, base, lane); break;
+      case DequantKind::kE5m2Rowwise: convert_chunk<DequantKind::kE5m2Rowwise>(job, base, lane); break;
+      case DequantKind::kE5m2Columnwise: convert_chunk<DequantKind::kE5m2Columnwise>(job, base, lane); break;
+      case DequantKind::kNvfp4: convert_chunk<DequantKind::kNvfp4>(job, base, lane); break;
     }
-    fence_async_global();  // this thread's BF16 writes, for the TMA reads of other CTAs
-    named_barrier_sync(kConvertBarrier, kConverters);  // the chunk is written; `slot` was read
-    if (ct == 0) {
+    fence_async_global();  // this lane's BF16 writes, for the TMA reads of other CTAs
+    __syncwarp();          // every lane's writes are ordered before lane 0's release
+    if (lane == 0) {
       __threadfence();
       red_release_add(p.dq_counters + 1 + j / 2, 1u);
     }
@@ -626,8 +639,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
     if constexpr (kFused) {
       if (t >= 128 - kScaleLoaders) load_scales<BN, kCluster>(p, w, smem, full, empty, rank, t - 32);
     } else {
-      if (t >= 128 - kConverters && p.dq_jobs != nullptr)
-        stream_dequant(p, reinterpret_cast<volatile uint32_t*>(smem + L::kSlotOffset), t - 32);
+      if (t >= 128 - kConverters && p.dq_jobs != nullptr) stream_dequant(p, t % 32);
     }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
