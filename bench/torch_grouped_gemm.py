@@ -3,8 +3,9 @@
 
 For four MoE shapes (E experts, weight W stored (E, N, K) = (E, 2F, H), M routed token rows split
 unevenly over the experts, each split rounded UP to 32 tokens, packmoe's MXFP8 alignment) it times
-with CUDA events the way bench_grouped_gemm times packmoe (after at least 200 ms of warm-up calls, the
-median of 20 back-to-back calls, an event pair each, read after one synchronisation):
+with CUDA events the way bench_grouped_gemm times packmoe (after at least --warmup-ms, default 1500, of
+warm-up calls, the median of 20 back-to-back calls, an event pair each, read after one
+synchronisation):
   torch._grouped_mm BF16    fprop Y = X W^T, dgrad dX = dY W, wgrad dW = dY^T X
   per-expert torch.matmul   fprop
   torch._scaled_grouped_mm  fprop, FP8 E4M3 with rowwise scales
@@ -27,13 +28,17 @@ SHAPES = {
     "small_64e": (64, 1024, 512, 65536),
 }
 ALIGN = 32
+# Warm-up before each measurement, ms of wall time (--warmup-ms). 200 ms left a power-capped H200 in
+# the state the previous measurement left it (docs/gemm-sm90.md, "Conversion rate, half-empty tiles,
+# power").
+WARMUP_MS = 1500.0
 
 
 def log(*a):
     print(*a, flush=True)
 
 
-def time_ms(fn, warmup_ms=200.0, iters=20):
+def time_ms(fn, warmup_ms, iters=20):
     """Median ms of `iters` back-to-back calls after calling fn for at least warmup_ms of wall time
     (the GPU's clocks settle under this call's own load first): bench_grouped_gemm's method."""
     t0 = time.perf_counter()
@@ -66,10 +71,10 @@ def splits_for(E, M):
     return [int(v) for v in s.tolist()]
 
 
-def attempt(rec, key, fn, flops=None):
+def attempt(rec, warmup_ms, key, fn, flops=None):
     """Times fn into rec[key + '_ms'] (and TFLOP/s), or records 'fail: ...'."""
     try:
-        ms = time_ms(fn)
+        ms = time_ms(fn, warmup_ms)
         rec[key + "_ms"] = ms
         if flops:
             rec[key + "_TFLOPs"] = flops / (ms * 1e-3) / 1e12
@@ -80,7 +85,7 @@ def attempt(rec, key, fn, flops=None):
     torch.cuda.synchronize()
 
 
-def bench_shape(name, E, H, F, M_raw, dev):
+def bench_shape(name, E, H, F, M_raw, dev, warmup_ms):
     N, K = 2 * F, H
     splits = splits_for(E, M_raw)
     M = sum(splits)
@@ -98,17 +103,17 @@ def bench_shape(name, E, H, F, M_raw, dev):
     rec["has_grouped_mm"] = has_gmm
     if has_gmm:
         Wt = W.transpose(-2, -1)  # (E, K, N) view of the (E, N, K) storage
-        attempt(rec, "grouped_mm_fprop", lambda: torch._grouped_mm(X, Wt, offs=offs), flops)
-        attempt(rec, "grouped_mm_dgrad", lambda: torch._grouped_mm(dY, W, offs=offs), flops)
+        attempt(rec, warmup_ms, "grouped_mm_fprop", lambda: torch._grouped_mm(X, Wt, offs=offs), flops)
+        attempt(rec, warmup_ms, "grouped_mm_dgrad", lambda: torch._grouped_mm(dY, W, offs=offs), flops)
         # wgrad: 2D x 2D with offs partitioning the reduction (token) dim -> (E, N, K).
         dYt = dY.t()  # (N, M) view
-        attempt(rec, "grouped_mm_wgrad", lambda: torch._grouped_mm(dYt, X, offs=offs), flops)
+        attempt(rec, warmup_ms, "grouped_mm_wgrad", lambda: torch._grouped_mm(dYt, X, offs=offs), flops)
         if isinstance(rec["grouped_mm_wgrad_ms"], str):
             # Some builds want the lhs contiguous in the (N, M) layout; the copy is made outside
             # the timed region, so the figure is the GEMM alone.
             dYt_c = dY.t().contiguous()
             rec["grouped_mm_wgrad_form"] = "dY.t().contiguous()"
-            attempt(rec, "grouped_mm_wgrad", lambda: torch._grouped_mm(dYt_c, X, offs=offs), flops)
+            attempt(rec, warmup_ms, "grouped_mm_wgrad", lambda: torch._grouped_mm(dYt_c, X, offs=offs), flops)
             del dYt_c
         else:
             rec["grouped_mm_wgrad_form"] = "dY.t() (view)"
@@ -136,7 +141,7 @@ def bench_shape(name, E, H, F, M_raw, dev):
         for e in range(E):
             torch.matmul(xs[e], W[e].t())
 
-    attempt(rec, "loop_fprop", loop, flops)
+    attempt(rec, warmup_ms, "loop_fprop", loop, flops)
 
     if hasattr(torch, "_scaled_grouped_mm"):
         try:
@@ -144,7 +149,7 @@ def bench_shape(name, E, H, F, M_raw, dev):
             W8 = W.to(torch.float8_e4m3fn).transpose(-2, -1)  # (E, K, N), column-major per expert
             sa = torch.ones(M, device=dev, dtype=torch.float32)
             sb = torch.ones(E, N, device=dev, dtype=torch.float32)
-            attempt(rec, "scaled_grouped_mm_fprop",
+            attempt(rec, warmup_ms, "scaled_grouped_mm_fprop",
                     lambda: torch._scaled_grouped_mm(X8, W8, sa, sb, offs=offs, out_dtype=torch.bfloat16),
                     flops)
             del X8, W8
@@ -161,19 +166,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "torch_gemm_peers.json"))
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
+    ap.add_argument("--warmup-ms", type=float, default=WARMUP_MS,
+                    help="untimed warm-up before each measurement, ms of wall time (at least one call)")
     args = ap.parse_args()
+    if args.warmup_ms < 0:
+        ap.error("--warmup-ms must be >= 0")
     if not torch.cuda.is_available():
         log("torch_grouped_gemm: no CUDA device")
         return 1
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda")
     res = {"info": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                    "gpu": torch.cuda.get_device_name(), "timing": "CUDA events, median of 20 back-to-back calls after 200 ms of warm-up",
+                    "gpu": torch.cuda.get_device_name(), "timing": f"CUDA events, median of 20 back-to-back calls after {args.warmup_ms:g} ms of warm-up",
                     "flops": "2*M*N*K per op"}}
     log(json.dumps(res["info"]))
     for name in args.shapes.split(","):
         E, H, F, M = SHAPES[name]
-        res[name] = bench_shape(name, E, H, F, M, dev)
+        res[name] = bench_shape(name, E, H, F, M, dev, args.warmup_ms)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     log(f"wrote {args.out}")
