@@ -475,6 +475,35 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
   return r;
 }
 
+// Runs the case twice, with environment variable `var` set to `first` and then to `second` (unset
+// afterwards), and counts the groups whose output bytes differ between the two runs. Both runs
+// must succeed and leave every byte outside the group slices alone.
+struct EnvRunsDiff {
+  size_t bytes = 0;
+  size_t differing_groups = 0;
+};
+EnvRunsDiff run_under_env_values(Backend& gpu, const Case& c, const HostOperand& lhs,
+                                 const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
+                                 Placement pl, bool m_device, const char* var, const char* first,
+                                 const char* second) {
+  setenv(var, first, 1);
+  const RunOut a = run_gpu(gpu, c, lhs, rhs, init, pl, m_device);
+  setenv(var, second, 1);
+  const RunOut b = run_gpu(gpu, c, lhs, rhs, init, pl, m_device);
+  unsetenv(var);
+  EXPECT_TRUE(a.status.is_ok()) << var << "=" << first << ": " << a.status.message();
+  EXPECT_TRUE(b.status.is_ok()) << var << "=" << second << ": " << b.status.message();
+  EXPECT_EQ(a.gap_changes, 0u) << "bytes outside the group slices changed (" << var << "=" << first << ")";
+  EXPECT_EQ(b.gap_changes, 0u) << "bytes outside the group slices changed (" << var << "=" << second << ")";
+  EnvRunsDiff d;
+  if (!a.status.is_ok() || !b.status.is_ok()) return d;
+  for (size_t g = 0; g < c.m.size(); ++g) {
+    d.bytes += b.regions[g].size();
+    if (b.regions[g] != a.regions[g]) ++d.differing_groups;
+  }
+  return d;
+}
+
 std::vector<std::vector<uint8_t>> check_variant(
     Backend& gpu, const Case& c, const Variant& variant, const HostOperand& lhs,
     const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
@@ -844,27 +873,16 @@ TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
         if (std::string(v.impl) != "sm90") continue;
         const UseVariant use(v);
         for (Placement pl : {Placement::kPacked, Placement::kDiscrete}) {
-          setenv("PACKMOE_GEMM_SM90_FUSED", "0", 1);
-          const RunOut pre = run_gpu(*gpu, c, lhs, rhs, init, pl, pl == Placement::kDiscrete);
-          setenv("PACKMOE_GEMM_SM90_FUSED", "1", 1);
-          const RunOut fused = run_gpu(*gpu, c, lhs, rhs, init, pl, pl == Placement::kDiscrete);
-          unsetenv("PACKMOE_GEMM_SM90_FUSED");
-          ASSERT_TRUE(pre.status.is_ok()) << pre.status.message();
-          ASSERT_TRUE(fused.status.is_ok()) << fused.status.message();
-          size_t differing = 0, bytes = 0;
-          for (size_t g = 0; g < G; ++g) {
-            bytes += fused.regions[g].size();
-            if (fused.regions[g] != pre.regions[g]) ++differing;
-          }
+          const EnvRunsDiff d = run_under_env_values(*gpu, c, lhs, rhs, init, pl, pl == Placement::kDiscrete,
+                                                     "PACKMOE_GEMM_SM90_FUSED", "0", "1");
           std::string ms;
           for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
           std::printf("[gemm cuda] fused==prepass %-14s %-8s out=%-4s N=%-4lld K=%-4lld m={%s} "
                       "bytes=%zu differing_groups=%zu\n",
                       v.name, pl == Placement::kPacked ? "packed" : "device_m",
                       out == DType::kBF16 ? "bf16" : "f32", static_cast<long long>(c.n),
-                      static_cast<long long>(c.k), ms.c_str(), bytes, differing);
-          EXPECT_EQ(differing, 0u) << "fused and pre-pass MXFP8 fprop differ (" << v.name << ")";
-          EXPECT_EQ(fused.gap_changes, 0u) << "bytes outside the group slices changed (fused)";
+                      static_cast<long long>(c.k), ms.c_str(), d.bytes, d.differing_groups);
+          EXPECT_EQ(d.differing_groups, 0u) << "fused and pre-pass MXFP8 fprop differ (" << v.name << ")";
           if (HasFailure()) return;
         }
       }
@@ -914,24 +932,13 @@ TEST(CudaGroupedGemm, StreamDequantSameBytesAsPrepass) {
         if (std::string(v.impl) != "sm90") continue;
         const UseVariant use(v);
         for (Placement pl : {Placement::kPacked, Placement::kDiscrete}) {
-          setenv("PACKMOE_GEMM_SM90_DEQUANT", "prepass", 1);
-          const RunOut pre = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
-          setenv("PACKMOE_GEMM_SM90_DEQUANT", "stream", 1);
-          const RunOut stream = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
-          unsetenv("PACKMOE_GEMM_SM90_DEQUANT");
-          ASSERT_TRUE(pre.status.is_ok()) << pre.status.message();
-          ASSERT_TRUE(stream.status.is_ok()) << stream.status.message();
-          size_t differing = 0, bytes = 0;
-          for (size_t g = 0; g < G; ++g) {
-            bytes += stream.regions[g].size();
-            if (stream.regions[g] != pre.regions[g]) ++differing;
-          }
+          const EnvRunsDiff d = run_under_env_values(*gpu, c, lhs, rhs, init, pl, false,
+                                                     "PACKMOE_GEMM_SM90_DEQUANT", "prepass", "stream");
           std::printf("[gemm cuda] stream==prepass %-14s %-5s %-16s %-8s bytes=%zu "
                       "differing_groups=%zu\n",
                       v.name, op_name_of(op), rc.name().c_str(),
-                      pl == Placement::kPacked ? "packed" : "discrete", bytes, differing);
-          EXPECT_EQ(differing, 0u) << "streaming and pre-pass dequantize differ (" << v.name << ")";
-          EXPECT_EQ(stream.gap_changes, 0u) << "bytes outside the group slices changed (stream)";
+                      pl == Placement::kPacked ? "packed" : "discrete", d.bytes, d.differing_groups);
+          EXPECT_EQ(d.differing_groups, 0u) << "streaming and pre-pass dequantize differ (" << v.name << ")";
           if (HasFailure()) return;
         }
       }
