@@ -40,8 +40,15 @@ struct Options {
   // measurement left it: docs/gemm-sm90.md), 200 ms on the CPU.
   double warmup_ms = -1;
   bool small = false;
-  std::string only;  // comma-separated shape names
+  std::string only;     // comma-separated shape names
+  std::string recipes = "bf16,mxfp8,nvfp4";  // comma-separated subset
+  bool no_cublas = false;  // time the sm90 kernel only
 };
+
+// Whether `name` is one of the comma-separated names in `list`.
+bool listed(const std::string& list, const std::string& name) {
+  return ("," + list + ",").find("," + name + ",") != std::string::npos;
+}
 
 // The median ms of o.iters back-to-back calls (an event pair each, read after one sync), after
 // calling `body` for at least o.warmup_ms of wall time so that the GPU's clocks have settled under
@@ -159,10 +166,11 @@ void check(const Status& s) {
   }
 }
 
-std::string ratio(double torch_ms, double ms) {
-  if (torch_ms <= 0 || ms <= 0) return "-";
+// The speed of `ms` against `base_ms` ("1.05x": ms is 5% faster), or "-" where either is missing.
+std::string ratio(double base_ms, double ms) {
+  if (base_ms <= 0 || ms <= 0) return "-";
   char b[32];
-  std::snprintf(b, sizeof b, "%.2fx", torch_ms / ms);
+  std::snprintf(b, sizeof b, "%.2fx", base_ms / ms);
   return b;
 }
 
@@ -417,7 +425,7 @@ int run(const Options& o) {
   if (!o.only.empty()) {
     std::vector<Shape> keep;
     for (const Shape& s : shapes)
-      if (("," + o.only + ",").find("," + s.name + ",") != std::string::npos) keep.push_back(s);
+      if (listed(o.only, s.name)) keep.push_back(s);
     shapes = keep;
   }
 
@@ -448,12 +456,13 @@ int run(const Options& o) {
     const double flops = 2.0 * static_cast<double>(s.M()) * s.N * s.K;
     for (OperandFormat f : {OperandFormat::kBF16, OperandFormat::kMxfp8, OperandFormat::kNvfp4}) {
       const char* rname = f == OperandFormat::kBF16 ? "bf16" : f == OperandFormat::kMxfp8 ? "mxfp8" : "nvfp4";
+      if (!listed(o.recipes, rname)) continue;
       for (int c = 0; c < 4; ++c) {
         const GemmOp op = c == 0 ? GemmOp::kFprop : c == 1 ? GemmOp::kDgrad : GemmOp::kWgrad;
         const bool acc = c == 3;
         const GroupedGemmArgs a = sc.args(op, f, acc);
         double ms[2] = {0, 0};  // sm90, cublas
-        for (int impl = 0; impl < 2; ++impl) {
+        for (int impl = 0; impl < (o.no_cublas ? 1 : 2); ++impl) {
           setenv("PACKMOE_GEMM_IMPL", impl == 0 ? "sm90" : "cublas", 1);
           check(be.grouped_gemm(a));  // argument errors surface before timing
           ms[impl] = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
@@ -463,9 +472,14 @@ int run(const Options& o) {
                                 : op == GemmOp::kDgrad ? s.gmm_dgrad
                                                        : s.gmm_wgrad;
         const bool fp = op == GemmOp::kFprop;
-        std::printf("%-16s %-9s %-6s %9.3f %8.1f %9.3f %8.1f %8s %8s %8s %8s\n", s.name.c_str(),
+        char cub_ms[16] = "-", cub_tf[16] = "-";
+        if (ms[1] > 0) {
+          std::snprintf(cub_ms, sizeof cub_ms, "%.3f", ms[1]);
+          std::snprintf(cub_tf, sizeof cub_tf, "%.1f", flops / (ms[1] * 1e-3) / 1e12);
+        }
+        std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                     acc ? "wgrad+acc" : op_text(op), rname, ms[0], flops / (ms[0] * 1e-3) / 1e12,
-                    ms[1], flops / (ms[1] * 1e-3) / 1e12, ratio(torch_ms, ms[0]).c_str(),
+                    cub_ms, cub_tf, ratio(torch_ms, ms[0]).c_str(),
                     ratio(torch_ms, ms[1]).c_str(), fp ? ratio(s.loop_fprop, ms[0]).c_str() : "-",
                     fp ? ratio(s.scaled_fprop, ms[0]).c_str() : "-");
         std::fflush(stdout);
@@ -511,10 +525,10 @@ int run(const Options& o) {
     const double bf = fprop_ms[s.name + "/bf16"], mx = fprop_ms[s.name + "/mxfp8"],
                  pre = fprop_ms[s.name + "/mx-pre"], fus = fprop_ms[s.name + "/mx-fus"],
                  nv = fprop_ms[s.name + "/nvfp4"];
-    std::printf("# %s sm90: bf16 fprop vs torch._grouped_mm %s, mxfp8 / bf16 fprop speed %.2fx "
-                "(pre-pass %.2fx, fused loader %.2fx), nvfp4 / bf16 %.2fx\n",
-                s.name.c_str(), ratio(s.gmm_fprop, bf).c_str(), mx > 0 ? bf / mx : 0.0,
-                pre > 0 ? bf / pre : 0.0, fus > 0 ? bf / fus : 0.0, nv > 0 ? bf / nv : 0.0);
+    std::printf("# %s sm90: bf16 fprop vs torch._grouped_mm %s, mxfp8 / bf16 fprop speed %s "
+                "(pre-pass %s, fused loader %s), nvfp4 / bf16 %s\n",
+                s.name.c_str(), ratio(s.gmm_fprop, bf).c_str(), ratio(bf, mx).c_str(),
+                ratio(bf, pre).c_str(), ratio(bf, fus).c_str(), ratio(bf, nv).c_str());
   }
   return 0;
 }
@@ -534,6 +548,17 @@ int main(int argc, char** argv) {
                  "default 1500 on cuda, 200 on cpu)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--only", o.only, "comma-separated shape names");
+  app.add_option("--recipes", o.recipes, "comma-separated subset of bf16,mxfp8,nvfp4")
+      ->check([](const std::string& v) {
+        for (size_t at = 0; at <= v.size();) {
+          const size_t end = std::min(v.find(',', at), v.size());
+          const std::string r = v.substr(at, end - at);
+          if (r != "bf16" && r != "mxfp8" && r != "nvfp4") return "unknown recipe '" + r + "'";
+          at = end + 1;
+        }
+        return std::string();
+      });
+  app.add_flag("--no-cublas", o.no_cublas, "time the sm90 kernel only (no cuBLASLt columns)");
   app.add_flag("--small", o.small, "small shapes (seconds on a CPU)");
   CLI11_PARSE(app, argc, argv);
   if (o.warmup_ms < 0) o.warmup_ms = o.device == "cuda" ? 1500 : 200;
