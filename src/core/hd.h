@@ -7,3 +7,10 @@
 #else
 #define PACKMOE_HD inline
 #endif
+
+// Unrolls a fixed-count loop over a register array in device code (the host compiler ignores it).
+#if defined(__CUDA_ARCH__)
+#define PACKMOE_UNROLL _Pragma("unroll")
+#else
+#define PACKMOE_UNROLL
+#endif

@@ -74,29 +74,41 @@ inline constexpr int kRhtSize = 16;
 // Bit i set where TE's fixed sign s_i = -1, s = [1,1,1,-1,1,-1,-1,-1,-1,-1,-1,1,-1,1,-1,-1].
 inline constexpr uint16_t kRhtSignMask = 0xD7E8;
 
-// True when R[i][j] = s_i * H16[i][j] / 4 is negative; H16 is Sylvester's Hadamard matrix in
-// natural order, H16[i][j] = (-1)^popcount(i & j).
-PACKMOE_HD bool rht_negative(int i, int j) {
-  uint32_t p = static_cast<uint32_t>(i & j);  // 4 bits: fold to parity
-  p ^= p >> 2;
-  p ^= p >> 1;
-  return (((kRhtSignMask >> i) ^ p) & 1u) != 0;
+// y = H16 diag(s) v in place, on FP32 values: the signs, then the fast Walsh-Hadamard transform's
+// four butterfly stages, pairs (i, i + h) with i & h == 0 for h = 1, 2, 4, 8, each pair becoming
+// (a + b, a - b) in FP32 (RNE). H16 is Sylvester's Hadamard matrix in natural order, H16[i][j] =
+// (-1)^popcount(i & j), so in exact arithmetic y_j = sum_i s_i H16[i][j] v_i. packmoe DEFINES the
+// transform's arithmetic as these 64 operations in this order (CPU and CUDA both call this).
+PACKMOE_HD void rht16_butterflies(float v[kRhtSize]) {
+  PACKMOE_UNROLL
+  for (int i = 0; i < kRhtSize; ++i)
+    if ((kRhtSignMask >> i) & 1u) v[i] = -v[i];
+  PACKMOE_UNROLL
+  for (int h = 1; h < kRhtSize; h <<= 1) {
+    PACKMOE_UNROLL
+    for (int i = 0; i < kRhtSize; ++i) {
+      if (i & h) continue;
+      const float a = v[i], b = v[i + h];
+      v[i] = a + b;
+      v[i + h] = a - b;
+    }
+  }
 }
 
-// out = bf16(bf16(in) @ R), R = diag(s) * H16 / 4, on one 16-vector. Outputs are floats holding
-// BF16 values. packmoe DEFINES the transform with this exact FP32 arithmetic: for each j, the 16
-// signed terms are summed in FP32 in the order i = 0..15 starting from +0, the sum is multiplied
-// by 0.25 (exact) and rounded to BF16 (RNE). CPU and CUDA use this function, so they agree bit for
-// bit. TE computes the same product with a BF16 tensor-core MMA whose internal accumulation order
-// is unspecified, so TE's bytes may differ from these in the last BF16 bit for some inputs.
+// The output j before its BF16 rounding: y_j / 4 (exact: every y_j is a multiple of the BF16
+// spacing 2^-133, so the quotient is an FP32 value), with an exact zero as +0 (the butterflies can
+// leave -0, e.g. -0 + -0).
+PACKMOE_HD float rht16_scaled(float y) { return (y + 0.0f) * 0.25f; }
+
+// out = bf16(bf16(in) @ R), R = diag(s) * H16 / 4, on one 16-vector: the inputs rounded to BF16,
+// rht16_butterflies, rht16_scaled, rounded to BF16 (RNE). Outputs are floats holding BF16 values.
+// TE computes the same product with a BF16 tensor-core MMA whose internal accumulation order is
+// unspecified, so TE's bytes may differ from these in the last BF16 bit for some inputs.
 PACKMOE_HD void rht16(const float in[kRhtSize], float out[kRhtSize]) {
   float v[kRhtSize];
   for (int i = 0; i < kRhtSize; ++i) v[i] = bf16_to_f32(f32_to_bf16(in[i]));
-  for (int j = 0; j < kRhtSize; ++j) {
-    float acc = 0.0f;
-    for (int i = 0; i < kRhtSize; ++i) acc += rht_negative(i, j) ? -v[i] : v[i];
-    out[j] = bf16_to_f32(f32_to_bf16(acc * 0.25f));
-  }
+  rht16_butterflies(v);
+  for (int j = 0; j < kRhtSize; ++j) out[j] = bf16_to_f32(f32_to_bf16(rht16_scaled(v[j])));
 }
 
 }  // namespace packmoe

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -317,9 +318,6 @@ TEST(Nvfp4Rht, SignMaskMatchesTheSignVector) {
     if (kSign[i] < 0) mask |= static_cast<uint16_t>(1u << i);
   EXPECT_EQ(mask, 0xD7E8);
   EXPECT_EQ(kRhtSignMask, 0xD7E8);
-  const auto h = sylvester16();
-  for (int i = 0; i < 16; ++i)
-    for (int j = 0; j < 16; ++j) EXPECT_EQ(rht_negative(i, j), kSign[i] * h[i][j] < 0) << i << j;
 }
 
 TEST(Nvfp4Rht, UnitVectors) {
@@ -371,14 +369,49 @@ TEST(Nvfp4Rht, Bf16RoundingOfInputAndOutput) {
     EXPECT_EQ(out[j], (j % 2) ? 0.25f - std::ldexp(1.0f, -10) : 0.25f) << j;
 }
 
-TEST(Nvfp4Rht, SumsInFp32InIndexOrder) {
-  // packmoe's definition: FP32 accumulation over i = 0..15. v = (3, 2^25, 0, 2^25, 0, ...), output
-  // j = 0 (all H[i][0] = 1, s_0 = s_1 = +1, s_3 = -1): 3 + 2^25 -> 2^25 + 4 (FP32 spacing 4 above
-  // 2^25), + 0, - 2^25 -> 4, times 1/4 -> 1. An exact (or wider) sum, or the order 15..0
-  // (-2^25 + 2^25 + 3), would give 3/4.
-  float in[16] = {3.0f, std::ldexp(1.0f, 25), 0.0f, std::ldexp(1.0f, 25)}, out[16];
+TEST(Nvfp4Rht, ButterfliesInFp32InTheirOrder) {
+  // packmoe's definition: the signs, then butterfly stages h = 1, 2, 4, 8 in FP32. v = (2^24, 1, 1,
+  // -1, -2^24, 0, ...), so after the signs (s_3 = -1) w = (2^24, 1, 1, 1, -2^24, 0, ...). Output 0
+  // (all H[i][0] = 1): stage 1 gives w_0 = 2^24 + 1 -> 2^24 (FP32 spacing 2 above 2^24, tie to
+  // even) and w_2 = 1 + 1 = 2; stage 2 w_0 = 2^24 + 2 (exact); stage 4 w_0 = 2^24 + 2 - 2^24 = 2;
+  // times 1/4 -> 0.5. The exact sum 3 would give 0.75, the sum in index order 0 (2^24 + 1 + 1 + 1
+  // stays 2^24).
+  float in[16] = {std::ldexp(1.0f, 24), 1.0f, 1.0f, -1.0f, -std::ldexp(1.0f, 24)}, out[16];
   rht16(in, out);
-  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[0], 0.5f);
+}
+
+TEST(Nvfp4Rht, ExactZeroIsPositive) {
+  // From sixteen -0 inputs the butterflies leave -0 in output 14 (w_i = -0 where s_i = +1, and
+  // e.g. -0 + -0 = -0); the definition turns every exact zero into +0.
+  for (float z : {0.0f, -0.0f}) {
+    float in[16], out[16];
+    std::fill(in, in + 16, z);
+    rht16(in, out);
+    for (int j = 0; j < 16; ++j) EXPECT_EQ(std::bit_cast<uint32_t>(out[j]), 0u) << z << " " << j;
+  }
+}
+
+TEST(Nvfp4Rht, ExactWhereFp32HoldsEverySum) {
+  // BF16 inputs of magnitude 2^-4 .. 2^4 (8 significant bits): every partial sum of up to 16 of
+  // them is a multiple of 2^-11 below 2^9, which FP32 holds exactly, so each output must be the
+  // exact FP64 product with the matrix built by sylvester16, times 1/4, rounded to BF16.
+  RANDOM_SEED(seed);
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> expo(-4, 3), mant(0, 127), sign(0, 1);
+  const auto h = sylvester16();
+  for (int t = 0; t < 1000; ++t) {
+    float in[16], out[16];
+    for (float& v : in)
+      v = (sign(rng) ? -1.0f : 1.0f) * std::ldexp(1.0f + mant(rng) / 128.0f, expo(rng));
+    rht16(in, out);
+    for (int j = 0; j < 16; ++j) {
+      double y = 0.0;
+      for (int i = 0; i < 16; ++i) y += static_cast<double>(kSign[i] * h[i][j]) * in[i];
+      const float want = bf16_to_f32(f32_to_bf16(static_cast<float>(y / 4.0)));
+      ASSERT_EQ(std::bit_cast<uint32_t>(out[j]), std::bit_cast<uint32_t>(want)) << t << " " << j;
+    }
+  }
 }
 
 TEST(Nvfp4Rht, OrthogonalOnRandomVectors) {

@@ -245,21 +245,18 @@ __device__ __forceinline__ void store_n(uint8_t* dst, const uint32_t (&w)[N / 4]
   }
 }
 
-// rht16 (formats/nvfp4_math.h) with the same FP32 operations in the same order, minus the
-// rounding of inputs that already are BF16 values (kBf16In: an identity for every non-NaN value, and
-// a NaN input makes the first FADD produce the canonical NaN either way), and with the outputs
-// rounded to BF16 by the hardware cvt when kHw (selftest.cu: equal values, NaN stays NaN).
+// rht16 (formats/nvfp4_math.h) with the same FP32 operations, minus the rounding of inputs that
+// already are BF16 values (kBf16In: an identity for every non-NaN value, and a NaN input makes the
+// first butterfly produce the canonical NaN either way), and with the outputs rounded to BF16 by
+// the hardware cvt when kHw (selftest.cu: equal values, NaN stays NaN).
 template <bool kBf16In, bool kHw>
 __device__ __forceinline__ void rht16_fast(const float in[kRhtSize], float out[kRhtSize]) {
-  float v[kRhtSize];
 #pragma unroll
-  for (int i = 0; i < kRhtSize; ++i) v[i] = kBf16In ? in[i] : bf16_to_f32(f32_to_bf16(in[i]));
+  for (int i = 0; i < kRhtSize; ++i) out[i] = kBf16In ? in[i] : bf16_to_f32(f32_to_bf16(in[i]));
+  rht16_butterflies(out);
 #pragma unroll
   for (int j = 0; j < kRhtSize; ++j) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kRhtSize; ++i) acc += rht_negative(i, j) ? -v[i] : v[i];
-    const float s = acc * 0.25f;
+    const float s = rht16_scaled(out[j]);
     out[j] = kHw ? cuda::round_bf16_hw(s) : bf16_to_f32(f32_to_bf16(s));
   }
 }
