@@ -82,7 +82,8 @@ Status validate_permute(const PermuteArgs& a) {
   constexpr const char* op = "permute";
   PACKMOE_RETURN_IF_ERROR(check_row_dims(op, a.tokens, a.hidden, a.top_k, a.rows));
   PACKMOE_RETURN_IF_ERROR(check_dtype(op, a.dtype, "x / xp"));
-  return require_non_null(op, {{a.row_slot, "row_slot"}, {a.x, "x"}, {a.xp, "xp"}});
+  return require_non_null(op,
+                          {{a.row_slot, "row_slot"}, {a.dest, "dest"}, {a.x, "x"}, {a.xp, "xp"}});
 }
 
 Status validate_permute_backward(const PermuteBackwardArgs& a) {

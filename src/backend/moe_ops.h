@@ -194,7 +194,9 @@ Result<RoutingPlan> routing_plan_from_counts(const int64_t* counts, int64_t toke
 // ---- permute: tokens -> expert-sorted rows ------------------------------------------------------
 //
 // Forward: xp[r] = x[row_slot[r] / k] for a routed row, zeros for a padding row (a byte copy: x
-// and xp share dtype, BF16 or F32).
+// and xp share dtype, BF16 or F32). The plan's dest is its inverse (dest[t, j] = the row r with
+// row_slot[r] = t k + j): a backend may walk either (the CUDA kernel reads each x row once and
+// writes it to its k rows).
 struct PermuteArgs {
   int64_t tokens = 0;  // T
   int64_t hidden = 0;  // H
@@ -202,6 +204,7 @@ struct PermuteArgs {
   int64_t rows = 0;    // M
   DType dtype = DType::kBF16;
   const int32_t* row_slot = nullptr;  // (M) the plan's
+  const int32_t* dest = nullptr;      // (T, k) the plan's
   const void* x = nullptr;            // (T, H)
   void* xp = nullptr;                 // (M, H)
 };

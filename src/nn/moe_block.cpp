@@ -153,6 +153,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   pa.rows = M;
   pa.dtype = DType::kBF16;
   pa.row_slot = row_slot_.data_as<const int32_t>();
+  pa.dest = dest_.data_as<const int32_t>();
   pa.x = x.data();
   pa.xp = xp.data();
   check_op(b.permute(pa), "permute");

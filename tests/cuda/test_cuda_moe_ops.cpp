@@ -492,13 +492,14 @@ TEST(CudaMoeOps, PermuteForward) {
       const Routing r = make_routing(c, rng);
       const int64_t M = r.plan.rows;
       auto slot = input_of(*gpu, r.plan.row_slot);
+      auto dest = input_of(*gpu, r.plan.dest);
       auto x = rand_input(*gpu, t, c.T * c.H, rng, 1.0f, c.shift);
       Mirror xp(*gpu, M * c.H * elt(t), c.shift * elt(t));
       PermuteArgs a;
       a.tokens = c.T, a.hidden = c.H, a.top_k = c.k, a.rows = M, a.dtype = t;
-      a.row_slot = slot->h<int32_t>(), a.x = x->h(), a.xp = xp.h();
+      a.row_slot = slot->h<int32_t>(), a.dest = dest->h<int32_t>(), a.x = x->h(), a.xp = xp.h();
       expect_ok(cpu_backend().permute(a));
-      a.row_slot = slot->d<int32_t>(), a.x = x->d(), a.xp = xp.d();
+      a.row_slot = slot->d<int32_t>(), a.dest = dest->d<int32_t>(), a.x = x->d(), a.xp = xp.d();
       expect_ok(gpu->permute(a));
       xp.compare(tally, fmt("%s %s", row_name(c).c_str(), dn(t)));
       ++tally.cases;

@@ -462,6 +462,7 @@ TEST(MoeGrad, ChainWithoutGemm) {
       pa.rows = M;
       pa.dtype = DType::kF32;
       pa.row_slot = plan.row_slot.data();
+      pa.dest = plan.dest.data();
       pa.x = x.data();
       pa.xp = xp.data();
       ASSERT_TRUE(permute_cpu(pa).is_ok());

@@ -288,6 +288,7 @@ TEST(MoePermute, RoundTripAndZeroPadding) {
   pa.top_k = k;
   pa.rows = M;
   pa.row_slot = p.row_slot.data();
+  pa.dest = p.dest.data();
   pa.x = x.data();
   pa.xp = xp.data();
   ASSERT_TRUE(permute_cpu(pa).is_ok());
@@ -520,6 +521,7 @@ TEST(MoeValidation, ClearErrors) {
   pa.top_k = 2;
   pa.rows = 7;
   pa.row_slot = ibuf.data();
+  pa.dest = ibuf.data();
   pa.x = buf.data();
   pa.xp = buf.data();
   expect_error(permute_cpu(pa), "permute: M = 7 rows cannot hold T * k = 8 routed pairs");

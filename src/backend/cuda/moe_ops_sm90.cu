@@ -422,20 +422,36 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- permute -------------------------------------------------------------------------------------
 
-// Byte copy in units U (16, 4 or 2 bytes: the widest that divides the row and both bases).
+// A byte copy in units U (16, 4 or 2 bytes: the widest that divides the row and both bases), in
+// one launch of two parts. CTAs [0, pad_blocks): a warp per xp row; a row that no pair feeds
+// (row_slot < 0: expert padding) gets zeros. The rest: a warp per token t copies x[t] to its k
+// rows dest[t, j] (x[t] leaves DRAM once; the later copies read it from L1).
 template <typename U>
 __global__ void __launch_bounds__(Config::kThreads)
-    permute_kernel(const int32_t* row_slot, int64_t rows, int64_t units_per_row, int64_t top_k,
-                   int64_t slots, const U* x, U* xp) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * units_per_row) return;
-  const int64_t r = i / units_per_row;
-  const int64_t c = i - r * units_per_row;
-  const int32_t slot = __ldg(row_slot + r);
-  if (slot < -1 || slot >= slots) __trap();
-  U v{};
-  if (slot >= 0) v = x[(slot / top_k) * units_per_row + c];
-  xp[i] = v;
+    permute_kernel(const __grid_constant__ PermuteArgs a, int64_t units_per_row, unsigned pad_blocks) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t k = a.top_k;
+  U* xp = static_cast<U*>(a.xp);
+  if (blockIdx.x < pad_blocks) {
+    const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + warp;
+    if (r >= a.rows) return;
+    const int32_t slot = __ldg(a.row_slot + r);
+    if (slot < -1 || slot >= a.tokens * k) __trap();
+    if (slot >= 0) return;  // the warp of token slot / k writes it
+    for (int64_t c = lane; c < units_per_row; c += 32) xp[r * units_per_row + c] = U{};
+    return;
+  }
+  const int64_t t = static_cast<int64_t>(blockIdx.x - pad_blocks) * Config::kWarps + warp;
+  if (t >= a.tokens) return;
+  const U* x_t = static_cast<const U*>(a.x) + t * units_per_row;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t r = __ldg(a.dest + t * k + j);
+    if (r < 0 || r >= a.rows) __trap();
+    U* xp_r = xp + r * units_per_row;
+#pragma unroll 4
+    for (int64_t c = lane; c < units_per_row; c += 32) xp_r[c] = __ldg(x_t + c);
+  }
 }
 
 // dx[t] = sequential sum_j dxp[dest[t, j]], from +0.
@@ -528,64 +544,64 @@ __global__ void __launch_bounds__(Config::kThreads)
   store_chunk<TY, kVec>(static_cast<TY*>(a.y) + pos.row * H + pos.col, acc, pos.valid);
 }
 
-// One launch, two independent parts: CTAs [0, dyp_blocks) write dyp row chunks; the rest give one
-// warp to each pair (t, j) for dw[t, j] = R32 sum_h dy[t, h] * yp[dest[t, j], h]. dw_vec (rows of
-// whole 8-element chunks, 16-byte aligned): lane l multiplies elements 8l .. 8l + 7 of each
-// 256-element slice with wide loads, and the products pass through shared memory so that lane s
-// still adds h = s, s + 32, s + 64, ... in order: the R32 sum's bits.
+// One launch, two parts. CTAs [0, pad_blocks): a warp per dyp row; a row that no pair feeds
+// (row_slot < 0: expert padding) gets zeros. The rest: a warp per pair (t, j), r = dest[t, j],
+// reads dy[t] and yp[r] once and writes dyp[r] = w[t, j] * dy[t] and dw[t, j] = R32 sum_h dy[t, h] *
+// yp[r, h]. kVec (dy, yp and dyp rows of whole 16-byte-aligned 8-element chunks): lane l takes
+// elements 8l .. 8l + 7 of each 256-element slice with wide accesses, and the products pass through
+// shared memory so that lane s still adds h = s, s + 32, s + 64, ... in order: the R32 sum's bits.
 template <typename TYp, typename TDy, typename TDyp, bool kVec>
 __global__ void __launch_bounds__(Config::kThreads)
-    unpermute_backward_kernel(const __grid_constant__ UnpermuteBackwardArgs a,
-                              unsigned dyp_blocks, bool dw_vec) {
-  constexpr int kSlice = 32 * Config::kChunk;  // elements a warp multiplies per wide step
+    unpermute_backward_kernel(const __grid_constant__ UnpermuteBackwardArgs a, unsigned pad_blocks) {
+  constexpr int kSlice = 32 * Config::kChunk;  // elements a warp handles per wide step
   __shared__ float products[Config::kWarps][kSlice];
   const int64_t H = a.hidden, k = a.top_k;
-  const TDy* dy = static_cast<const TDy*>(a.dy);
-  const TYp* yp = static_cast<const TYp*>(a.yp);
-  if (blockIdx.x < dyp_blocks) {
-    ChunkPos pos;
-    if (!chunk_pos(a.rows, H, pos)) return;
-    const int32_t slot = __ldg(a.row_slot + pos.row);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  TDyp* dyp = static_cast<TDyp*>(a.dyp);
+  if (blockIdx.x < pad_blocks) {
+    const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + warp;
+    if (r >= a.rows) return;
+    const int32_t slot = __ldg(a.row_slot + r);
     if (slot < -1 || slot >= a.tokens * k) __trap();
-    float v[Config::kChunk];
-    if (slot < 0) {
-#pragma unroll
-      for (int q = 0; q < Config::kChunk; ++q) v[q] = 0.0f;
-    } else {
-      const float wj = __ldg(a.w + slot);
-      load_chunk<TDy, kVec>(dy + (slot / k) * H + pos.col, v, pos.valid);
-#pragma unroll
-      for (int q = 0; q < Config::kChunk; ++q) v[q] = wj * v[q];
-    }
-    store_chunk<TDyp, kVec>(static_cast<TDyp*>(a.dyp) + pos.row * H + pos.col, v, pos.valid);
+    if (slot >= 0) return;  // the warp of pair `slot` writes it
+    for (int64_t h = lane; h < H; h += 32) dyp[r * H + h] = from_f32<TDyp>(0.0f);
     return;
   }
-  const int lane = threadIdx.x & 31;
-  const int64_t pair =
-      static_cast<int64_t>(blockIdx.x - dyp_blocks) * Config::kWarps + (threadIdx.x >> 5);
+  const int64_t pair = static_cast<int64_t>(blockIdx.x - pad_blocks) * Config::kWarps + warp;
   if (pair >= a.tokens * k) return;
   const int64_t t = pair / k;
   const int32_t r = __ldg(a.dest + pair);
   if (r < 0 || r >= a.rows) __trap();
-  const TDy* dy_t = dy + t * H;  // (H)
-  const TYp* yp_r = yp + r * H;  // (H)
+  const float wj = __ldg(a.w + pair);
+  const TDy* dy_t = static_cast<const TDy*>(a.dy) + t * H;  // (H)
+  const TYp* yp_r = static_cast<const TYp*>(a.yp) + r * H;  // (H)
+  TDyp* dyp_r = dyp + r * H;                                 // (H)
   float acc = 0.0f;
   int64_t h0 = 0;  // elements done by the wide path
-  if (dw_vec) {
-    float* prod = products[threadIdx.x >> 5];
+  if constexpr (kVec) {
+    float* prod = products[warp];
     for (; h0 + kSlice <= H; h0 += kSlice) {
-      float u[Config::kChunk], v[Config::kChunk];
+      float u[Config::kChunk], v[Config::kChunk], g[Config::kChunk];
       load_chunk<TDy, true>(dy_t + h0 + Config::kChunk * lane, u, Config::kChunk);
       load_chunk<TYp, true>(yp_r + h0 + Config::kChunk * lane, v, Config::kChunk);
 #pragma unroll
-      for (int q = 0; q < Config::kChunk; ++q) prod[Config::kChunk * lane + q] = u[q] * v[q];
+      for (int q = 0; q < Config::kChunk; ++q) {
+        g[q] = wj * u[q];
+        prod[Config::kChunk * lane + q] = u[q] * v[q];
+      }
+      store_chunk<TDyp, true>(dyp_r + h0 + Config::kChunk * lane, g, Config::kChunk);
       __syncwarp();
 #pragma unroll
       for (int m = 0; m < Config::kChunk; ++m) acc = acc + prod[lane + 32 * m];
       __syncwarp();
     }
   }
-  for (int64_t h = h0 + lane; h < H; h += 32) acc = acc + to_f32(dy_t[h]) * to_f32(yp_r[h]);
+  for (int64_t h = h0 + lane; h < H; h += 32) {
+    const float u = to_f32(dy_t[h]);
+    dyp_r[h] = from_f32<TDyp>(wj * u);
+    acc = acc + u * to_f32(yp_r[h]);
+  }
   acc = r32_butterfly(acc);
   if (lane == 0) a.dw[pair] = acc;
 }
@@ -668,12 +684,13 @@ Status CudaBackend::aux_loss_backward(const AuxLossBackwardArgs& a) {
 Status CudaBackend::permute(const PermuteArgs& a) {
   PACKMOE_RETURN_IF_ERROR(validate_permute(a));
   const int64_t row_bytes = static_cast<int64_t>(dtype_bytes_for(a.dtype, a.hidden));
-  const int64_t slots = a.tokens * a.top_k;
+  const unsigned pad_blocks = grid_for(a.rows, Config::kWarps);
+  const unsigned token_blocks = grid_for(a.tokens, Config::kWarps);
+  PACKMOE_CHECK(uint64_t{pad_blocks} + token_blocks < (uint64_t{1} << 31), "grid too large");
   auto launch = [&](auto unit) {
     using U = decltype(unit);
     const int64_t upr = row_bytes / static_cast<int64_t>(sizeof(U));
-    permute_kernel<U><<<grid_for(a.rows * upr, Config::kThreads), Config::kThreads, 0, stream()>>>(
-        a.row_slot, a.rows, upr, a.top_k, slots, static_cast<const U*>(a.x), static_cast<U*>(a.xp));
+    permute_kernel<U><<<pad_blocks + token_blocks, Config::kThreads, 0, stream()>>>(a, upr, pad_blocks);
   };
   auto fits = [&](uintptr_t u) {
     return row_bytes % static_cast<int64_t>(u) == 0 && aligned_to(a.x, u) && aligned_to(a.xp, u);
@@ -768,13 +785,11 @@ Status CudaBackend::unpermute(const UnpermuteArgs& a) {
 
 Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(validate_unpermute_backward(a));
-  const int64_t chunks = a.rows * ((a.hidden + Config::kChunk - 1) / Config::kChunk);
-  const unsigned dyp_blocks = grid_for(chunks, Config::kThreads);
-  const unsigned dw_blocks = grid_for(a.tokens * a.top_k, Config::kWarps);
-  PACKMOE_CHECK(uint64_t{dyp_blocks} + dw_blocks < (uint64_t{1} << 31), "grid too large");
-  const unsigned grid = dyp_blocks + dw_blocks;
-  const bool vec = rows_vectorizable(a.hidden, {a.dy, a.dyp});
-  const bool dw_vec = rows_vectorizable(a.hidden, {a.dy, a.yp});
+  const unsigned pad_blocks = grid_for(a.rows, Config::kWarps);
+  const unsigned pair_blocks = grid_for(a.tokens * a.top_k, Config::kWarps);
+  PACKMOE_CHECK(uint64_t{pad_blocks} + pair_blocks < (uint64_t{1} << 31), "grid too large");
+  const unsigned grid = pad_blocks + pair_blocks;
+  const bool vec = rows_vectorizable(a.hidden, {a.dy, a.yp, a.dyp});
   with_elem(a.yp_dtype, [&](auto yp) {
     with_elem(a.dy_dtype, [&](auto dy) {
       with_elem(a.dyp_dtype, [&](auto dyp) {
@@ -783,10 +798,10 @@ Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
         using TDyp = elem_t<decltype(dyp)>;
         if (vec)
           unpermute_backward_kernel<TYp, TDy, TDyp, true>
-              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks, dw_vec);
+              <<<grid, Config::kThreads, 0, stream()>>>(a, pad_blocks);
         else
           unpermute_backward_kernel<TYp, TDy, TDyp, false>
-              <<<grid, Config::kThreads, 0, stream()>>>(a, dyp_blocks, dw_vec);
+              <<<grid, Config::kThreads, 0, stream()>>>(a, pad_blocks);
       });
     });
   });
