@@ -422,10 +422,23 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- permute -------------------------------------------------------------------------------------
 
+// The padding part of permute and unpermute_backward: CTAs [0, pad_blocks) give a warp to each
+// row r of out (M rows of `len` elements); a row that no pair feeds (row_slot[r] < 0: expert
+// padding) gets zeros, the others are written by the pairs' warps. A bad row_slot traps.
+template <typename T>
+__device__ __forceinline__ void zero_padding_row(const int32_t* row_slot, int64_t rows,
+                                                 int64_t slots, T* out, int64_t len) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const int32_t slot = __ldg(row_slot + r);
+  if (slot < -1 || slot >= slots) __trap();
+  if (slot >= 0) return;
+  for (int64_t c = threadIdx.x & 31; c < len; c += 32) out[r * len + c] = T{};
+}
+
 // A byte copy in units U (16, 4 or 2 bytes: the widest that divides the row and both bases), in
-// one launch of two parts. CTAs [0, pad_blocks): a warp per xp row; a row that no pair feeds
-// (row_slot < 0: expert padding) gets zeros. The rest: a warp per token t copies x[t] to its k
-// rows dest[t, j] (x[t] leaves DRAM once; the later copies read it from L1).
+// one launch of two parts: zero_padding_row, then a warp per token t copies x[t] to its k rows
+// dest[t, j] (x[t] leaves DRAM once; the later copies read it from L1).
 template <typename U>
 __global__ void __launch_bounds__(Config::kThreads)
     permute_kernel(const __grid_constant__ PermuteArgs a, int64_t units_per_row, unsigned pad_blocks) {
@@ -433,15 +446,8 @@ __global__ void __launch_bounds__(Config::kThreads)
   const int warp = threadIdx.x >> 5;
   const int64_t k = a.top_k;
   U* xp = static_cast<U*>(a.xp);
-  if (blockIdx.x < pad_blocks) {
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + warp;
-    if (r >= a.rows) return;
-    const int32_t slot = __ldg(a.row_slot + r);
-    if (slot < -1 || slot >= a.tokens * k) __trap();
-    if (slot >= 0) return;  // the warp of token slot / k writes it
-    for (int64_t c = lane; c < units_per_row; c += 32) xp[r * units_per_row + c] = U{};
-    return;
-  }
+  if (blockIdx.x < pad_blocks)
+    return zero_padding_row(a.row_slot, a.rows, a.tokens * k, xp, units_per_row);
   const int64_t t = static_cast<int64_t>(blockIdx.x - pad_blocks) * Config::kWarps + warp;
   if (t >= a.tokens) return;
   const U* x_t = static_cast<const U*>(a.x) + t * units_per_row;
@@ -544,8 +550,7 @@ __global__ void __launch_bounds__(Config::kThreads)
   store_chunk<TY, kVec>(static_cast<TY*>(a.y) + pos.row * H + pos.col, acc, pos.valid);
 }
 
-// One launch, two parts. CTAs [0, pad_blocks): a warp per dyp row; a row that no pair feeds
-// (row_slot < 0: expert padding) gets zeros. The rest: a warp per pair (t, j), r = dest[t, j],
+// One launch, two parts: zero_padding_row, then a warp per pair (t, j), r = dest[t, j],
 // reads dy[t] and yp[r] once and writes dyp[r] = w[t, j] * dy[t] and dw[t, j] = R32 sum_h dy[t, h] *
 // yp[r, h]. kVec (dy, yp and dyp rows of whole 16-byte-aligned 8-element chunks): lane l takes
 // elements 8l .. 8l + 7 of each 256-element slice with wide accesses, and the products pass through
@@ -559,15 +564,7 @@ __global__ void __launch_bounds__(Config::kThreads)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   TDyp* dyp = static_cast<TDyp*>(a.dyp);
-  if (blockIdx.x < pad_blocks) {
-    const int64_t r = static_cast<int64_t>(blockIdx.x) * Config::kWarps + warp;
-    if (r >= a.rows) return;
-    const int32_t slot = __ldg(a.row_slot + r);
-    if (slot < -1 || slot >= a.tokens * k) __trap();
-    if (slot >= 0) return;  // the warp of pair `slot` writes it
-    for (int64_t h = lane; h < H; h += 32) dyp[r * H + h] = from_f32<TDyp>(0.0f);
-    return;
-  }
+  if (blockIdx.x < pad_blocks) return zero_padding_row(a.row_slot, a.rows, a.tokens * k, dyp, H);
   const int64_t pair = static_cast<int64_t>(blockIdx.x - pad_blocks) * Config::kWarps + warp;
   if (pair >= a.tokens * k) return;
   const int64_t t = pair / k;
