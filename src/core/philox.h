@@ -39,16 +39,41 @@ PACKMOE_HD Philox4 single_round(Philox4 c, uint32_t k0, uint32_t k1) {
 
 }  // namespace philox_detail
 
-// The Random123 philox4x32_10 bijection: 10 rounds, the key bumped by the Weyl constants between
-// rounds (9 bumps). Matches Random123's kat_vectors (tests/unit/test_philox.cpp).
-PACKMOE_HD Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_t key1) {
-  counter = philox_detail::single_round(counter, key0, key1);
-  for (int r = 1; r < philox_detail::kRounds; ++r) {
+// The ten round keys of a key (key0, key1): the key, then bumped by the Weyl constants once per
+// round. A kernel that draws many times from one seed computes them once (e.g. on the host, into
+// its launch arguments) instead of per draw.
+struct PhiloxKeys {
+  uint32_t k0[philox_detail::kRounds];
+  uint32_t k1[philox_detail::kRounds];
+};
+
+PACKMOE_HD PhiloxKeys philox_round_keys(uint32_t key0, uint32_t key1) {
+  PhiloxKeys k{};
+  for (int r = 0; r < philox_detail::kRounds; ++r) {
+    k.k0[r] = key0;
+    k.k1[r] = key1;
     key0 += philox_detail::kWeyl0;
     key1 += philox_detail::kWeyl1;
-    counter = philox_detail::single_round(counter, key0, key1);
   }
+  return k;
+}
+
+// The Random123 philox4x32_10 bijection: 10 rounds with the round keys above. Matches
+// Random123's kat_vectors (tests/unit/test_philox.cpp).
+PACKMOE_HD Philox4 philox4x32_10(Philox4 counter, const PhiloxKeys& keys) {
+  PACKMOE_UNROLL
+  for (int r = 0; r < philox_detail::kRounds; ++r)
+    counter = philox_detail::single_round(counter, keys.k0[r], keys.k1[r]);
   return counter;
+}
+
+PACKMOE_HD Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_t key1) {
+  return philox4x32_10(counter, philox_round_keys(key0, key1));
+}
+
+// The round keys of a 64-bit seed: key = {lo32(seed), hi32(seed)}.
+PACKMOE_HD PhiloxKeys philox_seed_keys(uint64_t seed) {
+  return philox_round_keys(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
 // THE definition of the random stream "(seed, offset)" used everywhere in packmoe (stochastic
@@ -56,10 +81,14 @@ PACKMOE_HD Philox4 philox4x32_10(Philox4 counter, uint32_t key0, uint32_t key1) 
 // with counter = {lo32(offset), hi32(offset), stream, 0} and key = {lo32(seed), hi32(seed)}.
 // A consumer that needs more bits advances offset; independent consumers sharing a seed use
 // distinct streams (e.g. the rowwise and columnwise SR copies of one gradient).
-PACKMOE_HD Philox4 philox_draw(uint64_t seed, uint64_t offset, uint32_t stream) {
+PACKMOE_HD Philox4 philox_draw(const PhiloxKeys& seed_keys, uint64_t offset, uint32_t stream) {
   const Philox4 counter{{static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
                          stream, 0u}};
-  return philox4x32_10(counter, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return philox4x32_10(counter, seed_keys);
+}
+
+PACKMOE_HD Philox4 philox_draw(uint64_t seed, uint64_t offset, uint32_t stream) {
+  return philox_draw(philox_seed_keys(seed), offset, stream);
 }
 
 }  // namespace packmoe

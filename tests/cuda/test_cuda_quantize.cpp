@@ -671,5 +671,31 @@ TEST(CudaFp8Codec, HardwareCvtEqualsSoftwareCodecOnAllFp32Inputs) {
   }
 }
 
+// The fast encoders only run where these sweeps find no mismatch (else the kernels fall back to
+// the shared codecs, and every bytewise test above still passes, only slower): so a fast encoder
+// that drifts from its definition must fail here.
+TEST(CudaNvfp4Codec, FastEncodersEqualSoftwareCodecOnAllFp32Inputs) {
+  SKIP_WITHOUT_GPU();
+  (void)gpu;
+  uint32_t first = 0;
+  const uint64_t n = cuda_count_e2m1_codec_mismatches(&first);
+  std::printf("[cuda==cpu] e2m1 rn/sr encoders + bf16 rounding self-test inputs=2^32 mismatches=%llu"
+              " first=0x%08x\n",
+              static_cast<unsigned long long>(n), first);
+  EXPECT_EQ(n, 0u) << "fast E2M1 encoder differs from the shared codec; first input 0x" << std::hex
+                   << first;
+}
+
+TEST(CudaMxfp8Scale, FastScaleCodeEqualsSoftwareOnEveryAmax) {
+  SKIP_WITHOUT_GPU();
+  (void)gpu;
+  uint32_t first = 0;
+  const uint64_t n = cuda_count_e8m0_scale_mismatches(&first);
+  std::printf("[cuda==cpu] e8m0 scale code self-test amax=0..Inf mismatches=%llu first=0x%08x\n",
+              static_cast<unsigned long long>(n), first);
+  EXPECT_EQ(n, 0u) << "fast E8M0 scale code differs from the shared one; first amax 0x" << std::hex
+                   << first;
+}
+
 }  // namespace
 }  // namespace packmoe

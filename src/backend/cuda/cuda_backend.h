@@ -151,17 +151,11 @@ bool cuda_fp8_hw_conversion_ok(CudaBackend& be, DType element);
 // stderr, if not.
 bool cuda_nvfp4_fast_codecs_ok(CudaBackend& be);
 
-// Mismatches of the E2M1 encoders and of the hardware BF16 rounding (as values) over all 2^32
-// FP32 products (RNE, and SR with two random bytes per input); first_mismatch receives the
-// smallest mismatching input bit pattern.
-uint64_t cuda_count_e2m1_codec_mismatches(uint32_t* first_mismatch = nullptr);
-
 // The branch-free E8M0 scale code and reciprocal of kernels_common.cuh agree with
 // mxfp8_scale_code / e8m0_reciprocal for every amax >= 0 (never NaN) and both FP8 elements.
 // Checked once per process; the MXFP8 kernels fall back to the shared functions (with a warning
 // line on stderr) if not.
 bool cuda_mxfp8_fast_scale_ok(CudaBackend& be);
-uint64_t cuda_count_e8m0_scale_mismatches(uint32_t* first_mismatch = nullptr);
 
 // Dense decoder ops (model_ops_sm90.cu; attention in attention_sm90.cu), the CPU reference's
 // bytes. Embedding ids and cross-entropy targets are range-checked by a kernel whose flag is read

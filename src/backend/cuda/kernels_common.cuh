@@ -13,6 +13,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "core/codecs.h"
+#include "core/philox.h"
 
 namespace packmoe::cuda {
 
@@ -283,15 +284,24 @@ __device__ __forceinline__ uint32_t e2m1_rn_fast(float y) {
 // Stochastic rounding with 8 random bits r (f32_to_e2m1_sr). With lo the grid value at or below
 // |y| and step the spacing above it, the shared codec rounds up exactly when
 // floor(256 (|y| - lo) / step) + r >= 256 (its comparison is exact), i.e. when adding r to the
-// 8 bits below the grid position carries:
-//   |y| < 2 (step 0.5): code = (floor(512 |y|) + r) >> 8, floor by the round-down adder at ulp 2^-9;
-//   |y| >= 2 (one mantissa bit): code = ((bits(|y|) + (r << 14)) >> 22) - 252, capped at 7.
+// 8 bits below the grid position carries. The round-down adder gives those bits for every binade
+// at once: with M = 2^14, 2^15, 2^16 for |y| < 2, [2, 4), >= 4 (the grid step 0.5, 1, 2 times
+// 2^15), the ulp of M is step / 256, so bits(|y| +rd M) - bits(M) = floor(256 |y| / step), which
+// is 256 lo / step for the grid values lo of codes 0..3, minus 256 times the codes' offset 0, 2, 4
+// in the higher binades (offset * 256 = (bits(M) - bits(2^14)) >> 14). Then the code is the sum
+// shifted down by 8, capped at 7 (|y| >= 6, Inf and the canonical NaN from the FMUL).
 __device__ __forceinline__ uint32_t e2m1_sr_fast(float y, uint32_t r) {
   const uint32_t b = __float_as_uint(y);
-  const uint32_t small = (__float_as_uint(__fadd_rd(fabsf(y), 16384.0f)) - 0x46800000u + r) >> 8;
-  const uint32_t big = min(((b & 0x7FFFFFFFu) + (r << 14)) >> 22, 259u) - 252u;
-  const uint32_t mag = fabsf(y) < 2.0f ? small : big;  // NaN: false -> big = 7
+  const uint32_t m = min(max((b & 0x7F800000u) + (14u << 23), 0x46800000u), 0x47800000u);
+  const uint32_t s = __float_as_uint(__fadd_rd(fabsf(y), __uint_as_float(m)));
+  const uint32_t mag = min((s - m + r + ((m - 0x46800000u) >> 14)) >> 8, 7u);
   return mag | ((b >> 28) & 8u);
+}
+
+// Random byte j (0..15) of a 16-element block's draw, as nvfp4_sr_byte (formats/nvfp4_math.h):
+// byte j % 4 of word j / 4, by one byte permute.
+__device__ __forceinline__ uint32_t sr_byte(const Philox4& draw, int j) {
+  return __byte_perm(draw.v[j >> 2], 0u, 0x4440u | static_cast<uint32_t>(j & 3));
 }
 
 // One grid-stride-free launch shape: ceil(n / per) blocks.

@@ -88,7 +88,7 @@ struct Nvfp4Args {
   bool rht;
   bool sr;
   bool col16;  // every columnwise row is 16-byte aligned (rows % 32 == 0): 16-byte code stores
-  uint64_t seed;
+  PhiloxKeys sr_keys;  // round keys of the SR seed (formats/nvfp4.h numbering)
   uint64_t offset;
   float* amax_ws;   // (2G,): input amax [0, G), post-RHT amax [G, 2G); zeroed before pass 1
   float* row_amax;  // (G,) output or null
@@ -208,7 +208,8 @@ __device__ __forceinline__ uint8_t block_scale(float block_amax, float s_enc_ove
 }
 
 // 16 codes of v[j] * r (RNE, or SR from one Philox draw) packed into 8 bytes, element 2i in the
-// low nibble of byte i. kHw: the encoders of kernels_common.cuh, else the shared codecs.
+// low nibble of byte i. kHw: the encoders of kernels_common.cuh, else the shared codecs. Every
+// code is at most 0xF (sign bit 3 over a 3-bit magnitude), so the codes are added, not masked.
 template <bool kHw>
 __device__ __forceinline__ uint2 encode16(const float v[kNvfp4Block], float r, bool sr,
                                           const Philox4& draw) {
@@ -216,16 +217,16 @@ __device__ __forceinline__ uint2 encode16(const float v[kNvfp4Block], float r, b
   if (sr) {
 #pragma unroll
     for (int j = 0; j < kNvfp4Block; ++j) {
-      const uint32_t rb = nvfp4_sr_byte(draw, j);
-      const uint32_t code = kHw ? cuda::e2m1_sr_fast(v[j] * r, rb)
-                                : nvfp4_encode_sr(v[j], r, static_cast<uint8_t>(rb));
-      w[j / 8] |= (code & 0xFu) << (4 * (j % 8));
+      const uint32_t code =
+          kHw ? cuda::e2m1_sr_fast(v[j] * r, cuda::sr_byte(draw, j))
+              : nvfp4_encode_sr(v[j], r, nvfp4_sr_byte(draw, j));
+      w[j / 8] += code << (4 * (j % 8));
     }
   } else {
 #pragma unroll
     for (int j = 0; j < kNvfp4Block; ++j) {
       const uint32_t code = kHw ? cuda::e2m1_rn_fast(v[j] * r) : nvfp4_encode(v[j], r);
-      w[j / 8] |= (code & 0xFu) << (4 * (j % 8));
+      w[j / 8] += code << (4 * (j % 8));
     }
   }
   return make_uint2(w[0], w[1]);
@@ -456,8 +457,10 @@ __global__ void __launch_bounds__(Config::kThreads)
 // (8 lanes x 8 bytes contiguous per row); in 2D it forms the 16x16 tile scale by shuffles and
 // stages its codes for the transpose. (2) column phase (1D): warp w's lanes own 32 consecutive
 // columns of row block w (conflict-free column reads), RHT / amax / SR in registers, codes staged.
-// (3) after a barrier the transposed copy leaves in 64-byte runs per column.
-template <typename In, bool kVec, bool kHw>
+// (3) after a barrier the transposed copy leaves in 64-byte runs per column. kTwoD (16x16 weight
+// tiles) and 1D are separate instantiations, so neither's register allocation constrains the
+// other's (the 1D one keeps a few loop invariants on the stack, reloaded once per tile).
+template <typename In, bool kVec, bool kHw, bool kTwoD>
 __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     nvfp4_quantize_kernel(const __grid_constant__ Nvfp4Args a) {
   using G = Geo<In>;
@@ -522,7 +525,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         for (int e = 0; e < G::kPerChunk; ++e)
           v[h * G::kPerChunk + e] = cuda::chunk_elem<In>(raw[h], e);
     };
-    if (a.two_d) {
+    if constexpr (kTwoD) {
       const float s_enc6 = nvfp4_encode_scale(row_amax) * kOneSixth;
       const float s_dec = nvfp4_decode_scale(row_amax);
       // 16x16 tile amax: the thread's kRowIters blocks, then the lanes of the other rows.
@@ -572,7 +575,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         Philox4 draw{};
         if (a.sr)
           draw = philox_draw(
-              a.seed,
+              a.sr_keys,
               a.offset + grp.block_base + static_cast<uint64_t>(row * (K / kNvfp4Block) + kbg),
               kRowStream);
         float v[kNvfp4Block];
@@ -585,7 +588,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     if (!a.columnwise) continue;  // uniform; B1 of the next tile orders the stage's reuse
 
     // ---- (2) column phase (1D columnwise): codes and scales to the staging area ----
-    if (!a.two_d) {
+    if constexpr (!kTwoD) {
       const float s_enc6 = nvfp4_encode_scale(col_amax) * kOneSixth;
       const float s_dec = nvfp4_decode_scale(col_amax);
       const int rb = warp;
@@ -597,12 +600,19 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         uint2 code = make_uint2(0, 0);
         uint8_t s_b = 0;
         if (cg < K && rbg * kNvfp4Block < rows) {
+          // The draw first: its 4 words, not its temporaries, are live beside the 16 values.
+          Philox4 draw{};
+          if (a.sr)
+            draw = philox_draw(
+                a.sr_keys,
+                a.offset + grp.block_base + static_cast<uint64_t>(cg * (rows / kNvfp4Block) + rbg),
+                kColStream);
           float x[kNvfp4Block], v[kNvfp4Block];
 #pragma unroll
           for (int r = 0; r < kNvfp4Block; ++r)
             x[r] = tile_elem<In>(stage, rb * kNvfp4Block + r, c);
           if (a.rht) {
-            rht16_fast<false, kHw>(x, v);  // (skipping the BF16 input rounding here costs spills)
+            rht16_fast<sizeof(In) == 2, kHw>(x, v);
           } else {
 #pragma unroll
             for (int r = 0; r < kNvfp4Block; ++r) v[r] = x[r];
@@ -612,12 +622,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
           for (int r = 0; r < kNvfp4Block; ++r) am = cuda::amax_fast(am, v[r]);
           s_b = block_scale<kHw>(am, s_enc6);
           const float rc = nvfp4_block_rcp(s_b, s_dec);
-          Philox4 draw{};
-          if (a.sr)
-            draw = philox_draw(
-                a.seed,
-                a.offset + grp.block_base + static_cast<uint64_t>(cg * (rows / kNvfp4Block) + rbg),
-                kColStream);
           code = encode16<kHw>(v, rc, a.sr, draw);
         }
         *reinterpret_cast<uint2*>(staging + c * G::kColPitch + rb * 8) = code;
@@ -627,7 +631,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     __syncthreads();  // B2: staging complete
 
     // ---- (3) the transposed copy ----
-    if (a.two_d) {
+    if constexpr (kTwoD) {
       // Thread (8-column group cg, row block rb, half h): an 8x8 nibble transpose of its 8 rows
       // gives 4 bytes of each of its 8 columns; 16 lanes write a column's 64 bytes.
       const int h = threadIdx.x & 1;
@@ -699,7 +703,8 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
       static_cast<size_t>(Config::kStages) * Config::kStageBytes + Config::kStagingBytes;
   auto* amax_plain = &nvfp4_amax_kernel<In, kVec, false, false>;
   auto* amax_rht = &nvfp4_amax_kernel<In, kVec, true, kHw>;
-  auto* quant = &nvfp4_quantize_kernel<In, kVec, kHw>;
+  auto* quant_1d = &nvfp4_quantize_kernel<In, kVec, kHw, false>;
+  auto* quant_2d = &nvfp4_quantize_kernel<In, kVec, kHw, true>;
   // Per instantiation, once: persistent grids of as many CTAs as fit on the device at once.
   auto per_sm = [](auto* kernel, size_t smem) {
     if (smem > 48 * 1024)
@@ -713,7 +718,8 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
   };
   static const int plain_per_sm = per_sm(amax_plain, 0);
   static const int rht_per_sm = per_sm(amax_rht, 0);
-  static const int quant_per_sm = per_sm(quant, kSmem);
+  static const int quant_1d_per_sm = per_sm(quant_1d, kSmem);
+  static const int quant_2d_per_sm = per_sm(quant_2d, kSmem);
   const uint64_t tiles = a.groups.total_tiles;
   if (tiles == 0) return;
   const uint64_t sms = static_cast<uint64_t>(be.sm_count());
@@ -726,8 +732,12 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
     PACKMOE_CUDA_CHECK_LAUNCH();
   }
   if (!quantize_pass) return;
-  const uint64_t g2 = std::min<uint64_t>(tiles, quant_per_sm * sms);
-  quant<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
+  const uint64_t g2 =
+      std::min<uint64_t>(tiles, (a.two_d ? quant_2d_per_sm : quant_1d_per_sm) * sms);
+  if (a.two_d)
+    quant_2d<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
+  else
+    quant_1d<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -758,7 +768,7 @@ Nvfp4Args make_args(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Confi
   a.two_d = cfg.two_d;
   a.rht = cfg.rht && cfg.columnwise;
   a.sr = cfg.stochastic_rounding;
-  a.seed = cfg.seed;
+  a.sr_keys = philox_seed_keys(cfg.seed);
   a.offset = cfg.offset;
   a.row_amax = static_cast<float*>(out.row_amax);
   a.col_amax = static_cast<float*>(out.col_amax);
