@@ -22,10 +22,16 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   out.rowwise.format = out.columnwise.format = format;
 
   if (format == OperandFormat::kBF16) {
-    // A private copy, so the caller may reuse `a` before backward.
-    const DeviceBuffer& copy = out.col_memory.emplace_back(b, a.nbytes());
-    if (a.nbytes()) b.copy(copy.get(), a.data(), a.nbytes(), Backend::CopyKind::kDeviceToDevice);
-    out.columnwise.data = to_const(carve_rows(copy.get(), m, c * 2));
+    // The caller's tensor, kept alive until the wgrad (GroupedLinear::forward's contract: not
+    // written before then); a view of memory someone else owns gets a private copy.
+    void* data = a.data();
+    if (a.owns_memory()) {
+      out.shared = a;
+    } else {
+      data = out.col_memory.emplace_back(b, a.nbytes()).get();
+      if (a.nbytes()) b.copy(data, a.data(), a.nbytes(), Backend::CopyKind::kDeviceToDevice);
+    }
+    out.columnwise.data = to_const(carve_rows(data, m, c * 2));
     out.rowwise = out.columnwise;
     return out;
   }

@@ -37,13 +37,15 @@ struct GroupedLinearConfig {
   DType out_dtype = DType::kBF16;   // y and dx: kBF16 or kF32
 };
 
-// The copies of one activation (M, C), rows grouped by expert, that the GEMMs read. BF16: one
-// copy of the activation serves both operands.
+// The copies of one activation (M, C), rows grouped by expert, that the GEMMs read. BF16: the
+// activation itself serves both operands: the caller's tensor when it owns its memory (kept
+// alive here, not copied), else a private copy.
 struct ActivationCopies {
   GemmOperand rowwise;     // fprop X / dgrad dY (blocks along C)
   GemmOperand columnwise;  // wgrad X / dY (blocks along the tokens)
   std::vector<DeviceBuffer> row_memory;  // what only `rowwise` reads
   std::vector<DeviceBuffer> col_memory;  // what `columnwise` reads
+  Tensor shared;                         // BF16: the caller's activation, read in place
 
   // After fprop / dgrad: only the wgrad copy is kept (as TE does).
   void release_rowwise();
@@ -70,9 +72,12 @@ class GroupedLinear {
   // token counts, each a multiple of token_alignment(recipe), summing to M. Returns y (M, N) in
   // out_dtype. Allowed from kIdle and kForwardDone (a forward never followed by backward, e.g. an
   // eval step, is dropped); with a wgrad pending it would be lost: PACKMOE_CHECK error.
+  // BF16 recipe: an x that owns its memory is saved for the wgrad by reference, not copied, so
+  // the caller must not write into it until the wgrad has run (backward, or backward_dw).
   Tensor forward(const Tensor& x, const std::vector<int64_t>& m);
   // dy: (M, N) BF16. Returns dx (M, K) in out_dtype. Runs dgrad, and wgrad now (-> kIdle) or
-  // queued (-> kWgradPending) per delay_wgrad. Only from kForwardDone.
+  // queued (-> kWgradPending) per delay_wgrad. Only from kForwardDone. A queued BF16 wgrad holds
+  // dy by reference like x.
   Tensor backward(const Tensor& dy, GradAccum accum);
   // Runs the queued wgrad (-> kIdle). Only from kWgradPending: a second call is a doubled wgrad.
   void backward_dw();
