@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -46,14 +47,21 @@ Tensor random_init(Backend& b) {
   return init;
 }
 
-// main_grad of one forward / backward on x = x_bits, dy = dy_bits, nothing overwritten.
-std::vector<uint8_t> reference_grad(Backend& b, bool delay, const std::vector<uint16_t>& x_bits,
-                                    const std::vector<uint16_t>& dy_bits) {
+// main_grad after one forward on x and one backward on dy (the wgrad direct or delayed). The
+// handle to x passed in is dropped right after forward, as a caller's temporary would be;
+// `meanwhile` runs between forward and backward, and again before a delayed wgrad.
+std::vector<uint8_t> wgrad_of(Backend& b, bool delay, Tensor x, const std::vector<uint16_t>& dy_bits,
+                              const std::function<void()>& meanwhile) {
   GroupedLinear layer(b, bf16_config(delay), random_init(b));
   layer.param().create_master();
-  layer.forward(owning_bf16(b, x_bits, 96, kK), kM);
+  layer.forward(x, kM);
+  x = Tensor{};
+  meanwhile();
   layer.backward(owning_bf16(b, dy_bits, 96, kN), GradAccum::kOverwrite);
-  if (delay) layer.backward_dw();
+  if (delay) {
+    meanwhile();
+    layer.backward_dw();
+  }
   return layer.param().main_grad().download();
 }
 
@@ -65,15 +73,11 @@ TEST_P(SavedInput, ViewInputIsCopiedSoTheOwnersLaterWritesDoNotReachTheWgrad) {
   std::mt19937 rng(11);
   const std::vector<uint16_t> x_bits = random_bf16_bits(rng, 96 * kK);
   const std::vector<uint16_t> dy_bits = random_bf16_bits(rng, 96 * kN);
-
-  GroupedLinear layer(b, bf16_config(delay), random_init(b));
-  layer.param().create_master();
   std::vector<uint16_t> owner = x_bits;  // memory the layer does not own
-  layer.forward(Tensor::view(owner.data(), DType::kBF16, {96, kK}, Device::kCPU), kM);
-  owner = random_bf16_bits(rng, 96 * kK);  // the owner reuses its buffer before backward
-  layer.backward(owning_bf16(b, dy_bits, 96, kN), GradAccum::kOverwrite);
-  if (delay) layer.backward_dw();
-  EXPECT_TRUE(layer.param().main_grad().download() == reference_grad(b, delay, x_bits, dy_bits));
+  const Tensor view = Tensor::view(owner.data(), DType::kBF16, {96, kK}, Device::kCPU);
+  // The owner reuses its buffer before backward.
+  const auto got = wgrad_of(b, delay, view, dy_bits, [&] { owner = random_bf16_bits(rng, 96 * kK); });
+  EXPECT_TRUE(got == wgrad_of(b, delay, owning_bf16(b, x_bits, 96, kK), dy_bits, [] {}));
 }
 
 TEST_P(SavedInput, OwningInputOutlivesTheCallersHandle) {
@@ -82,20 +86,13 @@ TEST_P(SavedInput, OwningInputOutlivesTheCallersHandle) {
   std::mt19937 rng(12);
   const std::vector<uint16_t> x_bits = random_bf16_bits(rng, 96 * kK);
   const std::vector<uint16_t> dy_bits = random_bf16_bits(rng, 96 * kN);
-
-  GroupedLinear layer(b, bf16_config(delay), random_init(b));
-  layer.param().create_master();
-  layer.forward(owning_bf16(b, x_bits, 96, kK), kM);  // the caller's handle ends here
-  // New allocations of the same size, filled with other values: had the layer not kept x alive,
-  // they could take its memory.
+  // New allocations of x's size, filled with other values: had the layer not kept x alive, they
+  // could take its memory.
   std::vector<Tensor> others;
-  for (int i = 0; i < 4; ++i) others.push_back(owning_bf16(b, random_bf16_bits(rng, 96 * kK), 96, kK));
-  layer.backward(owning_bf16(b, dy_bits, 96, kN), GradAccum::kOverwrite);
-  if (delay) {
-    for (int i = 0; i < 4; ++i) others.push_back(owning_bf16(b, random_bf16_bits(rng, 96 * kN), 96, kN));
-    layer.backward_dw();
-  }
-  EXPECT_TRUE(layer.param().main_grad().download() == reference_grad(b, delay, x_bits, dy_bits));
+  const auto got = wgrad_of(b, delay, owning_bf16(b, x_bits, 96, kK), dy_bits, [&] {
+    for (int i = 0; i < 4; ++i) others.push_back(owning_bf16(b, random_bf16_bits(rng, 96 * kK), 96, kK));
+  });
+  EXPECT_TRUE(got == wgrad_of(b, delay, owning_bf16(b, x_bits, 96, kK), dy_bits, [] {}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Wgrad, SavedInput, testing::Values(false, true),
