@@ -65,14 +65,17 @@ std::vector<uint8_t> wgrad_of(Backend& b, bool delay, Tensor x, const std::vecto
   return layer.param().main_grad().download();
 }
 
-class SavedInput : public testing::TestWithParam<bool> {};
-
-TEST_P(SavedInput, ViewInputIsCopiedSoTheOwnersLaterWritesDoNotReachTheWgrad) {
-  const bool delay = GetParam();
+// Param: the wgrad is delayed (backward_dw) or direct.
+class SavedInput : public testing::TestWithParam<bool> {
+ protected:
   Backend& b = cpu_backend();
-  std::mt19937 rng(11);
+  std::mt19937 rng{11};
   const std::vector<uint16_t> x_bits = random_bf16_bits(rng, 96 * kK);
   const std::vector<uint16_t> dy_bits = random_bf16_bits(rng, 96 * kN);
+  const bool delay = GetParam();
+};
+
+TEST_P(SavedInput, ViewInputIsCopiedSoTheOwnersLaterWritesDoNotReachTheWgrad) {
   std::vector<uint16_t> owner = x_bits;  // memory the layer does not own
   const Tensor view = Tensor::view(owner.data(), DType::kBF16, {96, kK}, Device::kCPU);
   // The owner reuses its buffer before backward.
@@ -81,11 +84,6 @@ TEST_P(SavedInput, ViewInputIsCopiedSoTheOwnersLaterWritesDoNotReachTheWgrad) {
 }
 
 TEST_P(SavedInput, OwningInputOutlivesTheCallersHandle) {
-  const bool delay = GetParam();
-  Backend& b = cpu_backend();
-  std::mt19937 rng(12);
-  const std::vector<uint16_t> x_bits = random_bf16_bits(rng, 96 * kK);
-  const std::vector<uint16_t> dy_bits = random_bf16_bits(rng, 96 * kN);
   // New allocations of x's size, filled with other values: had the layer not kept x alive, they
   // could take its memory.
   std::vector<Tensor> others;
