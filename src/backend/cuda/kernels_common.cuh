@@ -285,11 +285,11 @@ __device__ __forceinline__ uint32_t e2m1_rn_fast(float y) {
 // |y| and step the spacing above it, the shared codec rounds up exactly when
 // floor(256 (|y| - lo) / step) + r >= 256 (its comparison is exact), i.e. when adding r to the
 // 8 bits below the grid position carries. The round-down adder gives those bits for every binade
-// at once: with M = 2^14, 2^15, 2^16 for |y| < 2, [2, 4), >= 4 (the grid step 0.5, 1, 2 times
-// 2^15), the ulp of M is step / 256, so bits(|y| +rd M) - bits(M) = floor(256 |y| / step), which
-// is 256 lo / step for the grid values lo of codes 0..3, minus 256 times the codes' offset 0, 2, 4
-// in the higher binades (offset * 256 = (bits(M) - bits(2^14)) >> 14). Then the code is the sum
-// shifted down by 8, capped at 7 (|y| >= 6, Inf and the canonical NaN from the FMUL).
+// at once: with M = 2^14, 2^15, 2^16 for |y| < 2, [2, 4), >= 4 (the grid step times 2^15), the
+// ulp of M is step / 256, so P = bits(|y| +rd M) - bits(M) = floor(256 |y| / step). The grid
+// value of code c is c * step below 2, (c - 2) * step in [2, 4) and (c - 4) * step from 4 on, so
+// the code is ((P + r) >> 8) + off with off = 0, 2, 4, and 256 off = (bits(M) - bits(2^14)) >> 14
+// (added before the shift). Capped at 7: |y| >= 6, Inf and the canonical NaN from the FMUL.
 __device__ __forceinline__ uint32_t e2m1_sr_fast(float y, uint32_t r) {
   const uint32_t b = __float_as_uint(y);
   const uint32_t m = min(max((b & 0x7F800000u) + (14u << 23), 0x46800000u), 0x47800000u);
