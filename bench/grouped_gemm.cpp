@@ -367,9 +367,9 @@ class ShapeCase {
     a.m_device = m_dev_;
     a.groups = s_.E;
     a.m_capacity = s_.M();
-    auto packed = [](GemmOperand& o) {
-      o.data.resize(1);
-      if (!o.scale.empty()) o.scale.resize(1);
+    auto packed = [](GemmOperand& o) {  // group 0's pointers start the packed buffers
+      o.data = {o.data.at(0)};
+      if (!o.scale.empty()) o.scale = {o.scale.at(0)};
     };
     packed(a.lhs);
     if (a.op == GemmOp::kWgrad)

@@ -36,6 +36,9 @@ Status check_operand(const GemmOperand& o, const char* name, size_t groups, cons
     return Status::error(ctx + name + ": MXFP8 elements must be e4m3 or e5m2");
   if (o.format == OperandFormat::kNvfp4 && o.decode_scale == nullptr)
     return Status::error(ctx + name + ": NVFP4 operands need per-group decode scales");
+  if (!o.bf16.empty() && o.bf16.size() != groups)
+    return Status::error(ctx + name + " has " + std::to_string(o.bf16.size()) +
+                         " bf16 pointers for " + std::to_string(groups) + " groups");
   return Status::ok();
 }
 
@@ -109,6 +112,8 @@ Status validate_packed_tokens(const GroupedGemmArgs& a) {
                          std::to_string(got));
   };
   const bool wgrad = a.op == GemmOp::kWgrad;
+  if (!a.lhs.bf16.empty() || !a.rhs.bf16.empty())
+    return Status::error(ctx + "BF16 values of a copy are taken with host token counts only");
   PACKMOE_RETURN_IF_ERROR(count(a.lhs.data.size(), true, "lhs"));
   PACKMOE_RETURN_IF_ERROR(count(a.rhs.data.size(), wgrad, "rhs"));
   if (a.lhs.format != OperandFormat::kBF16)
@@ -178,6 +183,10 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t
                          std::to_string(m.size()) + " groups");
   PACKMOE_RETURN_IF_ERROR(check_operand(a.lhs, "lhs", m.size(), ctx));
   PACKMOE_RETURN_IF_ERROR(check_operand(a.rhs, "rhs", m.size(), ctx));
+  if (!a.rhs.bf16.empty() ||
+      (!a.lhs.bf16.empty() && (a.lhs.format != OperandFormat::kNvfp4 || a.op == GemmOp::kWgrad)))
+    return Status::error(ctx + "BF16 values of a copy are taken only for the NVFP4 lhs of fprop "
+                               "or dgrad");
 
   const OperandFormat f = a.lhs.format;
   const int64_t block = f == OperandFormat::kMxfp8 ? 32 : f == OperandFormat::kNvfp4 ? 16 : 1;
@@ -200,6 +209,8 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t
     if (m[g] > 0 && f != OperandFormat::kBF16 &&
         (a.lhs.scale[g] == nullptr || a.rhs.scale[g] == nullptr))
       return Status::error(ctx + "group " + std::to_string(g) + " has a null scale pointer");
+    if (m[g] > 0 && !a.lhs.bf16.empty() && a.lhs.bf16[g] == nullptr)
+      return Status::error(ctx + "group " + std::to_string(g) + " has a null bf16 pointer");
   }
   return Status::ok();
 }

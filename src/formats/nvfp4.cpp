@@ -83,9 +83,10 @@ void encode_block(const float* xb, uint8_t s_b, float s_dec, const SrStream& sr,
 }
 
 // 1x16 blocks along the rows of x (rows, cols) with per-tensor amax: data (rows, cols/2),
-// scale (rows, cols/16). Block (r, kb) has global number base + r*(cols/16) + kb.
+// scale (rows, cols/16), and when bf16 is given the values without S_dec (rows, cols) BF16.
+// Block (r, kb) has global number base + r*(cols/16) + kb.
 void quantize_rows(const float* x, int64_t rows, int64_t cols, float amax, const SrStream& sr,
-                   uint64_t base, uint8_t* data, uint8_t* scale) {
+                   uint64_t base, uint8_t* data, uint8_t* scale, uint16_t* bf16) {
   const float s_enc = nvfp4_encode_scale(amax);
   const float s_dec = nvfp4_decode_scale(amax);
   const int64_t kblocks = cols / kB;
@@ -100,6 +101,9 @@ void quantize_rows(const float* x, int64_t rows, int64_t cols, float amax, const
       encode_block(xb, s_b, s_dec, sr, base + static_cast<uint64_t>(r * kblocks + kb), codes);
       scale[r * kblocks + kb] = s_b;
       pack16(codes, data + r * (cols / 2) + kb * (kB / 2));
+      if (bf16)
+        for (int j = 0; j < kB; ++j)
+          bf16[r * cols + kb * kB + j] = f32_to_bf16(nvfp4_decode(codes[j], s_b, 1.0f));
     }
   }
 }
@@ -189,6 +193,13 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
       validate_copy_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
   if (!(cfg.amax && cfg.columnwise && out.col_amax == nullptr))
     PACKMOE_RETURN_IF_ERROR(check_amax(what, "col_amax", cfg.columnwise, out.col_amax));
+  if (!out.row_bf16.empty() && cfg.two_d)
+    return error(what, "row_bf16 is for 1x16 rowwise copies, not 2D 16x16 tiles");
+  PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(what, "row_bf16",
+                                                 cfg.rowwise && !out.row_bf16.empty(),
+                                                 out.row_bf16, in.rows));
+  if (!out.row_bf16.empty() && !cfg.rowwise)
+    return error(what, "row_bf16 is given but the rowwise copy is not requested");
   return Status::ok();
 }
 
@@ -249,7 +260,8 @@ Status quantize_nvfp4_cpu(const GroupedMatrices& in, const Nvfp4Config& cfg,
     } else {
       if (cfg.rowwise) {
         const SrStream sr{cfg.stochastic_rounding, cfg.seed, cfg.offset, kRowStream};
-        quantize_rows(x, rows, k, amax, sr, base, row_data, row_scale);
+        uint16_t* bf16 = out.row_bf16.empty() ? nullptr : static_cast<uint16_t*>(out.row_bf16[g]);
+        quantize_rows(x, rows, k, amax, sr, base, row_data, row_scale, bf16);
       }
       if (cfg.columnwise) {
         t.resize(rows * k);
@@ -259,7 +271,7 @@ Status quantize_nvfp4_cpu(const GroupedMatrices& in, const Nvfp4Config& cfg,
         const float c_amax = cfg.rht ? amax_of(t.data(), rows * k) : amax;
         if (col_amax) col_amax[g] = c_amax;
         const SrStream sr{cfg.stochastic_rounding, cfg.seed, cfg.offset, kColStream};
-        quantize_rows(t.data(), k, rows, c_amax, sr, base, col_data, col_scale);
+        quantize_rows(t.data(), k, rows, c_amax, sr, base, col_data, col_scale, nullptr);
       }
     }
     base += static_cast<uint64_t>(rows * (k / kB));

@@ -53,6 +53,10 @@ struct Nvfp4Outputs {
   std::vector<void*> col_data;   // (K, rows_g/2) bytes
   std::vector<void*> col_scale;  // (K, rows_g/16) E4M3
   void* col_amax = nullptr;      // (G,) F32 amax of the columnwise input (after RHT when on)
+  // Optional, 1x16 rowwise copies only: (rows_g, K) BF16, the rowwise copy's values without the
+  // per-tensor scale, f32_to_bf16(nvfp4_decode(code, s_b, 1)): exactly what a GEMM dequantizes
+  // the copy to (it applies S_dec as alpha), so a GEMM that is given them reads them instead.
+  std::vector<void*> row_bf16;
 };
 
 // One copy for dequantization. A columnwise copy dequantizes to its stored (K, rows_g) layout,

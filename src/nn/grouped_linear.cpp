@@ -77,9 +77,14 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
     b.fill_zero(col_decode, scalar_bytes);
     return out;
   }
+  // The rowwise copy's BF16 values, written by the quantizer while it has them, so the fprop /
+  // dgrad GEMM right after reads them instead of dequantizing (the same values).
+  void* row_bf16 = out.row_memory.emplace_back(b, rows * c * 2).get();  // (M, C) BF16
   Nvfp4Outputs o;
   o.row_data = rd;
   o.row_scale = rs;
+  o.row_bf16 = carve_rows(row_bf16, m, c * 2);
+  out.rowwise.bf16 = to_const(o.row_bf16);
   o.row_amax = row_amax;
   o.col_data = cd;
   o.col_scale = cs;

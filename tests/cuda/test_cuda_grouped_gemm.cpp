@@ -128,6 +128,7 @@ struct HostOperand {
   int64_t lcols = 0;
   std::vector<std::vector<uint8_t>> data, scale;
   std::vector<float> s_dec;  // NVFP4 per-group decode scale
+  std::vector<std::vector<uint8_t>> bf16;  // given BF16 values (GemmOperand::bf16), or none
 
   // Logical (lrows, lcols) row-major values in double; NVFP4 without S_dec (it is alpha).
   std::vector<double> decode(size_t g) const {
@@ -348,7 +349,7 @@ const char* op_name_of(GemmOp op) {
 
 // Device copies of one operand in a placement.
 struct DevOperand {
-  std::unique_ptr<Regions> data, scale;
+  std::unique_ptr<Regions> data, scale, bf16;
   std::unique_ptr<DeviceBuffer> s_dec;
   GemmOperand view;
 };
@@ -399,6 +400,15 @@ DevOperand upload_operand(Backend& gpu, const HostOperand& h, Placement pl, size
     d.scale->upload();
     d.view.scale = d.scale->cptrs();
     if (packed_tokens) d.view.scale.resize(1);
+  }
+  if (!h.bf16.empty()) {
+    std::vector<size_t> bb;
+    for (size_t g = 0; g < G; ++g) bb.push_back(static_cast<size_t>(h.lrows[g] * h.lcols) * 2);
+    d.bf16 = std::make_unique<Regions>(gpu, bb, pl);
+    for (size_t g = 0; g < G; ++g)
+      if (bb[g]) std::memcpy(d.bf16->host(g), h.bf16[g].data(), bb[g]);
+    d.bf16->upload();
+    d.view.bf16 = d.bf16->cptrs();
   }
   if (h.format == OperandFormat::kNvfp4) {
     d.s_dec = std::make_unique<DeviceBuffer>(gpu, G * sizeof(float));
@@ -749,6 +759,67 @@ TEST(CudaGroupedGemm, Nvfp4RhtSrWgrad) {
   Recipe rc{OperandFormat::kNvfp4};
   rc.rht = rc.sr = true;
   run_recipe(*gpu, rc, kAllOps, 600);
+}
+
+// An NVFP4 fprop / dgrad lhs given with its BF16 values (GemmOperand::bf16, what the quantizer
+// writes beside the rowwise copy) reads them instead of dequantizing: the same output bytes as
+// without, on both implementations, with aligned and misaligned (staged) BF16 pointers. The BF16
+// values here come from the operand's own decode (e2m1 * e4m3, exact in BF16), not from the
+// quantizer.
+TEST(CudaGroupedGemm, Nvfp4GivenBf16ValuesGiveTheSameBytes) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 1900;
+  size_t cases = 0, bytes = 0;
+  for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad})
+    for (const Shape& sh : shapes(16)) {
+      std::mt19937_64 rng(seed++);
+      const size_t G = sh.m.size();
+      const Logical lhs_l = make_logical(sh.m, op == GemmOp::kFprop ? sh.k : sh.n, -1, rng);
+      const Logical rhs_l = make_logical(std::vector<int64_t>(G, sh.n), sh.k, -1, rng);
+      const Role role = op == GemmOp::kFprop ? Role::kActivation : Role::kGradient;
+      const HostOperand lhs = make_operand(lhs_l, Recipe{OperandFormat::kNvfp4}, role, false, seed);
+      const HostOperand rhs = make_operand(rhs_l, Recipe{OperandFormat::kNvfp4}, Role::kWeight,
+                                           op != GemmOp::kFprop, seed + 1);
+      HostOperand lhs_bf16 = lhs;
+      for (size_t g = 0; g < G; ++g) {
+        const std::vector<double> v = lhs.decode(g);
+        std::vector<uint8_t>& b = lhs_bf16.bf16.emplace_back(v.size() * 2);
+        for (size_t i = 0; i < v.size(); ++i) {
+          const uint16_t h = f32_to_bf16(static_cast<float>(v[i]));
+          ASSERT_EQ(static_cast<double>(bf16_to_f32(h)), v[i]) << "an NVFP4 value is not exact in BF16";
+          std::memcpy(b.data() + 2 * i, &h, 2);
+        }
+      }
+      Case c;
+      c.op = op;
+      c.recipe = Recipe{OperandFormat::kNvfp4};
+      c.out = DType::kBF16;
+      c.m = sh.m;
+      c.n = sh.n;
+      c.k = sh.k;
+      std::vector<std::vector<uint8_t>> init(G);
+      for (size_t g = 0; g < G; ++g)
+        init[g].assign(static_cast<size_t>(sh.m[g] * (op == GemmOp::kFprop ? sh.n : sh.k)) * 2, kUnset);
+      for (const char* impl : {"sm90", "cublas"})
+        for (Placement pl : {Placement::kPacked, Placement::kMisaligned}) {
+          SCOPED_TRACE(std::string(op_name_of(op)) + " " + impl + " m[0]=" + std::to_string(sh.m[0]) +
+                       " N=" + std::to_string(sh.n) + " K=" + std::to_string(sh.k));
+          setenv("PACKMOE_GEMM_IMPL", impl, 1);
+          const RunOut a = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
+          const RunOut b = run_gpu(*gpu, c, lhs_bf16, rhs, init, pl, false);
+          unsetenv("PACKMOE_GEMM_IMPL");
+          ASSERT_TRUE(a.status.is_ok()) << a.status.message();
+          ASSERT_TRUE(b.status.is_ok()) << b.status.message();
+          EXPECT_EQ(b.gap_changes, 0u);
+          for (size_t g = 0; g < G; ++g) {
+            EXPECT_TRUE(a.regions[g] == b.regions[g]) << "group " << g << " differs";
+            bytes += b.regions[g].size();
+          }
+          ++cases;
+        }
+    }
+  std::printf("[gemm cuda] nvfp4 lhs with given bf16 == dequantized: cases=%zu bytes=%zu\n", cases,
+              bytes);
 }
 
 // wgrad into an FP32 main_grad: accumulate adds, groups without tokens keep their old values.

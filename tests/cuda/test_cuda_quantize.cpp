@@ -528,11 +528,14 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
     Mirror in(*gpu, sizes(L.rows, K * in_elt), L.pl, in_elt);
     write_input(in, cs.input, L.rows, K, (t % 2) ? vr_col : vr_row, variant, rng);
     const size_t sh = 1;
-    std::unique_ptr<Mirror> rd, rs, ra, cd, csc, ca;
+    std::unique_ptr<Mirror> rd, rs, ra, cd, csc, ca, rb;
     if (cs.rowwise) {
       rd = std::make_unique<Mirror>(*gpu, sizes(L.rows, K / 2.0), L.pl, sh);
       rs = std::make_unique<Mirror>(*gpu, sizes(L.rows, K / 16.0), L.pl, sh);
       ra = std::make_unique<Mirror>(*gpu, std::vector<size_t>{G * 4}, Placement::kPacked, 0);
+      // Every other tensor also asks for the rowwise copy's BF16 values (1x16 blocks only).
+      if (!cs.two_d && t % 2 == 0)
+        rb = std::make_unique<Mirror>(*gpu, sizes(L.rows, K * 2.0), L.pl, 2);
     }
     if (cs.columnwise) {
       cd = std::make_unique<Mirror>(*gpu, sizes(L.rows, K / 2.0), L.pl, sh);
@@ -552,6 +555,7 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
       oh.col_scale = csc->host_ptrs(), od.col_scale = csc->dev_ptrs();
       oh.col_amax = ca->host(0), od.col_amax = ca->dev(0);
     }
+    if (rb) oh.row_bf16 = rb->host_ptrs(), od.row_bf16 = rb->dev_ptrs();
     const Status sc = cpu.quantize_nvfp4(gin_h, cfg, oh);
     ASSERT_TRUE(sc.is_ok()) << sc.message();
     const Status sg = gpu->quantize_nvfp4(gin_d, cfg, od);
@@ -559,6 +563,7 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
     ++q.tensors;
     if (rd) rd->compare("row_data", q), rs->compare("row_scale", q), ra->compare("row_amax", q);
     if (cd) cd->compare("col_data", q), csc->compare("col_scale", q), ca->compare("col_amax", q);
+    if (rb) rb->compare("row_bf16", q);
 
     // Dequantize: the rowwise copy in one call over all groups; the transposed columnwise copy
     // per group (its stored row length rows_g differs between groups).

@@ -137,7 +137,7 @@ TEST(Nvfp4GivenAmax, RowPiecesWithTheWholeAmaxMatchTheWholeGroup) {
     float echo = 0;
     Nvfp4Config given = cfg;
     given.amax = &amax;
-    Nvfp4Outputs out2{{data2.data()}, {scale2.data()}, &echo, {}, {}, nullptr};
+    Nvfp4Outputs out2{{data2.data()}, {scale2.data()}, &echo, {}, {}, nullptr, {}};
     ASSERT_TRUE(quantize_nvfp4_cpu(whole, given, out2).is_ok());
     EXPECT_EQ(data, data2);
     EXPECT_EQ(scale, scale2);
@@ -208,7 +208,7 @@ TEST(Weight2dColumnwise, EqualsTheQuantizersColumnwiseCopy) {
       cfg.two_d = true;
       std::vector<float> ra(3), ca(3);
       Nvfp4Outputs out{groups(rd, n * k / 2), groups(rs, n * k / 16), ra.data(),
-                       groups(cd, n * k / 2), groups(cs, n * k / 16), ca.data()};
+                       groups(cd, n * k / 2), groups(cs, n * k / 16), ca.data(), {}};
       ASSERT_TRUE(quantize_nvfp4_cpu(in, cfg, out).is_ok());
     }
     Weight2dCopies w;

@@ -195,7 +195,7 @@ ActCopies quantize_here(const QuantRecipe& q, TensorRole role, std::vector<uint1
   }
   float* amax = reinterpret_cast<float*>(buffer(2 * m.size() * sizeof(float)));
   float* decode = reinterpret_cast<float*>(buffer(2 * m.size() * sizeof(float)));
-  Nvfp4Outputs no{mo.row_data, mo.row_scale, amax, mo.col_data, mo.col_scale, amax + m.size()};
+  Nvfp4Outputs no{mo.row_data, mo.row_scale, amax, mo.col_data, mo.col_scale, amax + m.size(), {}};
   EXPECT_TRUE(b.quantize_nvfp4(in, nvfp4_config(q, role, sr_offset), no).is_ok());
   for (size_t i = 0; i < 2 * m.size(); ++i) decode[i] = nvfp4_decode_scale(amax[i]);
   out.row.decode_scale = decode;

@@ -967,6 +967,46 @@ TEST(Nvfp4Quantize, PackedEqualsDiscrete) {
 // ---- validation
 // ----------------------------------------------------------------------------------
 
+// row_bf16: the rowwise copy's values without S_dec, as BF16, exactly what dequantizing the copy
+// with decode scale 1 gives (the GEMM's operand); every byte written; the codes themselves
+// unchanged by asking for them. RN and SR, BF16 and F32 input, an empty group.
+TEST(Nvfp4Quantize, RowBf16IsTheRowwiseCopyDequantizedWithoutSdec) {
+  RANDOM_SEED(seed);
+  std::mt19937 rng(seed);
+  for (bool sr : {false, true})
+    for (DType dt : {DType::kBF16, DType::kF32}) {
+      SCOPED_TRACE(std::string(sr ? "sr " : "rn ") + std::string(dtype_name(dt)));
+      const Input in = random_input(rng, dt, 48, {32, 0, 16});
+      const Nvfp4Config cfg = cfg_of(true, true, false, true, sr, seed, 5);
+      const Quantized plain = quantize(in, cfg);
+      std::vector<std::vector<uint16_t>> bf16[2];
+      for (int fill = 0; fill < 2; ++fill) {
+        Quantized q = quantize(in, cfg);  // row_bf16 needs its own call: quantize() has none
+        for (int64_t r : in.rows) bf16[fill].emplace_back(r * 48, fill ? 0xFFFF : 0);
+        Nvfp4Outputs o = q.outputs();
+        for (auto& v : bf16[fill]) o.row_bf16.push_back(v.data());
+        const Status st = quantize_nvfp4_cpu(in.view(), cfg, o);
+        ASSERT_TRUE(st.is_ok()) << st.message();
+        EXPECT_EQ(q.row_data, plain.row_data) << "asking for row_bf16 changed the codes";
+        EXPECT_EQ(q.col_data, plain.col_data);
+      }
+      EXPECT_EQ(bf16[0], bf16[1]) << "row_bf16 bytes left unwritten";
+      for (size_t g = 0; g < in.rows.size(); ++g) {
+        if (in.rows[g] == 0) continue;
+        Nvfp4Copy c;
+        const float one = 1.0f;
+        c.cols = 48;
+        c.rows = {in.rows[g]};
+        c.data = {plain.row_data[g].data()};
+        c.scale = {plain.row_scale[g].data()};
+        c.decode_scale = &one;
+        std::vector<uint16_t> want(in.rows[g] * 48);
+        ASSERT_TRUE(dequantize_nvfp4_cpu(c, DType::kBF16, {want.data()}).is_ok());
+        EXPECT_EQ(bf16[0][g], want) << "group " << g;
+      }
+    }
+}
+
 TEST(Nvfp4Validate, BadRequestsFailWithoutTouchingMemory) {
   RANDOM_SEED(seed);
   std::mt19937 rng(seed);
@@ -1030,6 +1070,15 @@ TEST(Nvfp4Validate, BadRequestsFailWithoutTouchingMemory) {
   g = good;
   g.data.pop_back();
   cases.push_back({"input pointers", g, cfg_of(true, false), outputs(true, false), "pointers"});
+  o = outputs(true, true);
+  o.row_bf16 = {bufs[0].data(), bufs[1].data()};
+  cases.push_back({"row_bf16 with 2D", good, cfg_of(true, true, true), o, "row_bf16"});
+  o = outputs(false, true);
+  o.row_bf16 = {bufs[0].data(), bufs[1].data()};
+  cases.push_back({"row_bf16 without rowwise", good, cfg_of(false, true), o, "row_bf16"});
+  o = outputs(true, false);
+  o.row_bf16 = {bufs[0].data()};
+  cases.push_back({"short row_bf16 list", good, cfg_of(true, false), o, "row_bf16"});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const Status v = validate_nvfp4(c.in, c.cfg, c.out);

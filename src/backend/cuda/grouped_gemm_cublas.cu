@@ -493,8 +493,9 @@ uint64_t dequant_jobs(const GemmOperand& o, const std::vector<Stored>& shape,
 }
 
 // Fills `dst` (scratch, 256-byte aligned per group) with the BF16 form of operand `o`: one
-// dequantize launch for a quantized operand, per-group async copies for a BF16 operand with a
-// misaligned pointer (rare: only odd shapes), nothing for an aligned BF16 operand. With `in_gemm`
+// dequantize launch for a quantized operand, per-group async copies for a BF16 operand (or a
+// quantized one whose BF16 values are given, GemmOperand::bf16) with a misaligned pointer (rare:
+// only odd shapes), nothing for aligned BF16 values. With `in_gemm`
 // a quantized operand that the fast kernels can read is not dequantized here: its jobs go to
 // *in_gemm for the sm_90a kernel's streaming converter (same values, same scratch). Validity of
 // the quantized pointers was checked by validate_grouped_gemm (non-null for active groups).
@@ -505,17 +506,18 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
   const size_t G = shape.size();
   out.ptr.assign(G, nullptr);
   out.shape = shape;
-  if (o.format == OperandFormat::kBF16) {
+  if (o.format == OperandFormat::kBF16 || !o.bf16.empty()) {  // BF16 values at hand
+    const std::vector<const void*>& src = o.format == OperandFormat::kBF16 ? o.data : o.bf16;
     bool ok = true;
     for (size_t g = 0; g < G; ++g)
-      if (active[g] && !aligned(o.data[g])) ok = false;
+      if (active[g] && !aligned(src[g])) ok = false;
     for (size_t g = 0; g < G; ++g) {
       if (!active[g]) continue;
       if (ok) {
-        out.ptr[g] = o.data[g];
+        out.ptr[g] = src[g];
       } else {
         const size_t bytes = static_cast<size_t>(shape[g].rows * shape[g].cols) * 2;
-        PACKMOE_CUDA_CHECK(cudaMemcpyAsync(dst + offset[g], o.data[g], bytes,
+        PACKMOE_CUDA_CHECK(cudaMemcpyAsync(dst + offset[g], src[g], bytes,
                                            cudaMemcpyDeviceToDevice, be.stream()));
         out.ptr[g] = dst + offset[g];
       }
@@ -705,10 +707,11 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
     rhs_shape[g] = stored_of(a.op, f, false, m[g], N, K);
     if (active[g] && !aligned(a.out[g])) stage_out = true;
   }
-  auto need = [&](const GemmOperand& o) {
-    if (o.format != OperandFormat::kBF16) return true;
+  auto need = [&](const GemmOperand& o) {  // scratch: to dequantize into, or to align BF16
+    if (o.format != OperandFormat::kBF16 && o.bf16.empty()) return true;
+    const std::vector<const void*>& bf16 = o.format == OperandFormat::kBF16 ? o.data : o.bf16;
     for (size_t g = 0; g < G; ++g)
-      if (active[g] && !aligned(o.data[g])) return true;
+      if (active[g] && !aligned(bf16[g])) return true;
     return false;
   };
   const bool fused = use_fused_mxfp8(a, m, impl);

@@ -10,7 +10,9 @@
 #include "backend/cuda/grouped_gemm_dequant_job.h"
 #include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "core/codecs.h"
+#include "formats/mxfp8.h"  // kMxfp8Block
 #include "formats/mxfp8_math.h"
+#include "formats/nvfp4.h"  // kNvfp4Block
 #include "formats/nvfp4_math.h"
 
 namespace packmoe::gemm_convert {

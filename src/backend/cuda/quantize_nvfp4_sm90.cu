@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "backend/cuda/grouped_gemm_dequant.cuh"  // convert8: the GEMM's own BF16 values
 #include "backend/cuda/kernels_common.cuh"
 #include "core/philox.h"
 #include "formats/mxfp8_math.h"  // amax_update (via the encoders)
@@ -72,6 +73,7 @@ struct Nvfp4Group {
   uint8_t* row_scale;  // (rows, K/16) E4M3
   uint8_t* col_data;   // (K, rows/2)
   uint8_t* col_scale;  // (K, rows/16) E4M3
+  uint8_t* row_bf16;   // (rows, K) BF16 without S_dec, or null (Nvfp4Outputs::row_bf16)
   int64_t rows;
   uint64_t block_base;  // sum_{u<g} rows_u * K/16: SR number of the group's first block
   uint32_t tile_begin;
@@ -88,6 +90,7 @@ struct Nvfp4Args {
   bool rht;
   bool sr;
   bool col16;  // every columnwise row is 16-byte aligned (rows % 32 == 0): 16-byte code stores
+  bool row_bf16;  // the rowwise copy's BF16 values are written too
   PhiloxKeys sr_keys;  // round keys of the SR seed (formats/nvfp4.h numbering)
   uint64_t offset;
   float* amax_ws;   // (2G,): input amax [0, G), post-RHT amax [G, 2G); zeroed before pass 1
@@ -460,7 +463,7 @@ __global__ void __launch_bounds__(Config::kThreads)
 // (3) after a barrier the transposed copy leaves in 64-byte runs per column. kTwoD (16x16 weight
 // tiles) and 1D are separate instantiations, so neither's register allocation constrains the
 // other's (the 1D one keeps a few loop invariants on the stack, reloaded once per tile).
-template <typename In, bool kVec, bool kHw, bool kTwoD>
+template <typename In, bool kVec, bool kHw, bool kTwoD, bool kRowBf16>
 __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     nvfp4_quantize_kernel(const __grid_constant__ Nvfp4Args a) {
   using G = Geo<In>;
@@ -583,6 +586,15 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         const uint2 c = encode16<kHw>(v, r, a.sr, draw);
         store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
         grp.row_scale[row * (K / kNvfp4Block) + kbg] = s_b;
+        if constexpr (kRowBf16) {  // the values the GEMM's dequantize would write, by its code
+          uint8_t* dst = grp.row_bf16 + (row * K + kbg * kNvfp4Block) * 2;
+          const uint4 lo = gemm_convert::convert8<gemm_convert::DequantKind::kNvfp4>(
+              gemm_convert::Raw8{make_uint2(c.x, 0), make_uint2(s_b, 0)});
+          const uint4 hi = gemm_convert::convert8<gemm_convert::DequantKind::kNvfp4>(
+              gemm_convert::Raw8{make_uint2(c.y, 0), make_uint2(s_b, 0)});
+          store_n<kVec, 16>(dst, {lo.x, lo.y, lo.z, lo.w});
+          store_n<kVec, 16>(dst + 16, {hi.x, hi.y, hi.z, hi.w});
+        }
       }
     }
     if (!a.columnwise) continue;  // uniform; B1 of the next tile orders the stage's reuse
@@ -703,8 +715,9 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
       static_cast<size_t>(Config::kStages) * Config::kStageBytes + Config::kStagingBytes;
   auto* amax_plain = &nvfp4_amax_kernel<In, kVec, false, false>;
   auto* amax_rht = &nvfp4_amax_kernel<In, kVec, true, kHw>;
-  auto* quant_1d = &nvfp4_quantize_kernel<In, kVec, kHw, false>;
-  auto* quant_2d = &nvfp4_quantize_kernel<In, kVec, kHw, true>;
+  auto* quant_1d = &nvfp4_quantize_kernel<In, kVec, kHw, false, false>;
+  auto* quant_1d_bf16 = &nvfp4_quantize_kernel<In, kVec, kHw, false, true>;
+  auto* quant_2d = &nvfp4_quantize_kernel<In, kVec, kHw, true, false>;
   // Per instantiation, once: persistent grids of as many CTAs as fit on the device at once.
   auto per_sm = [](auto* kernel, size_t smem) {
     if (smem > 48 * 1024)
@@ -719,6 +732,7 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
   static const int plain_per_sm = per_sm(amax_plain, 0);
   static const int rht_per_sm = per_sm(amax_rht, 0);
   static const int quant_1d_per_sm = per_sm(quant_1d, kSmem);
+  static const int quant_1d_bf16_per_sm = per_sm(quant_1d_bf16, kSmem);
   static const int quant_2d_per_sm = per_sm(quant_2d, kSmem);
   const uint64_t tiles = a.groups.total_tiles;
   if (tiles == 0) return;
@@ -732,12 +746,12 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
     PACKMOE_CUDA_CHECK_LAUNCH();
   }
   if (!quantize_pass) return;
-  const uint64_t g2 =
-      std::min<uint64_t>(tiles, (a.two_d ? quant_2d_per_sm : quant_1d_per_sm) * sms);
-  if (a.two_d)
-    quant_2d<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
-  else
-    quant_1d<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
+  auto* quant = a.two_d ? quant_2d : a.row_bf16 ? quant_1d_bf16 : quant_1d;
+  const int quant_per_sm = a.two_d      ? quant_2d_per_sm
+                           : a.row_bf16 ? quant_1d_bf16_per_sm
+                                        : quant_1d_per_sm;
+  const uint64_t g2 = std::min<uint64_t>(tiles, quant_per_sm * sms);
+  quant<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -769,6 +783,7 @@ Nvfp4Args make_args(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Confi
   a.rht = cfg.rht && cfg.columnwise;
   a.sr = cfg.stochastic_rounding;
   a.sr_keys = philox_seed_keys(cfg.seed);
+  a.row_bf16 = !out.row_bf16.empty();
   a.offset = cfg.offset;
   a.row_amax = static_cast<float*>(out.row_amax);
   a.col_amax = static_cast<float*>(out.col_amax);
@@ -784,13 +799,14 @@ Nvfp4Args make_args(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Confi
     d.row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
     d.col_data = cfg.columnwise ? static_cast<uint8_t*>(out.col_data[g]) : nullptr;
     d.col_scale = cfg.columnwise ? static_cast<uint8_t*>(out.col_scale[g]) : nullptr;
+    d.row_bf16 = out.row_bf16.empty() ? nullptr : static_cast<uint8_t*>(out.row_bf16[g]);
     d.rows = in.rows[g];
     d.block_base = base;
     d.tile_begin = static_cast<uint32_t>(tiles);
     base += static_cast<uint64_t>(d.rows * (K / kNvfp4Block));
     if (d.rows == 0) continue;
-    vec =
-        vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) && cuda::aligned16(d.col_data);
+    vec = vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) &&
+          cuda::aligned16(d.col_data) && cuda::aligned16(d.row_bf16);
     col16 = col16 && d.rows % 32 == 0;
     tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) *
              a.col_tiles;
