@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "backend/cuda/grouped_gemm_dequant.cuh"  // convert8: the GEMM's own BF16 values
@@ -105,17 +106,23 @@ struct TilePos {
   int64_t col0;  // first column
 };
 
+// Tile `tile` of group g (tile_begin_g <= tile < tile_begin_{g+1}).
 template <typename In>
-__device__ __forceinline__ TilePos locate_tile(const Nvfp4Args& a, uint32_t tile,
-                                               const uint32_t* begins) {
+__device__ __forceinline__ TilePos tile_in_group(const Nvfp4Args& a, uint32_t tile, int g) {
   TilePos p;
-  p.g = a.groups.find_smem<Config::kSmemGroups>(tile, begins);
-  p.grp = &a.groups[p.g];
+  p.g = g;
+  p.grp = &a.groups[g];
   const uint32_t local = tile - p.grp->tile_begin;
   const uint32_t rt = a.col_tiles_div.div(local);
   p.row0 = static_cast<int64_t>(rt) * Config::kTileRows;
   p.col0 = static_cast<int64_t>(local - rt * a.col_tiles) * Geo<In>::kCols;
   return p;
+}
+
+template <typename In>
+__device__ __forceinline__ TilePos locate_tile(const Nvfp4Args& a, uint32_t tile,
+                                               const uint32_t* begins) {
+  return tile_in_group<In>(a, tile, a.groups.find_smem<Config::kSmemGroups>(tile, begins));
 }
 
 // ---- shared-memory tile: [kTileRows][kRowBytes], 16-byte chunk q of a row stored at chunk
@@ -252,17 +259,24 @@ __device__ __forceinline__ void store_n(uint8_t* dst, const uint32_t (&w)[N / 4]
 // rht16 (formats/nvfp4_math.h) with the same FP32 operations, minus the rounding of inputs that
 // already are BF16 values (kBf16In: an identity for every non-NaN value, and a NaN input makes the
 // first butterfly produce the canonical NaN either way), and with the outputs rounded to BF16 by
-// the hardware cvt when kHw (selftest.cu: equal values, NaN stays NaN).
-template <bool kBf16In, bool kHw>
-__device__ __forceinline__ void rht16_fast(const float in[kRhtSize], float out[kRhtSize]) {
+// the hardware cvt when kHw (selftest.cu: equal values, NaN stays NaN). In three steps: the
+// butterflies, then each output scaled and rounded.
+template <bool kBf16In>
+__device__ __forceinline__ void rht16_unscaled(const float in[kRhtSize], float out[kRhtSize]) {
 #pragma unroll
   for (int i = 0; i < kRhtSize; ++i) out[i] = kBf16In ? in[i] : bf16_to_f32(f32_to_bf16(in[i]));
   rht16_butterflies(out);
+}
+template <bool kHw>
+__device__ __forceinline__ float rht16_scale_round(float v) {
+  const float s = rht16_scaled(v);
+  return kHw ? cuda::round_bf16_hw(s) : bf16_to_f32(f32_to_bf16(s));
+}
+template <bool kBf16In, bool kHw>
+__device__ __forceinline__ void rht16_fast(const float in[kRhtSize], float out[kRhtSize]) {
+  rht16_unscaled<kBf16In>(in, out);
 #pragma unroll
-  for (int j = 0; j < kRhtSize; ++j) {
-    const float s = rht16_scaled(out[j]);
-    out[j] = kHw ? cuda::round_bf16_hw(s) : bf16_to_f32(f32_to_bf16(s));
-  }
+  for (int j = 0; j < kRhtSize; ++j) out[j] = rht16_scale_round<kHw>(out[j]);
 }
 
 // 8x8 transpose of 4-bit elements: w[i] nibble j (row i, column j) -> w[j] nibble i. Three
@@ -351,7 +365,10 @@ __global__ void __launch_bounds__(Config::kThreads)
   const int64_t K = a.cols;
   const int G_count = a.groups.count;
   const uint32_t total = a.groups.total_tiles;
-  float in_max = 0.0f, rht_max = 0.0f;  // >= 0, never NaN
+  // >= 0, never NaN. rht_max is the largest |butterfly output|, scaled and rounded once per flush:
+  // both steps are monotonic and odd, so that equals the largest |rht16_fast output| (NaN ignored
+  // by both).
+  float in_max = 0.0f, rht_max = 0.0f;
   uint32_t in_w = 0;                    // BF16: packed running max of |x|
   int cur = -1;
   auto switch_group = [&](int g) {
@@ -359,7 +376,7 @@ __global__ void __launch_bounds__(Config::kThreads)
     if (cur >= 0) {
       if constexpr (sizeof(In) == 2) in_max = cuda::amax_bf16x2(in_max, in_w);
       flush_amax(a.amax_ws + cur, in_max);
-      if constexpr (kRht) flush_amax(a.amax_ws + G_count + cur, rht_max);
+      if constexpr (kRht) flush_amax(a.amax_ws + G_count + cur, rht16_scale_round<kHw>(rht_max));
     }
     cur = g;
     in_max = rht_max = 0.0f;
@@ -402,8 +419,18 @@ __global__ void __launch_bounds__(Config::kThreads)
       for (int m = 0; m < kPer; ++m) v[m] = nv[m];
     }
   } else {
-    for (uint32_t tile = blockIdx.x; tile < total; tile += gridDim.x) {
-      const TilePos p = locate_tile<In>(a, tile, begins);
+    // A CTA takes one contiguous range of tiles, so it looks its group up once and flushes its
+    // maxima once per group it crosses (a grid-stride walk changed group at nearly every tile of
+    // a many-group pack: a table search, a descriptor load and two flushes each).
+    const uint32_t per = (total + gridDim.x - 1) / gridDim.x;
+    const uint32_t first = blockIdx.x * per;
+    const uint32_t last = min(total, first + per);
+    int g = first < last ? a.groups.find_smem<Config::kSmemGroups>(first, begins) : 0;
+    auto group_end = [&](int h) { return h + 1 < G_count ? a.groups[h + 1].tile_begin : total; };
+    uint32_t end = group_end(g);
+    for (uint32_t tile = first; tile < last; ++tile) {
+      while (tile >= end) end = group_end(++g);  // empty groups own no tile
+      const TilePos p = tile_in_group<In>(a, tile, g);
       switch_group(p.g);
       const In* in = static_cast<const In*>(p.grp->in);
       // Thread t: column block row rb = t / 32, 8 bytes of columns (4 BF16 / 2 F32) at piece
@@ -444,7 +471,7 @@ __global__ void __launch_bounds__(Config::kThreads)
                                  : __uint_as_float((e % 2) ? (w & 0xFFFF0000u) : (w << 16));
           in_max = cuda::amax_fast(in_max, x[i]);
         }
-        rht16_fast<sizeof(In) == 2, kHw>(x, y);
+        rht16_unscaled<sizeof(In) == 2>(x, y);
 #pragma unroll
         for (int i = 0; i < kNvfp4Block; ++i) rht_max = cuda::amax_fast(rht_max, y[i]);
       }
@@ -707,6 +734,13 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
   }
 }
 
+// Test knob: PACKMOE_NVFP4_CTAS caps both grids, so a few CTAs walk many tiles and groups.
+uint64_t grid_cap(uint64_t resident) {
+  const char* v = std::getenv("PACKMOE_NVFP4_CTAS");
+  const long long n = v != nullptr ? std::atoll(v) : 0;
+  return n > 0 ? std::min<uint64_t>(resident, static_cast<uint64_t>(n)) : resident;
+}
+
 // The amax pass fills a.amax_ws unless the caller already did (a given amax); the quantize pass
 // is skipped when only the amax is wanted (nvfp4_amax).
 template <typename In, bool kVec, bool kHw>
@@ -738,7 +772,7 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
   if (tiles == 0) return;
   const uint64_t sms = static_cast<uint64_t>(be.sm_count());
   if (amax_pass) {
-    const uint64_t g1 = std::min<uint64_t>(tiles, (a.rht ? rht_per_sm : plain_per_sm) * sms);
+    const uint64_t g1 = std::min<uint64_t>(tiles, grid_cap((a.rht ? rht_per_sm : plain_per_sm) * sms));
     if (a.rht)
       amax_rht<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
     else
@@ -750,7 +784,7 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
   const int quant_per_sm = a.two_d      ? quant_2d_per_sm
                            : a.row_bf16 ? quant_1d_bf16_per_sm
                                         : quant_1d_per_sm;
-  const uint64_t g2 = std::min<uint64_t>(tiles, quant_per_sm * sms);
+  const uint64_t g2 = std::min<uint64_t>(tiles, grid_cap(quant_per_sm * sms));
   quant<<<static_cast<unsigned>(g2), Config::kThreads, kSmem, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
