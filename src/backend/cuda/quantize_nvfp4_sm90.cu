@@ -3,7 +3,7 @@
 // block is scaled, so this is TWO launches over the whole pack (never per group): an amax pass
 // (input amax, and the post-RHT amax when the columnwise copy uses the RHT) with per-warp
 // atomicMax into a zeroed workspace, then the quantize pass, which walks the tiles in reverse so
-// its first tiles are the ones the amax pass read last (still in L2). Invariant: every byte comes
+// its first tiles are the ones the plain amax pass read last (still in L2). Invariant: every byte comes
 // from formats/nvfp4_math.h with the SR numbering of formats/nvfp4.h, so it equals
 // quantize_nvfp4_cpu; the E2M1 / E4M3 encoders of kernels_common.cuh replace the shared ones only
 // where selftest.cu proved them equal on this device.
@@ -146,11 +146,9 @@ __device__ __forceinline__ float tile_elem(const uint8_t* stage, int r, int c) {
 // Loads of `tile` into `stage` (zeros outside the matrix; K % 16 == 0, so a 16-byte chunk is all
 // in or all out). kVec: cp.async, one commit group per call; else scalar loads and plain stores.
 template <typename In, bool kVec>
-__device__ __forceinline__ void issue_tile(const Nvfp4Args& a, uint8_t* stage, uint32_t tile,
-                                           const uint32_t* begins) {
+__device__ __forceinline__ void issue_tile(const Nvfp4Args& a, uint8_t* stage, const TilePos& p) {
   using G = Geo<In>;
   constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
-  const TilePos p = locate_tile<In>(a, tile, begins);
   const In* in = static_cast<const In*>(p.grp->in);
   const int64_t K = a.cols;
 #pragma unroll
@@ -513,11 +511,17 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
   a.groups.template load_tile_begins<Config::kSmemGroups>(begins);
   __syncthreads();
 
-  // Reverse order: the amax pass walked the tiles forwards, so the last ones it read are in L2.
+  // Reverse order: the plain amax pass walked the tiles forwards, so the last ones it read are in
+  // L2. (The RHT amax pass ends on the last tiles of each CTA's range, which this order does not
+  // meet; measured, that cost nothing: the RHT quantize pass is bound by its arithmetic.)
   const uint32_t total = a.groups.total_tiles;
   auto tile_of = [&](uint32_t i) { return total - 1 - i; };
   uint32_t i = blockIdx.x;
-  if (i < total) issue_tile<In, kVec>(a, smem, tile_of(i), begins);
+  TilePos next{};  // the tile whose loads are in flight
+  if (i < total) {
+    next = locate_tile<In>(a, tile_of(i), begins);
+    issue_tile<In, kVec>(a, smem, next);
+  }
   cuda::cp_async_commit();
   for (int s = 0; i < total; i += gridDim.x, s ^= 1) {
     const uint8_t* stage = smem + s * Config::kStageBytes;
@@ -525,12 +529,13 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     // B1: the tile is visible, and every thread is done with the previous tile (its stage, which
     // the next load overwrites, and the staging area).
     __syncthreads();
-    if (i + gridDim.x < total)
-      issue_tile<In, kVec>(a, smem + (s ^ 1) * Config::kStageBytes, tile_of(i + gridDim.x),
-                           begins);
+    const TilePos p = next;
+    if (i + gridDim.x < total) {
+      next = locate_tile<In>(a, tile_of(i + gridDim.x), begins);
+      issue_tile<In, kVec>(a, smem + (s ^ 1) * Config::kStageBytes, next);
+    }
     cuda::cp_async_commit();
 
-    const TilePos p = locate_tile<In>(a, tile_of(i), begins);
     const Nvfp4Group& grp = *p.grp;
     const int64_t rows = grp.rows;
     const float row_amax = a.amax_ws[p.g];
