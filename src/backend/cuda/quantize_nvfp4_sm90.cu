@@ -3,8 +3,8 @@
 // block is scaled, so this is TWO launches over the whole pack (never per group): an amax pass
 // (input amax, and the post-RHT amax when the columnwise copy uses the RHT) with per-warp
 // atomicMax into a zeroed workspace, then the quantize pass, which walks the tiles in reverse so
-// its first tiles are the ones the plain amax pass read last (still in L2). Invariant: every byte comes
-// from formats/nvfp4_math.h with the SR numbering of formats/nvfp4.h, so it equals
+// its first tiles are the ones the plain amax pass read last (still in L2). Invariant: every byte
+// comes from formats/nvfp4_math.h with the SR numbering of formats/nvfp4.h, so it equals
 // quantize_nvfp4_cpu; the E2M1 / E4M3 encoders of kernels_common.cuh replace the shared ones only
 // where selftest.cu proved them equal on this device.
 #include <cuda_runtime.h>
@@ -777,7 +777,8 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
   if (tiles == 0) return;
   const uint64_t sms = static_cast<uint64_t>(be.sm_count());
   if (amax_pass) {
-    const uint64_t g1 = std::min<uint64_t>(tiles, grid_cap((a.rht ? rht_per_sm : plain_per_sm) * sms));
+    const uint64_t resident = (a.rht ? rht_per_sm : plain_per_sm) * sms;
+    const uint64_t g1 = std::min<uint64_t>(tiles, grid_cap(resident));
     if (a.rht)
       amax_rht<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
     else
