@@ -268,34 +268,62 @@ __device__ __forceinline__ float round_bf16_hw(float y) {
 // `y` must come out of an FMUL (x * r): the GPU turns every NaN product into the canonical +NaN
 // 0x7FFFFFFF, which both encoders map to +6 (code 7) like the shared codec.
 
-// RNE with saturation: the FP adder rounds |y| to the E2M1 grid. For |y| in [2^e, 2^(e+1)) the
-// grid step is 2^(e-1) (0.5 below 2), which is the ulp of M = 2^(e+22) (at least 2^22), so
-// bits(|y| + M) - bits(M) = RNE(|y| / step) = n, and the code is n plus 2 per binade above 1
-// (offset = (bits(M) - bits(2^22)) >> 22). M is capped at 2^25: everything from 8 up saturates.
+// RNE with saturation, by the FP adder. a = min(|y|, 6) (a NaN y gives 6: min returns the other
+// operand) lies in binade j = 0, 1, 2 for a < 2, [2, 4), [4, 6], where the E2M1 grid step is
+// 2^(j-1). M = 2^(22+j) with mantissa bits 2j has that step as its ulp, so a + M = M + n with
+// n = RNE(a / step) (ties to even n: M's mantissa is even), and the sum's low 3 bits are 2j + n,
+// the magnitude code (n <= 4, 2 + n <= 6, 4 + n <= 7: no carry). (a + M) - M = n * step exactly:
+// the rounded magnitude itself. sum = bits(a + M).
+struct E2m1Rounded {
+  uint32_t sum;
+  float m;
+};
+__device__ __forceinline__ E2m1Rounded e2m1_rn_round(float y) {
+  const float a = fminf(fabsf(y), 6.0f);
+  const uint32_t e = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);  // 2^j
+  const uint32_t m = e + (22u << 23) + ((e >> 22) - 0xFEu);  // exponent + 22, mantissa 2j
+  return {__float_as_uint(a + __uint_as_float(m)), __uint_as_float(m)};
+}
 __device__ __forceinline__ uint32_t e2m1_rn_fast(float y) {
-  const uint32_t b = __float_as_uint(y);
-  uint32_t m = (b & 0x7F800000u) + (22u << 23);
-  m = min(max(m, 0x4A800000u), 0x4C000000u);
-  const uint32_t s = __float_as_uint(fabsf(y) + __uint_as_float(m));
-  const uint32_t mag = min(s - m + ((m - 0x4A800000u) >> 22), 7u);
-  return mag | ((b >> 28) & 8u);
+  return (e2m1_rn_round(y).sum & 7u) | ((__float_as_uint(y) >> 28) & 8u);
 }
 
-// Stochastic rounding with 8 random bits r (f32_to_e2m1_sr). With lo the grid value at or below
-// |y| and step the spacing above it, the shared codec rounds up exactly when
-// floor(256 (|y| - lo) / step) + r >= 256 (its comparison is exact), i.e. when adding r to the
-// 8 bits below the grid position carries. The round-down adder gives those bits for every binade
-// at once: with M = 2^14, 2^15, 2^16 for |y| < 2, [2, 4), >= 4 (the grid step times 2^15), the
-// ulp of M is step / 256, so P = bits(|y| +rd M) - bits(M) = floor(256 |y| / step). The grid
-// value of code c is c * step below 2, (c - 2) * step in [2, 4) and (c - 4) * step from 4 on, so
-// the code is ((P + r) >> 8) + off with off = 0, 2, 4, and 256 off = (bits(M) - bits(2^14)) >> 14
-// (added before the shift). Capped at 7: |y| >= 6, Inf and the canonical NaN from the FMUL.
+// Stochastic rounding with 8 random bits r (f32_to_e2m1_sr), by the round-down adder. With lo the
+// grid value at or below |y| and step the spacing above it, the shared codec rounds up exactly
+// when floor(256 (|y| - lo) / step) + r >= 256 (its comparison is exact), i.e. when adding r to
+// the 8 bits below the grid position carries. a and j as in e2m1_rn_round; M = 2^(14+j) with
+// mantissa 512j has the ulp step / 256, so bits(a +rd M) = bits(M) + P with P = floor(256 a /
+// step), and sum = bits(a +rd M) + r holds 2j + ((P + r) >> 8), the magnitude code (at most 7:
+// a <= 6), in its bits 8..11 (zeros above). (sum with the low byte cleared) - M = n * step: the
+// rounded magnitude.
+__device__ __forceinline__ E2m1Rounded e2m1_sr_round(float y, uint32_t r) {
+  const float a = fminf(fabsf(y), 6.0f);
+  const uint32_t e = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);  // 2^j
+  const uint32_t m = e + (14u << 23) + ((e >> 14) - 0xFE00u);  // exponent + 14, mantissa 512j
+  return {__float_as_uint(__fadd_rd(a, __uint_as_float(m))) + r, __uint_as_float(m)};
+}
 __device__ __forceinline__ uint32_t e2m1_sr_fast(float y, uint32_t r) {
-  const uint32_t b = __float_as_uint(y);
-  const uint32_t m = min(max((b & 0x7F800000u) + (14u << 23), 0x46800000u), 0x47800000u);
-  const uint32_t s = __float_as_uint(__fadd_rd(fabsf(y), __uint_as_float(m)));
-  const uint32_t mag = min((s - m + r + ((m - 0x46800000u) >> 14)) >> 8, 7u);
-  return mag | ((b >> 28) & 8u);
+  return ((e2m1_sr_round(y, r).sum >> 8) & 7u) | ((__float_as_uint(y) >> 28) & 8u);
+}
+
+// Eight E2M1 codes in one word, element i in nibble i: the magnitude is byte kByte of mag[i]
+// (0..7, zeros above it), the sign bit 31 of sgn[i]. Byte permutes gather the even and the odd
+// elements' bytes (prmt's sign-replicate mode spreads a byte's top bit over the byte).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+template <int kByte>
+__device__ __forceinline__ uint32_t pack_e2m1x8(const uint32_t (&mag)[8],
+                                                const uint32_t (&sgn)[8]) {
+  auto gather = [](const uint32_t (&v)[8], int i, uint32_t sel) {  // bytes of v[i], v[i+2], ..
+    return prmt(prmt(v[i], v[i + 2], sel), prmt(v[i + 4], v[i + 6], sel), 0x5410u);
+  };
+  constexpr uint32_t kSel = 0x40u + 0x11u * kByte;
+  const uint32_t even = gather(mag, 0, kSel) | (gather(sgn, 0, 0xFBu) & 0x08080808u);
+  const uint32_t odd = gather(mag, 1, kSel) | (gather(sgn, 1, 0xFBu) & 0x08080808u);
+  return even | (odd << 4);
 }
 
 // Random byte j (0..15) of a 16-element block's draw, as nvfp4_sr_byte (formats/nvfp4_math.h):

@@ -149,25 +149,29 @@ template <typename In, bool kVec>
 __device__ __forceinline__ void issue_tile(const Nvfp4Args& a, uint8_t* stage, const TilePos& p) {
   using G = Geo<In>;
   constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
-  const In* in = static_cast<const In*>(p.grp->in);
+  constexpr int kRowStep = Config::kThreads / G::kChunksPerRow;  // rows between a thread's chunks
+  static_assert(Config::kThreads % G::kChunksPerRow == 0, "a thread keeps its chunk column");
+  // Thread t loads chunk t % 16 of rows t / 16 + kRowStep * m. One pointer walks the rows, so no
+  // per-m offsets stay live across tiles.
+  const int r0 = threadIdx.x / G::kChunksPerRow;
+  const int ch = threadIdx.x % G::kChunksPerRow;
   const int64_t K = a.cols;
+  const int64_t col = p.col0 + ch * G::kPerChunk;
+  const int64_t rows_left = p.grp->rows - p.row0 - r0;  // row r0 + kRowStep m exists iff < this
+  const In* base = static_cast<const In*>(p.grp->in);
+  const In* src = base + (p.row0 + r0) * K + col;
+  uint8_t* dst = stage + r0 * Config::kRowBytes + (chunk_slot(ch) << 4);
 #pragma unroll
-  for (int m = 0; m < kPer; ++m) {
-    const int q = threadIdx.x + m * Config::kThreads;
-    const int r = q / G::kChunksPerRow;
-    const int ch = q % G::kChunksPerRow;
-    const int64_t row = p.row0 + r;
-    const int64_t col = p.col0 + ch * G::kPerChunk;
-    const bool ok = row < p.grp->rows && col < K;
-    uint8_t* dst = stage + r * Config::kRowBytes + (chunk_slot(ch) << 4);
+  for (int m = 0; m < kPer; ++m, src += kRowStep * K, dst += kRowStep * Config::kRowBytes) {
+    const bool ok = kRowStep * m < rows_left && col < K;
     if constexpr (kVec) {
-      cuda::cp_async16(dst, ok ? in + row * K + col : in, ok);
+      cuda::cp_async16(dst, ok ? src : base, ok);
     } else {
       uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int e = 0; e < G::kPerChunk; ++e) {
         if (!ok) break;
-        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(in + row * K + col + e));
+        const uint32_t bits = __float_as_uint(cuda::load_elem<In>(src + e));
         if constexpr (sizeof(In) == 4)
           w[e] = bits;
         else
@@ -215,29 +219,58 @@ __device__ __forceinline__ uint8_t block_scale(float block_amax, float s_enc_ove
     return f32_to_e4m3(block_amax * s_enc_over_6);
 }
 
-// 16 codes of v[j] * r (RNE, or SR from one Philox draw) packed into 8 bytes, element 2i in the
-// low nibble of byte i. kHw: the encoders of kernels_common.cuh, else the shared codecs. Every
-// code is at most 0xF (sign bit 3 over a 3-bit magnitude), so the codes are added, not masked.
-template <bool kHw>
-__device__ __forceinline__ uint2 encode16(const float v[kNvfp4Block], float r, bool sr,
-                                          const Philox4& draw) {
-  uint32_t w[2] = {0, 0};
-  if (sr) {
+// 16 codes of v[j] * r (RNE, or SR from one Philox draw) by the encoders of kernels_common.cuh,
+// packed into 8 bytes, element 2i in the low nibble of byte i. With kValues also the BF16 values
+// the codes decode to times the block scale sc, in values[8] (element 2i in the low half of word
+// i): the signed rounded magnitude times sc, exact in FP32 and BF16 (e2m1 * e4m3: at most 6
+// significant bits), so the same bits as the dequantize's convert8 of the codes.
+template <bool kSr, bool kValues>
+__device__ __forceinline__ uint2 encode16_hw(const float v[kNvfp4Block], float r,
+                                             const Philox4& draw, float sc, uint32_t* values) {
+  uint32_t w[2];
 #pragma unroll
-    for (int j = 0; j < kNvfp4Block; ++j) {
-      const uint32_t code =
-          kHw ? cuda::e2m1_sr_fast(v[j] * r, cuda::sr_byte(draw, j))
-              : nvfp4_encode_sr(v[j], r, nvfp4_sr_byte(draw, j));
-      w[j / 8] += code << (4 * (j % 8));
+  for (int h = 0; h < 2; ++h) {
+    uint32_t mag[8], sgn[8];
+    float q[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float y = v[8 * h + j] * r;
+      sgn[j] = __float_as_uint(y);
+      const cuda::E2m1Rounded e = kSr ? cuda::e2m1_sr_round(y, cuda::sr_byte(draw, 8 * h + j))
+                                      : cuda::e2m1_rn_round(y);
+      mag[j] = e.sum;
+      const float grid = __uint_as_float(kSr ? e.sum & ~0xFFu : e.sum) - e.m;  // exact
+      q[j] = __uint_as_float(__float_as_uint(grid) | (sgn[j] & 0x80000000u)) * sc;
     }
-  } else {
+    w[h] = cuda::pack_e2m1x8<kSr ? 1 : 0>(mag, sgn);
+    if constexpr (kValues) {
 #pragma unroll
-    for (int j = 0; j < kNvfp4Block; ++j) {
-      const uint32_t code = kHw ? cuda::e2m1_rn_fast(v[j] * r) : nvfp4_encode(v[j], r);
-      w[j / 8] += code << (4 * (j % 8));
+      for (int i = 0; i < 4; ++i)
+        values[4 * h + i] = gemm_convert::f32x2_to_bf16x2(q[2 * i], q[2 * i + 1]);
     }
   }
   return make_uint2(w[0], w[1]);
+}
+
+// The same codes: kHw by encode16_hw, else by the shared codecs (and no values).
+template <bool kHw, bool kValues = false>
+__device__ __forceinline__ uint2 encode16(const float v[kNvfp4Block], float r, bool sr,
+                                          const Philox4& draw, float sc = 0.0f,
+                                          uint32_t* values = nullptr) {
+  static_assert(kHw || !kValues, "the BF16 values come with the hardware encoders");
+  if constexpr (kHw) {
+    return sr ? encode16_hw<true, kValues>(v, r, draw, sc, values)
+              : encode16_hw<false, kValues>(v, r, draw, sc, values);
+  } else {
+    uint32_t w[2] = {0, 0};
+#pragma unroll
+    for (int j = 0; j < kNvfp4Block; ++j) {
+      const uint32_t code = sr ? nvfp4_encode_sr(v[j], r, nvfp4_sr_byte(draw, j))
+                               : nvfp4_encode(v[j], r);
+      w[j / 8] += code << (4 * (j % 8));
+    }
+    return make_uint2(w[0], w[1]);
+  }
 }
 
 // Stores of n bytes (n = 4, 8 or 16) of codes: one vector store, or bytes on unaligned views.
@@ -615,17 +648,30 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
               kRowStream);
         float v[kNvfp4Block];
         values(raw, v);
-        const uint2 c = encode16<kHw>(v, r, a.sr, draw);
+        // With kRowBf16, the values the GEMM's dequantize would write: from the encoder (kHw), or
+        // by the dequantize's own code.
+        uint32_t bf16[8];
+        uint2 c;
+        if constexpr (kRowBf16 && kHw)
+          c = encode16<true, true>(v, r, a.sr, draw, e4m3_to_f32(s_b), bf16);
+        else
+          c = encode16<kHw>(v, r, a.sr, draw);
         store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
         grp.row_scale[row * (K / kNvfp4Block) + kbg] = s_b;
-        if constexpr (kRowBf16) {  // the values the GEMM's dequantize would write, by its code
+        if constexpr (kRowBf16) {
+          if constexpr (!kHw) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint4 d = gemm_convert::convert8<gemm_convert::DequantKind::kNvfp4>(
+                  gemm_convert::Raw8{make_uint2(h ? c.y : c.x, 0), make_uint2(s_b, 0)});
+              const uint32_t words[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i) bf16[4 * h + i] = words[i];
+            }
+          }
           uint8_t* dst = grp.row_bf16 + (row * K + kbg * kNvfp4Block) * 2;
-          const uint4 lo = gemm_convert::convert8<gemm_convert::DequantKind::kNvfp4>(
-              gemm_convert::Raw8{make_uint2(c.x, 0), make_uint2(s_b, 0)});
-          const uint4 hi = gemm_convert::convert8<gemm_convert::DequantKind::kNvfp4>(
-              gemm_convert::Raw8{make_uint2(c.y, 0), make_uint2(s_b, 0)});
-          store_n<kVec, 16>(dst, {lo.x, lo.y, lo.z, lo.w});
-          store_n<kVec, 16>(dst + 16, {hi.x, hi.y, hi.z, hi.w});
+          store_n<kVec, 16>(dst, {bf16[0], bf16[1], bf16[2], bf16[3]});
+          store_n<kVec, 16>(dst + 16, {bf16[4], bf16[5], bf16[6], bf16[7]});
         }
       }
     }

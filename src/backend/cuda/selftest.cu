@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(Config::kThreads)
 // Thread t checks products y = bits * one for bits = t, t + stride, ...: e2m1_rn_fast against
 // f32_to_e2m1 and e2m1_sr_fast against f32_to_e2m1_sr with random bytes r and r ^ 0x80, r taken
 // from the top byte of a multiplicative hash of the input (so every r meets ~2^24 inputs of every
-// binade). The multiply by a run-time 1.0f is the kernels' x * r: NaNs become the canonical NaN.
+// binade), and the rounded magnitudes of e2m1_rn_round / e2m1_sr_round against the codes'
+// values. The multiply by a run-time 1.0f is the kernels' x * r: NaNs become the canonical NaN.
 __global__ void __launch_bounds__(Config::kThreads)
     e2m1_codec_sweep(float one, unsigned long long* mismatches, uint32_t* first) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
@@ -70,9 +71,18 @@ __global__ void __launch_bounds__(Config::kThreads)
     const uint32_t bits = static_cast<uint32_t>(b);
     const float y = __uint_as_float(bits) * one;
     const uint32_t r1 = (bits * 0x9E3779B1u) >> 24;
-    bool bad = cuda::e2m1_rn_fast(y) != f32_to_e2m1(y);
-    bad |= cuda::e2m1_sr_fast(y, r1) != f32_to_e2m1_sr(y, static_cast<uint8_t>(r1));
-    bad |= cuda::e2m1_sr_fast(y, r1 ^ 0x80u) != f32_to_e2m1_sr(y, static_cast<uint8_t>(r1 ^ 0x80u));
+    const uint8_t rn = f32_to_e2m1(y);
+    bool bad = cuda::e2m1_rn_fast(y) != rn;
+    // The rounded magnitude (a + M) - M the quantizer's BF16 values come from.
+    const cuda::E2m1Rounded e = cuda::e2m1_rn_round(y);
+    bad |= __uint_as_float(e.sum) - e.m != e2m1_to_f32(rn & 7u);
+#pragma unroll
+    for (uint32_t flip = 0; flip <= 0x80u; flip += 0x80u) {
+      const uint8_t sr = f32_to_e2m1_sr(y, static_cast<uint8_t>(r1 ^ flip));
+      bad |= cuda::e2m1_sr_fast(y, r1 ^ flip) != sr;
+      const cuda::E2m1Rounded s = cuda::e2m1_sr_round(y, r1 ^ flip);
+      bad |= __uint_as_float(s.sum & ~0xFFu) - s.m != e2m1_to_f32(sr & 7u);
+    }
     // BF16 rounding of the RHT outputs: equal values, or both NaN.
     const float hb = cuda::round_bf16_hw(y);
     const float sb = bf16_to_f32(f32_to_bf16(y));

@@ -17,7 +17,8 @@ namespace packmoe {
 uint64_t cuda_count_fp8_codec_mismatches(DType element, uint32_t* first_mismatch = nullptr);
 
 // Mismatches of the E2M1 encoders (e2m1_rn_fast, e2m1_sr_fast of kernels_common.cuh) against
-// f32_to_e2m1 / f32_to_e2m1_sr, and of the hardware BF16 rounding (as values), over all 2^32 FP32
+// f32_to_e2m1 / f32_to_e2m1_sr, of their rounded magnitudes (e2m1_rn_round, e2m1_sr_round) against
+// the codes' values, and of the hardware BF16 rounding (as values), over all 2^32 FP32
 // products y * 1.0f (SR with two random bytes per input that together take every value 256
 // times); first_mismatch as above.
 uint64_t cuda_count_e2m1_codec_mismatches(uint32_t* first_mismatch = nullptr);
