@@ -125,9 +125,10 @@ TEST(CudaShardOps, Nvfp4AmaxAndGivenAmaxQuantizeMatchCpu) {
       DeviceBuffer grd(*gpu, data), grs(*gpu, scale), gcd(*gpu, data), gcs(*gpu, scale);
       Nvfp4Outputs cout_{
           at_rows(crd.data(), rows, k / 2), at_rows(crs.data(), rows, k / 16), nullptr,
-          at_rows(ccd.data(), rows, k / 2), at_rows(ccs.data(), rows, k / 16), nullptr};
+          at_rows(ccd.data(), rows, k / 2), at_rows(ccs.data(), rows, k / 16), nullptr, {}};
       Nvfp4Outputs gout{at_rows(grd.get(), rows, k / 2), at_rows(grs.get(), rows, k / 16), nullptr,
-                        at_rows(gcd.get(), rows, k / 2), at_rows(gcs.get(), rows, k / 16), nullptr};
+                        at_rows(gcd.get(), rows, k / 2), at_rows(gcs.get(), rows, k / 16), nullptr,
+                        {}};
       ASSERT_TRUE(cpu_backend().quantize_nvfp4(cin, ccfg, cout_).is_ok());
       ASSERT_TRUE(gpu->quantize_nvfp4(gin, gcfg, gout).is_ok());
       EXPECT_EQ(from_gpu(*gpu, grd.get(), data), crd);
@@ -166,7 +167,7 @@ TEST(CudaShardOps, Weight2dColumnwiseMatchesCpu) {
         cfg.two_d = true;
         std::vector<float> a(g);
         ASSERT_TRUE(quantize_nvfp4_cpu(
-                        in, cfg, {groups(rd, data), groups(rs, scale), a.data(), {}, {}, nullptr})
+                        in, cfg, {groups(rd, data), groups(rs, scale), a.data(), {}, {}, nullptr, {}})
                         .is_ok());
       }
       Weight2dCopies cw{fmt,
