@@ -334,6 +334,16 @@ __device__ __forceinline__ void transpose_nibbles8x8(uint32_t w[8]) {
   }
 }
 
+// The SR draw of the group's block number `block` (formats/nvfp4.h numbering) in one copy's
+// stream; no draw (zeros) without SR.
+__device__ __forceinline__ Philox4 sr_draw(const Nvfp4Args& a, const Nvfp4Group& grp, int64_t block,
+                                           uint32_t stream) {
+  Philox4 draw{};
+  if (a.sr)
+    draw = philox_draw(a.sr_keys, a.offset + grp.block_base + static_cast<uint64_t>(block), stream);
+  return draw;
+}
+
 // ---- pass 1: per-group amax ----------------------------------------------------------------------
 
 // Max over the warp of non-negative, non-NaN values, published by one atomicMax per warp: the
@@ -640,12 +650,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         load_block(m, raw);
         const uint8_t s_b = block_scale<kHw>(block_amax<In>(raw), s_enc6);
         const float r = nvfp4_block_rcp(s_b, s_dec);
-        Philox4 draw{};
-        if (a.sr)
-          draw = philox_draw(
-              a.sr_keys,
-              a.offset + grp.block_base + static_cast<uint64_t>(row * (K / kNvfp4Block) + kbg),
-              kRowStream);
+        const Philox4 draw = sr_draw(a, grp, row * (K / kNvfp4Block) + kbg, kRowStream);
         float v[kNvfp4Block];
         values(raw, v);
         // With kRowBf16, the values the GEMM's dequantize would write: from the encoder (kHw), or
@@ -691,12 +696,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         uint8_t s_b = 0;
         if (cg < K && rbg * kNvfp4Block < rows) {
           // The draw first: its 4 words, not its temporaries, are live beside the 16 values.
-          Philox4 draw{};
-          if (a.sr)
-            draw = philox_draw(
-                a.sr_keys,
-                a.offset + grp.block_base + static_cast<uint64_t>(cg * (rows / kNvfp4Block) + rbg),
-                kColStream);
+          const Philox4 draw = sr_draw(a, grp, cg * (rows / kNvfp4Block) + rbg, kColStream);
           float x[kNvfp4Block], v[kNvfp4Block];
 #pragma unroll
           for (int r = 0; r < kNvfp4Block; ++r)
