@@ -198,8 +198,6 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
   PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(what, "row_bf16",
                                                  cfg.rowwise && !out.row_bf16.empty(),
                                                  out.row_bf16, in.rows));
-  if (!out.row_bf16.empty() && !cfg.rowwise)
-    return error(what, "row_bf16 is given but the rowwise copy is not requested");
   return Status::ok();
 }
 
