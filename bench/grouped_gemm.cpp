@@ -243,7 +243,7 @@ class ShapeCase {
       in.rows = rows;
       in.data = cv(carve_rows(src, rows, cols * 2));
       Mxfp8Outputs o{carve_rows(q.rd, rows, cols), carve_rows(q.rs, rows, cols / 32),
-                     carve_rows(q.cd, rows, cols), carve_rows(q.cs, rows, cols / 32)};
+                     carve_rows(q.cd, rows, cols), carve_rows(q.cs, rows, cols / 32), {}, {}};
       check(be_.quantize_mxfp8(in, cfg, o));
       q.o = o;
     };

@@ -314,8 +314,14 @@ int run(const Options& o) {
     {
       DeviceBuffer rd(be, n), rs(be, n / 32), cd(be, n), cs(be, n / 32);
       Mxfp8Config cfg{DType::kE4M3, true, true, false};
-      Mxfp8Outputs out{{rd.get()}, {rs.get()}, {cd.get()}, {cs.get()}};
+      Mxfp8Outputs out{{rd.get()}, {rs.get()}, {cd.get()}, {cs.get()}, {}, {}};
       bench.run("mxfp8 e4m3 row+col activations", elems * (2 + 1 + 1 + 2.0 / 32),
+                [&] { check(be.quantize_mxfp8(in, cfg, out)); });
+      // A gradient as GroupedLinear quantizes it: both copies' BF16 values written too.
+      DeviceBuffer rv(be, n * 2), cv(be, n * 2);
+      out.row_bf16 = {rv.get()};
+      out.col_bf16 = {cv.get()};
+      bench.run("mxfp8 e4m3 row+col + bf16 values", elems * (2 + 1 + 1 + 2.0 / 32 + 4),
                 [&] { check(be.quantize_mxfp8(in, cfg, out)); });
     }
     {

@@ -91,7 +91,7 @@ Result<QuantOut> quantize(Backend& b, const Recipe& r, const GroupedMatrices& in
     q.add(b, E, N * K / 32, packed);    // row scale (N, K/32)
     q.add(b, E, N * K, packed);         // col data (N, K)
     q.add(b, E, N / 32 * K, packed);    // col scale (N/32, K)
-    Mxfp8Outputs o{q.ptrs[0], q.ptrs[1], q.ptrs[2], q.ptrs[3]};
+    Mxfp8Outputs o{q.ptrs[0], q.ptrs[1], q.ptrs[2], q.ptrs[3], {}, {}};
     s = b.quantize_mxfp8(in, r.mx, o);
   } else {
     q.add(b, E, N * K / 2, packed);     // row data (N, K/2)

@@ -183,10 +183,10 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t
                          std::to_string(m.size()) + " groups");
   PACKMOE_RETURN_IF_ERROR(check_operand(a.lhs, "lhs", m.size(), ctx));
   PACKMOE_RETURN_IF_ERROR(check_operand(a.rhs, "rhs", m.size(), ctx));
-  if (!a.rhs.bf16.empty() ||
-      (!a.lhs.bf16.empty() && (a.lhs.format != OperandFormat::kNvfp4 || a.op == GemmOp::kWgrad)))
-    return Status::error(ctx + "BF16 values of a copy are taken only for the NVFP4 lhs of fprop "
-                               "or dgrad");
+  if ((!a.lhs.bf16.empty() && a.lhs.format == OperandFormat::kBF16) ||
+      (!a.rhs.bf16.empty() && (a.rhs.format == OperandFormat::kBF16 || a.op != GemmOp::kWgrad)))
+    return Status::error(ctx + "BF16 values are taken for a quantized token-side copy only (the "
+                               "lhs, or the wgrad rhs), never for a weight");
 
   const OperandFormat f = a.lhs.format;
   const int64_t block = f == OperandFormat::kMxfp8 ? 32 : f == OperandFormat::kNvfp4 ? 16 : 1;
@@ -209,7 +209,8 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t
     if (m[g] > 0 && f != OperandFormat::kBF16 &&
         (a.lhs.scale[g] == nullptr || a.rhs.scale[g] == nullptr))
       return Status::error(ctx + "group " + std::to_string(g) + " has a null scale pointer");
-    if (m[g] > 0 && !a.lhs.bf16.empty() && a.lhs.bf16[g] == nullptr)
+    if (m[g] > 0 && ((!a.lhs.bf16.empty() && a.lhs.bf16[g] == nullptr) ||
+                     (!a.rhs.bf16.empty() && a.rhs.bf16[g] == nullptr)))
       return Status::error(ctx + "group " + std::to_string(g) + " has a null bf16 pointer");
   }
   return Status::ok();

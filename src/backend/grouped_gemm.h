@@ -34,10 +34,11 @@ struct GemmOperand {
   std::vector<const void*> data;   // G pointers, stored matrix of the table above
   std::vector<const void*> scale;  // G pointers, compact block scales (MXFP8, NVFP4)
   const void* decode_scale = nullptr;  // NVFP4: (G,) F32 per-group S_dec = nvfp4_decode_scale(amax)
-  // Optional, NVFP4 lhs of fprop / dgrad with host counts only: G pointers to the (m_g, C) BF16
-  // values of the rowwise copy without S_dec (quantize_nvfp4's Nvfp4Outputs::row_bf16), i.e.
-  // exactly what the GEMM would dequantize the copy to. The CUDA backend reads them instead of
-  // dequantizing; the CPU backend dequantizes as always (the same values by definition).
+  // Optional, a quantized token-side copy (the lhs; the rhs of wgrad) with host counts only: G
+  // pointers to the BF16 values of the stored matrix of the table above, without NVFP4's S_dec
+  // (the quantizers' row_bf16 / col_bf16 outputs), i.e. exactly what the GEMM would dequantize
+  // the copy to. The CUDA backend reads them instead of dequantizing; the CPU backend dequantizes
+  // as always (the same values by definition). Never for a weight (no BF16 weight copies).
   std::vector<const void*> bf16;
 };
 

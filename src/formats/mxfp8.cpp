@@ -119,6 +119,12 @@ Status validate_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg, const M
       validate_copy_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
       validate_copy_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
+  if (cfg.two_d && !(out.row_bf16.empty() && out.col_bf16.empty()))
+    return error(what, "BF16 values are for 1D copies, not 2D 32x32 tiles");
+  PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(
+      what, "row_bf16", cfg.rowwise && !out.row_bf16.empty(), out.row_bf16, in.rows));
+  PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(
+      what, "col_bf16", cfg.columnwise && !out.col_bf16.empty(), out.col_bf16, in.rows));
   return Status::ok();
 }
 
@@ -206,7 +212,29 @@ Status quantize_mxfp8_cpu(const GroupedMatrices& in, const Mxfp8Config& cfg,
       }
     }
   }
+  // The BF16 values of the copies just written, by the dequantize's own definition.
+  if (in.total_rows() == 0) return Status::ok();
+  if (!out.row_bf16.empty())
+    PACKMOE_RETURN_IF_ERROR(
+        dequantize_mxfp8_cpu(mxfp8_copy_of(in, el, false, out), DType::kBF16, out.row_bf16));
+  if (!out.col_bf16.empty())
+    PACKMOE_RETURN_IF_ERROR(
+        dequantize_mxfp8_cpu(mxfp8_copy_of(in, el, true, out), DType::kBF16, out.col_bf16));
   return Status::ok();
+}
+
+Mxfp8Copy mxfp8_copy_of(const GroupedMatrices& in, DType element, bool columnwise,
+                        const Mxfp8Outputs& out) {
+  const std::vector<void*>& data = columnwise ? out.col_data : out.row_data;
+  const std::vector<void*>& scale = columnwise ? out.col_scale : out.row_scale;
+  Mxfp8Copy q;
+  q.element = element;
+  q.columnwise = columnwise;
+  q.cols = in.cols;
+  q.rows = in.rows;
+  q.data.assign(data.begin(), data.end());
+  q.scale.assign(scale.begin(), scale.end());
+  return q;
 }
 
 Status dequantize_mxfp8_cpu(const Mxfp8Copy& q, DType out_dtype, const std::vector<void*>& out) {

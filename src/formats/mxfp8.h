@@ -26,6 +26,11 @@ struct Mxfp8Outputs {
   std::vector<void*> row_scale;  // (rows_g, K/32) E8M0, compact row-major
   std::vector<void*> col_data;   // (rows_g, K) elements
   std::vector<void*> col_scale;  // (rows_g/32, K) E8M0, compact row-major
+  // Optional, 1D copies only: (rows_g, K) BF16, a copy's values f32_to_bf16(mxfp8_decode(code,
+  // scale)), exactly what a GEMM dequantizes the copy to, so a GEMM that is given them
+  // (GemmOperand::bf16) reads them instead. Empty: not written.
+  std::vector<void*> row_bf16;
+  std::vector<void*> col_bf16;
 };
 
 // One copy of quantized grouped data, for dequantization.
@@ -37,6 +42,11 @@ struct Mxfp8Copy {
   std::vector<const void*> data;   // (rows_g, K)
   std::vector<const void*> scale;  // (rows_g, K/32) or (rows_g/32, K)
 };
+
+// The rowwise (columnwise = false) or columnwise copy of quantize outputs `out` of input `in`,
+// for dequantization.
+Mxfp8Copy mxfp8_copy_of(const GroupedMatrices& in, DType element, bool columnwise,
+                        const Mxfp8Outputs& out);
 
 // Shape/usage checks (no memory is touched): K % 32, rows % 32 for columnwise/2D, pointers.
 Status validate_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg, const Mxfp8Outputs& out);

@@ -60,8 +60,19 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   in.rows = m;
 
   if (mx) {
-    if (rows) check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), Mxfp8Outputs{rd, rs, cd, cs}),
-                       "activation quantize (mxfp8)");
+    if (!rows) return out;
+    // The copies' BF16 values, written by the quantizer while it has them, so the GEMMs right
+    // after read them instead of dequantizing (the same values): the rowwise copy's for fprop /
+    // dgrad, and a gradient's columnwise copy's for its wgrad. An input's columnwise copy waits
+    // for the backward pass, so it is kept in FP8 only (the memory that saves is the point).
+    Mxfp8Outputs o{rd, rs, cd, cs, {}, {}};
+    o.row_bf16 = carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);
+    out.rowwise.bf16 = to_const(o.row_bf16);
+    if (role == TensorRole::kGradOutput) {
+      o.col_bf16 = carve_rows(out.col_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);
+      out.columnwise.bf16 = to_const(o.col_bf16);
+    }
+    check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
     return out;
   }
   // NVFP4: per-group amax and decode scales of both copies (the columnwise one after the RHT).

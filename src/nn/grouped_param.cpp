@@ -362,7 +362,7 @@ void GroupedParam::quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, 
   }
   if (recipe_.recipe == Recipe::kMxfp8) {
     Mxfp8Config cfg = mxfp8_config(recipe_, TensorRole::kWeight);
-    Mxfp8Outputs out{outputs(0), outputs(1), {}, {}};
+    Mxfp8Outputs out{outputs(0), outputs(1), {}, {}, {}, {}};
     cfg.columnwise = !cfg.two_d;  // a 2D columnwise copy is derived after the gather
     if (cfg.columnwise) {
       out.col_data = outputs(2);
@@ -442,7 +442,7 @@ void GroupedParam::quantize_weight(const GroupedStorage& bf16) {
   in.rows.assign(e_, n_);
   if (recipe_.recipe == Recipe::kMxfp8) {
     Mxfp8Outputs out{quant_.row_data.ptrs(), quant_.row_scale.ptrs(), quant_.col_data.ptrs(),
-                     quant_.col_scale.ptrs()};
+                     quant_.col_scale.ptrs(), {}, {}};
     check_op(backend_->quantize_mxfp8(in, mxfp8_config(recipe_, TensorRole::kWeight), out),
              "weight quantize (mxfp8)");
     return;

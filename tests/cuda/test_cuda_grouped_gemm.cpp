@@ -761,52 +761,77 @@ TEST(CudaGroupedGemm, Nvfp4RhtSrWgrad) {
   run_recipe(*gpu, rc, kAllOps, 600);
 }
 
-// An NVFP4 fprop / dgrad lhs given with its BF16 values (GemmOperand::bf16, what the quantizer
-// writes beside the rowwise copy) reads them instead of dequantizing: the same output bytes as
-// without, on both implementations, with aligned and misaligned (staged) BF16 pointers. The BF16
-// values here come from the operand's own decode (e2m1 * e4m3, exact in BF16), not from the
-// quantizer.
-TEST(CudaGroupedGemm, Nvfp4GivenBf16ValuesGiveTheSameBytes) {
+// A quantized token-side operand given with its BF16 values (GemmOperand::bf16, what the
+// quantizer writes beside a copy) is read instead of dequantized: the same output bytes as
+// without, on both implementations, with aligned and misaligned (staged) BF16 pointers. Cases: the
+// NVFP4 and MXFP8 lhs of fprop and dgrad (rowwise copies), the MXFP8 lhs and rhs of wgrad
+// (columnwise copies, stored like the logical matrix). The BF16 values here come from the
+// operand's own decode (exact in BF16), not from the quantizer.
+TEST(CudaGroupedGemm, GivenBf16ValuesGiveTheSameBytes) {
   SKIP_WITHOUT_GPU();
+  struct Given {
+    OperandFormat format;
+    GemmOp op;
+  };
+  const Given kGiven[] = {{OperandFormat::kNvfp4, GemmOp::kFprop},
+                          {OperandFormat::kNvfp4, GemmOp::kDgrad},
+                          {OperandFormat::kMxfp8, GemmOp::kFprop},
+                          {OperandFormat::kMxfp8, GemmOp::kDgrad},
+                          {OperandFormat::kMxfp8, GemmOp::kWgrad}};
+  auto with_bf16 = [](const HostOperand& o) {
+    HostOperand w = o;
+    for (size_t g = 0; g < o.lrows.size(); ++g) {
+      const std::vector<double> v = o.decode(g);
+      std::vector<uint8_t>& b = w.bf16.emplace_back(v.size() * 2);
+      for (size_t i = 0; i < v.size(); ++i) {
+        const uint16_t h = f32_to_bf16(static_cast<float>(v[i]));
+        EXPECT_EQ(static_cast<double>(bf16_to_f32(h)), v[i]) << "a decoded value is not exact in BF16";
+        std::memcpy(b.data() + 2 * i, &h, 2);
+      }
+    }
+    return w;
+  };
   uint64_t seed = 1900;
   size_t cases = 0, bytes = 0;
-  for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad})
-    for (const Shape& sh : shapes(16)) {
+  for (const Given& gv : kGiven)
+    for (const Shape& sh : shapes(gemm_token_alignment(gv.format))) {
       std::mt19937_64 rng(seed++);
       const size_t G = sh.m.size();
+      const GemmOp op = gv.op;
+      const bool wgrad = op == GemmOp::kWgrad;
+      const Recipe rc{gv.format};
+      // Logical operands as run_case makes them: lhs X | dY | dY, rhs W | W | X.
       const Logical lhs_l = make_logical(sh.m, op == GemmOp::kFprop ? sh.k : sh.n, -1, rng);
-      const Logical rhs_l = make_logical(std::vector<int64_t>(G, sh.n), sh.k, -1, rng);
-      const Role role = op == GemmOp::kFprop ? Role::kActivation : Role::kGradient;
-      const HostOperand lhs = make_operand(lhs_l, Recipe{OperandFormat::kNvfp4}, role, false, seed);
-      const HostOperand rhs = make_operand(rhs_l, Recipe{OperandFormat::kNvfp4}, Role::kWeight,
-                                           op != GemmOp::kFprop, seed + 1);
-      HostOperand lhs_bf16 = lhs;
-      for (size_t g = 0; g < G; ++g) {
-        const std::vector<double> v = lhs.decode(g);
-        std::vector<uint8_t>& b = lhs_bf16.bf16.emplace_back(v.size() * 2);
-        for (size_t i = 0; i < v.size(); ++i) {
-          const uint16_t h = f32_to_bf16(static_cast<float>(v[i]));
-          ASSERT_EQ(static_cast<double>(bf16_to_f32(h)), v[i]) << "an NVFP4 value is not exact in BF16";
-          std::memcpy(b.data() + 2 * i, &h, 2);
-        }
-      }
+      const Logical rhs_l = wgrad ? make_logical(sh.m, sh.k, -1, rng)
+                                  : make_logical(std::vector<int64_t>(G, sh.n), sh.k, -1, rng);
+      const Role lhs_role = op == GemmOp::kFprop ? Role::kActivation : Role::kGradient;
+      const Role rhs_role = wgrad ? Role::kActivation : Role::kWeight;
+      const HostOperand lhs = make_operand(lhs_l, rc, lhs_role, wgrad, seed);
+      const HostOperand rhs = make_operand(rhs_l, rc, rhs_role, op != GemmOp::kFprop, seed + 1);
+      const HostOperand lhs_bf16 = with_bf16(lhs);
+      const HostOperand rhs_bf16 = wgrad ? with_bf16(rhs) : rhs;
       Case c;
       c.op = op;
-      c.recipe = Recipe{OperandFormat::kNvfp4};
-      c.out = DType::kBF16;
+      c.recipe = rc;
+      c.out = wgrad ? DType::kF32 : DType::kBF16;
       c.m = sh.m;
       c.n = sh.n;
       c.k = sh.k;
+      const size_t el = wgrad ? 4 : 2;
       std::vector<std::vector<uint8_t>> init(G);
       for (size_t g = 0; g < G; ++g)
-        init[g].assign(static_cast<size_t>(sh.m[g] * (op == GemmOp::kFprop ? sh.n : sh.k)) * 2, kUnset);
+        init[g].assign(static_cast<size_t>(wgrad ? sh.n * sh.k
+                                                 : sh.m[g] * (op == GemmOp::kFprop ? sh.n : sh.k)) *
+                           el,
+                       kUnset);
       for (const char* impl : {"sm90", "cublas"})
         for (Placement pl : {Placement::kPacked, Placement::kMisaligned}) {
           SCOPED_TRACE(std::string(op_name_of(op)) + " " + impl + " m[0]=" + std::to_string(sh.m[0]) +
-                       " N=" + std::to_string(sh.n) + " K=" + std::to_string(sh.k));
+                       " N=" + std::to_string(sh.n) + " K=" + std::to_string(sh.k) +
+                       (gv.format == OperandFormat::kMxfp8 ? " mxfp8" : " nvfp4"));
           setenv("PACKMOE_GEMM_IMPL", impl, 1);
           const RunOut a = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
-          const RunOut b = run_gpu(*gpu, c, lhs_bf16, rhs, init, pl, false);
+          const RunOut b = run_gpu(*gpu, c, lhs_bf16, rhs_bf16, init, pl, false);
           unsetenv("PACKMOE_GEMM_IMPL");
           ASSERT_TRUE(a.status.is_ok()) << a.status.message();
           ASSERT_TRUE(b.status.is_ok()) << b.status.message();
@@ -818,8 +843,7 @@ TEST(CudaGroupedGemm, Nvfp4GivenBf16ValuesGiveTheSameBytes) {
           ++cases;
         }
     }
-  std::printf("[gemm cuda] nvfp4 lhs with given bf16 == dequantized: cases=%zu bytes=%zu\n", cases,
-              bytes);
+  std::printf("[gemm cuda] given bf16 == dequantized: cases=%zu bytes=%zu\n", cases, bytes);
 }
 
 // wgrad into an FP32 main_grad: accumulate adds, groups without tokens keep their old values.

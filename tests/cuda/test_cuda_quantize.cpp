@@ -389,6 +389,13 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
       cd = std::make_unique<Mirror>(*gpu, sizes(L.rows, K), L.pl, sh);
       csc = std::make_unique<Mirror>(*gpu, sizes(L.rows, K / 32.0), L.pl, sh);
     }
+    // Every other 1D tensor also asks for the copies' BF16 values (row_bf16 / col_bf16): the
+    // kernel writes them (BF16 input, aligned), or the dequantize after it (F32, misaligned).
+    std::unique_ptr<Mirror> rv, cv;
+    if (t % 2 == 1 && !cs.two_d) {
+      if (cs.rowwise) rv = std::make_unique<Mirror>(*gpu, sizes(L.rows, K * 2), L.pl, 2);
+      if (cs.columnwise) cv = std::make_unique<Mirror>(*gpu, sizes(L.rows, K * 2), L.pl, 2);
+    }
     GroupedMatrices gin_h{cs.input, K, const_ptrs(in.host_ptrs()), L.rows};
     GroupedMatrices gin_d{cs.input, K, const_ptrs(in.dev_ptrs()), L.rows};
     Mxfp8Outputs oh, od;
@@ -396,6 +403,8 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
     if (rs) oh.row_scale = rs->host_ptrs(), od.row_scale = rs->dev_ptrs();
     if (cd) oh.col_data = cd->host_ptrs(), od.col_data = cd->dev_ptrs();
     if (csc) oh.col_scale = csc->host_ptrs(), od.col_scale = csc->dev_ptrs();
+    if (rv) oh.row_bf16 = rv->host_ptrs(), od.row_bf16 = rv->dev_ptrs();
+    if (cv) oh.col_bf16 = cv->host_ptrs(), od.col_bf16 = cv->dev_ptrs();
     const Status sc = cpu.quantize_mxfp8(gin_h, cfg, oh);
     ASSERT_TRUE(sc.is_ok()) << sc.message();
     const Status sg = gpu->quantize_mxfp8(gin_d, cfg, od);
@@ -403,6 +412,8 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
     ++q.tensors;
     if (rd) rd->compare("row_data", q), rs->compare("row_scale", q);
     if (cd) cd->compare("col_data", q), csc->compare("col_scale", q);
+    if (rv) rv->compare("row_bf16", q);
+    if (cv) cv->compare("col_bf16", q);
 
     // Dequantize each copy from each side's own bytes, to F32 and BF16.
     ++dq.tensors;

@@ -161,7 +161,7 @@ TEST(CudaShardOps, Weight2dColumnwiseMatchesCpu) {
         Mxfp8Config cfg;
         cfg.two_d = true;
         ASSERT_TRUE(
-            quantize_mxfp8_cpu(in, cfg, {groups(rd, data), groups(rs, scale), {}, {}}).is_ok());
+            quantize_mxfp8_cpu(in, cfg, {groups(rd, data), groups(rs, scale), {}, {}, {}, {}}).is_ok());
       } else {
         Nvfp4Config cfg;
         cfg.two_d = true;

@@ -200,7 +200,7 @@ TEST(Weight2dColumnwise, EqualsTheQuantizersColumnwiseCopy) {
       cfg.two_d = true;
       ASSERT_TRUE(quantize_mxfp8_cpu(in, cfg,
                                      {groups(rd, n * k), groups(rs, n * k / 32), groups(cd, n * k),
-                                      groups(cs, n * k / 32)})
+                                      groups(cs, n * k / 32), {}, {}})
                       .is_ok());
     } else {
       Nvfp4Config cfg;

@@ -184,7 +184,7 @@ ActCopies quantize_here(const QuantRecipe& q, TensorRole role, std::vector<uint1
   GroupedMatrices in{DType::kBF16, c, {in_ptrs.begin(), in_ptrs.end()}, m};
   const auto to_const = [](const std::vector<void*>& v) { return std::vector<const void*>(v.begin(), v.end()); };
   Mxfp8Outputs mo{carve_rows(rd, m, data_row), carve_rows(rs, m, scale_row),
-                  carve_rows(cd, m, data_row), carve_rows(cs, m, scale_row)};
+                  carve_rows(cd, m, data_row), carve_rows(cs, m, scale_row), {}, {}};
   out.row.data = to_const(mo.row_data);
   out.row.scale = to_const(mo.row_scale);
   out.col.data = to_const(mo.col_data);

@@ -650,6 +650,64 @@ TEST(Mxfp8Dequantize, Bf16OutputMatchesF32) {
 
 // The same (E, N, K) weight as one packed buffer (inputs and outputs carved from single
 // allocations) and as E separate allocations: bitwise identical for every option.
+// The optional BF16 values of both 1D copies (Mxfp8Outputs::row_bf16 / col_bf16) are each
+// code's value e * 2^(scale - 127), computed here in FP64 from the codes and rounded to BF16, for
+// random groups (one empty), E4M3 and E5M2, BF16 and F32 input; every byte is written (two fills)
+// and the FP8 copies are the same bytes as without the values.
+TEST(Mxfp8Quantize, Bf16ValuesOfBothCopies) {
+  RANDOM_SEED(seed);
+  std::mt19937 rng(seed);
+  for (DType el : {DType::kE4M3, DType::kE5M2})
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      SCOPED_TRACE(std::string(dtype_name(el)) + " from " + std::string(dtype_name(dtype)));
+      const std::vector<int64_t> rows = {64, 0, 32};
+      const int64_t k = 96;
+      const Input in = random_input(rng, dtype, k, rows);
+      const Mxfp8Config cfg{el, true, true, false};
+      const Quantized plain = quantize(in, cfg);
+      std::vector<std::vector<uint16_t>> values[2][2];  // [fill][row, col]
+      for (int f = 0; f < 2; ++f) {
+        Quantized q;
+        for (int64_t r : rows) {
+          q.row_data.emplace_back(r * k, 0);
+          q.row_scale.emplace_back(r * k / 32, 0);
+          q.col_data.emplace_back(r * k, 0);
+          q.col_scale.emplace_back(r / 32 * k, 0);
+          values[f][0].emplace_back(r * k, f ? 0xFFFF : 0);
+          values[f][1].emplace_back(r * k, f ? 0xFFFF : 0);
+        }
+        Mxfp8Outputs o = q.outputs();
+        for (auto& v : values[f][0]) o.row_bf16.push_back(v.data());
+        for (auto& v : values[f][1]) o.col_bf16.push_back(v.data());
+        const Status st = quantize_mxfp8_cpu(in.view(), cfg, o);
+        ASSERT_TRUE(st.is_ok()) << st.message();
+        EXPECT_EQ(q.row_data, plain.row_data);
+        EXPECT_EQ(q.row_scale, plain.row_scale);
+        EXPECT_EQ(q.col_data, plain.col_data);
+        EXPECT_EQ(q.col_scale, plain.col_scale);
+      }
+      EXPECT_EQ(values[0][0], values[1][0]) << "row_bf16 bytes left unwritten";
+      EXPECT_EQ(values[0][1], values[1][1]) << "col_bf16 bytes left unwritten";
+      size_t checked = 0;
+      for (size_t g = 0; g < rows.size(); ++g)
+        for (int64_t r = 0; r < rows[g]; ++r)
+          for (int64_t c = 0; c < k; ++c) {
+            for (int col = 0; col < 2; ++col) {
+              const uint8_t e = (col ? plain.col_data : plain.row_data)[g][r * k + c];
+              const uint8_t code =
+                  col ? plain.col_scale[g][(r / 32) * k + c] : plain.row_scale[g][r * (k / 32) + c / 32];
+              const double ev = el == DType::kE5M2 ? e5m2_to_f32(e) : e4m3_to_f32(e);
+              const double want = std::ldexp(ev, static_cast<int>(code) - 127);
+              const uint16_t got = values[0][col][g][r * k + c];
+              ASSERT_EQ(static_cast<double>(bf16_to_f32(got)), want)
+                  << (col ? "col" : "row") << " group " << g << " (" << r << ", " << c << ")";
+              ++checked;
+            }
+          }
+      EXPECT_EQ(checked, static_cast<size_t>(2 * 96 * 96));
+    }
+}
+
 TEST(Mxfp8Quantize, PackedEqualsDiscrete) {
   RANDOM_SEED(seed);
   std::mt19937 rng(seed);
@@ -771,6 +829,16 @@ TEST(Mxfp8Validate, BadRequestsFailWithoutTouchingMemory) {
     GroupedMatrices g = good;
     g.data[0] = nullptr;
     cases.push_back({"null input", g, rowwise(), outputs(true, false), "no data"});
+    o = outputs(true, false);
+    o.row_bf16 = {bufs[4].data(), bufs[5].data()};
+    cases.push_back({"2D with BF16 values", good, Mxfp8Config{DType::kE4M3, true, false, true}, o,
+                     "1D copies"});
+    o = outputs(true, false);
+    o.col_bf16 = {bufs[4].data(), bufs[5].data()};
+    cases.push_back({"col_bf16 without the columnwise copy", good, rowwise(), o, "col_bf16"});
+    o.col_bf16.clear();
+    o.row_bf16 = {bufs[4].data()};
+    cases.push_back({"row_bf16 pointer count", good, rowwise(), o, "row_bf16"});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

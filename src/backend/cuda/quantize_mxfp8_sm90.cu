@@ -3,12 +3,14 @@
 // prefix sum of tile counts); each tile holds whole blocks of both shapes, so the input is read
 // once for both copies. Invariant: every scale and element byte comes from formats/mxfp8_math.h
 // (or the hardware cvt and branch-free scale code proven equal to it by selftest.cu): the bytes
-// equal quantize_mxfp8_cpu's.
+// equal quantize_mxfp8_cpu's. The copies' BF16 values (Mxfp8Outputs::row_bf16 / col_bf16) come
+// from the dequantize's own conversion (grouped_gemm_sm90_convert.cuh) of the codes just made.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/cuda/kernels_common.cuh"
 #include "formats/mxfp8_math.h"
 
@@ -63,6 +65,8 @@ struct Mxfp8Group {
   uint8_t* row_scale;  // (rows, K/32)
   uint8_t* col_data;   // (rows, K)
   uint8_t* col_scale;  // (rows/32, K)
+  uint8_t* row_bf16;   // (rows, K) BF16 values of the rowwise copy, or null
+  uint8_t* col_bf16;   // (rows, K) BF16 values of the columnwise copy, or null
   int64_t rows;
   uint32_t tile_begin;  // exclusive prefix sum of tile counts
 };
@@ -192,6 +196,35 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint32_t* words,
   }
 }
 
+// The BF16 values of a chunk's kCols codes (`words`), code j times sc_of(j), as 16 bytes at dst:
+// f32_to_bf16(mxfp8_decode(code, scale)), the bytes dequantize_mxfp8 writes. The conversion is
+// the GEMM dequantize's (FP8 -> F16 -> FP32, times the scale, RNE to BF16: exact values); a NaN
+// code, which that conversion turns into the NaN 0x7FFF, becomes the canonical 0x7FC0 (rare: a NaN
+// input; the quantizer makes no NaN scale).
+template <DType kEl, typename ScOf>
+__device__ __forceinline__ void store_values(uint8_t* dst, const uint32_t* words, ScOf sc_of) {
+  static_assert(Config::kCols == 8, "one 16-byte store per row chunk");
+  uint32_t o[4];
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float2 f = gemm_convert::f16x2_to_f32x2(
+        gemm_convert::fp8x2_to_f16x2<kEl == DType::kE5M2>(words[p / 2] >> (16 * (p % 2))));
+    o[p] = gemm_convert::f32x2_to_bf16x2(f.x * sc_of(2 * p), f.y * sc_of(2 * p + 1));
+  }
+  // Bit 7 of each byte: the code is a NaN (E4M3 0x7F, E5M2 0x7D..0x7F, either sign); the add
+  // cannot carry out of a byte.
+  constexpr uint32_t kNanAdd = kEl == DType::kE5M2 ? 0x03030303u : 0x01010101u;
+  const uint32_t nan[2] = {((words[0] & 0x7F7F7F7Fu) + kNanAdd) & 0x80808080u,
+                           ((words[1] & 0x7F7F7F7Fu) + kNanAdd) & 0x80808080u};
+  if ((nan[0] | nan[1]) != 0) {
+#pragma unroll
+    for (int j = 0; j < Config::kCols; ++j)
+      if ((nan[j / 4] >> (8 * (j % 4) + 7)) & 1u)
+        o[j / 2] = (o[j / 2] & (0xFFFF0000u >> (16 * (j % 2)))) | (0x7FC0u << (16 * (j % 2)));
+  }
+  __stcs(reinterpret_cast<uint4*>(dst), make_uint4(o[0], o[1], o[2], o[3]));
+}
+
 // E8M0 code of a block and its quantization multiplier q. kHw: the branch-free forms of
 // kernels_common.cuh (selftest.cu proves them equal for every amax); else the shared functions.
 template <DType kEl, bool kHw>
@@ -236,7 +269,8 @@ __device__ __forceinline__ void store_row_scales(uint8_t* row_scale, int64_t K, 
   if (r < rows && p.col_valid) row_scale[r * (K / kMxfp8Block) + p.c0 / kMxfp8Block] = c;
 }
 
-template <typename In, DType kEl, bool kHw, bool kVec>
+// kValues: also the copies' BF16 values into the groups' row_bf16 / col_bf16 (kHw, kVec only).
+template <typename In, DType kEl, bool kHw, bool kVec, bool kValues>
 __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4* ring_stage_v0,
                                              uint32_t tile, ColumnSmem<In>& cs,
                                              const uint32_t* begins) {
@@ -299,7 +333,15 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
       encode_chunk<In, kEl, kHw>(
           raw[i], [&](int) { return q; }, words);
       const int64_t r = p.r0 + i;
-      if (r < rows && p.col_valid) store_bytes<kVec>(row_data + i * K, words, p.col_valid);
+      if (r < rows && p.col_valid) {
+        store_bytes<kVec>(row_data + i * K, words, p.col_valid);
+        if constexpr (kValues) {
+          if (grp.row_bf16 != nullptr) {
+            const float sc = e8m0_to_f32(codes[i]);
+            store_values<kEl>(grp.row_bf16 + (r * K + p.c0) * 2, words, [&](int) { return sc; });
+          }
+        }
+      }
     }
     store_row_scales<R>(row_scale, K, p, rows, codes);
   }
@@ -404,19 +446,27 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
   float q[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) q[j] = cs.colq[j][lane];
+  uint8_t* const col_bf16 = kValues ? grp.col_bf16 : nullptr;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     uint32_t words[C / 4];
     encode_chunk<In, kEl, kHw>(
         raw[i], [&](int j) { return q[j]; }, words);
     store_bytes<kVec>(col_data + i * K, words, p.col_valid);
+    if (kValues && col_bf16 != nullptr) {
+      // The column codes from shared memory (8 bytes), not 8 more live registers.
+      const uint2 cc = *reinterpret_cast<const uint2*>(cs.colcode + lane * C);
+      store_values<kEl>(col_bf16 + ((p.r0 + i) * K + p.c0) * 2, words, [&](int j) {
+        return e8m0_to_f32(static_cast<uint8_t>((j < 4 ? cc.x : cc.y) >> (8 * (j % 4))));
+      });
+    }
   }
 }
 
 // kVec: K % kCols == 0 and every data pointer 16-byte aligned, so a thread's chunk is all in or
 // all out of the matrix and moves with vector instructions; otherwise (columnwise-only with
 // ragged K, or unaligned views) elements move one at a time.
-template <typename In, DType kEl, bool kHw, bool kVec>
+template <typename In, DType kEl, bool kHw, bool kVec, bool kValues>
 __global__ void __launch_bounds__(Config::kThreads, kMinBlocks<In>)
     mxfp8_quantize_kernel(const __grid_constant__ Mxfp8Args args) {
   extern __shared__ uint4 ring[];  // kRingBytes<In>
@@ -441,14 +491,15 @@ __global__ void __launch_bounds__(Config::kThreads, kMinBlocks<In>)
                          begins);
     cuda::cp_async_commit();
     cuda::cp_async_wait<S - 1>();
-    process_tile<In, kEl, kHw, kVec>(args, ring_slot<In>(ring, stage, 0, 0), tile, cs, begins);
+    process_tile<In, kEl, kHw, kVec, kValues>(args, ring_slot<In>(ring, stage, 0, 0), tile, cs,
+                                              begins);
     stage = stage == S - 1 ? 0 : stage + 1;
   }
 }
 
-template <typename In, DType kEl, bool kHw, bool kVec>
+template <typename In, DType kEl, bool kHw, bool kVec, bool kValues = false>
 void launch(CudaBackend& be, const Mxfp8Args& args) {
-  auto* kernel = &mxfp8_quantize_kernel<In, kEl, kHw, kVec>;
+  auto* kernel = &mxfp8_quantize_kernel<In, kEl, kHw, kVec, kValues>;
   // Per instantiation, once: the ring exceeds the 48 KB default of dynamic shared memory, and the
   // persistent grid is as many CTAs as fit on the device at once.
   static const int ctas_per_sm = [&] {
@@ -466,8 +517,12 @@ void launch(CudaBackend& be, const Mxfp8Args& args) {
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 
+// values: the kernel writes the BF16 values too (BF16 input, hardware conversions, vector path).
 template <typename In, DType kEl>
-void dispatch_hw_vec(CudaBackend& be, const Mxfp8Args& args, bool hw, bool vec) {
+void dispatch_hw_vec(CudaBackend& be, const Mxfp8Args& args, bool hw, bool vec, bool values) {
+  if constexpr (sizeof(In) == 2) {
+    if (values) return launch<In, kEl, true, true, true>(be, args);
+  }
   if (hw) {
     vec ? launch<In, kEl, true, true>(be, args) : launch<In, kEl, true, false>(be, args);
   } else {
@@ -476,11 +531,12 @@ void dispatch_hw_vec(CudaBackend& be, const Mxfp8Args& args, bool hw, bool vec) 
 }
 
 template <typename In>
-void dispatch_element(CudaBackend& be, const Mxfp8Args& args, DType el, bool hw, bool vec) {
+void dispatch_element(CudaBackend& be, const Mxfp8Args& args, DType el, bool hw, bool vec,
+                      bool values) {
   if (el == DType::kE5M2)
-    dispatch_hw_vec<In, DType::kE5M2>(be, args, hw, vec);
+    dispatch_hw_vec<In, DType::kE5M2>(be, args, hw, vec, values);
   else
-    dispatch_hw_vec<In, DType::kE4M3>(be, args, hw, vec);
+    dispatch_hw_vec<In, DType::kE4M3>(be, args, hw, vec, values);
 }
 
 }  // namespace
@@ -510,11 +566,14 @@ Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxf
     d.row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
     d.col_data = cfg.columnwise ? static_cast<uint8_t*>(out.col_data[g]) : nullptr;
     d.col_scale = cfg.columnwise ? static_cast<uint8_t*>(out.col_scale[g]) : nullptr;
+    d.row_bf16 = out.row_bf16.empty() ? nullptr : static_cast<uint8_t*>(out.row_bf16[g]);
+    d.col_bf16 = out.col_bf16.empty() ? nullptr : static_cast<uint8_t*>(out.col_bf16[g]);
     d.rows = in.rows[g];
     d.tile_begin = static_cast<uint32_t>(tiles);
     if (d.rows == 0) continue;
     vec = vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) &&
-          cuda::aligned16(d.col_data) && (!cfg.two_d || cuda::aligned16(d.col_scale));
+          cuda::aligned16(d.col_data) && (!cfg.two_d || cuda::aligned16(d.col_scale)) &&
+          cuda::aligned16(d.row_bf16) && cuda::aligned16(d.col_bf16);
     col_scale_vec = col_scale_vec && (!cfg.columnwise || cuda::aligned16(d.col_scale));
     tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) *
              args.col_tiles;
@@ -522,10 +581,22 @@ Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxf
   args.col_scale_vec = col_scale_vec;
   args.groups = cuda::make_group_table<Mxfp8Group, Config::kInlineGroups>(be, groups, tiles);
   const bool hw = cuda_fp8_hw_conversion_ok(be, cfg.element) && cuda_mxfp8_fast_scale_ok(be);
+  const bool want_values = !out.row_bf16.empty() || !out.col_bf16.empty();
+  // The kernel writes the values itself on the fast path (BF16 input, hardware conversions,
+  // aligned vectors: the activations of a layer); elsewhere the dequantize kernel writes them
+  // after it, by the same definition.
+  const bool in_kernel = want_values && hw && vec && in.dtype == DType::kBF16;
   if (in.dtype == DType::kBF16)
-    dispatch_element<uint16_t>(be, args, cfg.element, hw, vec);
+    dispatch_element<uint16_t>(be, args, cfg.element, hw, vec, in_kernel);
   else
-    dispatch_element<float>(be, args, cfg.element, hw, vec);
+    dispatch_element<float>(be, args, cfg.element, hw, vec, false);
+  if (!want_values || in_kernel || tiles == 0) return Status::ok();
+  if (!out.row_bf16.empty())
+    PACKMOE_RETURN_IF_ERROR(dequantize_mxfp8_sm90(
+        be, mxfp8_copy_of(in, cfg.element, false, out), DType::kBF16, out.row_bf16));
+  if (!out.col_bf16.empty())
+    PACKMOE_RETURN_IF_ERROR(dequantize_mxfp8_sm90(
+        be, mxfp8_copy_of(in, cfg.element, true, out), DType::kBF16, out.col_bf16));
   return Status::ok();
 }
 
