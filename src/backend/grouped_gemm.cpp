@@ -26,6 +26,14 @@ const char* format_text(OperandFormat f) {
 }
 
 Status check_operand(const GemmOperand& o, const char* name, size_t groups, const std::string& ctx) {
+  if (o.values_only() && o.format != OperandFormat::kBF16) {
+    if (o.bf16.size() != groups)
+      return Status::error(ctx + name + " has " + std::to_string(o.bf16.size()) +
+                           " bf16 pointers for " + std::to_string(groups) + " groups");
+    if (o.format == OperandFormat::kNvfp4 && o.decode_scale == nullptr)
+      return Status::error(ctx + name + ": NVFP4 operands need per-group decode scales");
+    return Status::ok();
+  }
   if (o.data.size() != groups)
     return Status::error(ctx + name + " has " + std::to_string(o.data.size()) + " data pointers for " +
                          std::to_string(groups) + " groups");
@@ -204,10 +212,12 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t
     const bool needs_out = m[g] > 0 || a.op == GemmOp::kWgrad;
     if (needs_out && a.out[g] == nullptr)
       return Status::error(ctx + "group " + std::to_string(g) + " has no output pointer");
-    if (m[g] > 0 && (a.lhs.data[g] == nullptr || a.rhs.data[g] == nullptr))
+    // A copy kept as its values only has no data or scale pointers (the bf16 check below).
+    auto null_data = [&](const GemmOperand& o) { return !o.values_only() && o.data[g] == nullptr; };
+    auto null_scale = [&](const GemmOperand& o) { return !o.values_only() && o.scale[g] == nullptr; };
+    if (m[g] > 0 && (null_data(a.lhs) || null_data(a.rhs)))
       return Status::error(ctx + "group " + std::to_string(g) + " has a null operand");
-    if (m[g] > 0 && f != OperandFormat::kBF16 &&
-        (a.lhs.scale[g] == nullptr || a.rhs.scale[g] == nullptr))
+    if (m[g] > 0 && f != OperandFormat::kBF16 && (null_scale(a.lhs) || null_scale(a.rhs)))
       return Status::error(ctx + "group " + std::to_string(g) + " has a null scale pointer");
     if (m[g] > 0 && ((!a.lhs.bf16.empty() && a.lhs.bf16[g] == nullptr) ||
                      (!a.rhs.bf16.empty() && a.rhs.bf16[g] == nullptr)))

@@ -39,7 +39,11 @@ struct GemmOperand {
   // (the quantizers' row_bf16 / col_bf16 outputs), i.e. exactly what the GEMM would dequantize
   // the copy to. The CUDA backend reads them instead of dequantizing; the CPU backend dequantizes
   // as always (the same values by definition). Never for a weight (no BF16 weight copies).
+  // With them, `data` and `scale` may both be left empty: the copy is kept as its values only
+  // (what a quantizer writes when nothing reads the FP8 / FP4 bytes), and every backend reads the
+  // values.
   std::vector<const void*> bf16;
+  bool values_only() const { return !bf16.empty() && data.empty() && scale.empty(); }
 };
 
 struct GroupedGemmArgs {

@@ -3,8 +3,10 @@
 // first and returns a Status before any memory is read or written.
 #include "formats/mxfp8.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/codecs.h"
 #include "formats/mxfp8_math.h"
@@ -111,14 +113,15 @@ Status validate_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg, const M
         return error(what, "group " + std::to_string(g) + " has " + std::to_string(in.rows[g]) +
                                " rows, not a multiple of 32 (needed for columnwise or 2D blocks)");
   }
+  // A copy kept as its values only has neither data nor scale pointers.
+  const bool row_bytes = cfg.rowwise && !out.row_values_only();
+  const bool col_bytes = cfg.columnwise && !out.col_values_only();
+  PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(what, "row_data", row_bytes, out.row_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
-      validate_copy_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
+      validate_copy_pointers(what, "row_scale", row_bytes, out.row_scale, in.rows));
+  PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(what, "col_data", col_bytes, out.col_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
-      validate_copy_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
-  PACKMOE_RETURN_IF_ERROR(
-      validate_copy_pointers(what, "col_data", cfg.columnwise, out.col_data, in.rows));
-  PACKMOE_RETURN_IF_ERROR(
-      validate_copy_pointers(what, "col_scale", cfg.columnwise, out.col_scale, in.rows));
+      validate_copy_pointers(what, "col_scale", col_bytes, out.col_scale, in.rows));
   if (cfg.two_d && !(out.row_bf16.empty() && out.col_bf16.empty()))
     return error(what, "BF16 values are for 1D copies, not 2D 32x32 tiles");
   PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(
@@ -161,8 +164,23 @@ Status validate_mxfp8_copy(const Mxfp8Copy& q, DType out_dtype, const std::vecto
 }
 
 Status quantize_mxfp8_cpu(const GroupedMatrices& in, const Mxfp8Config& cfg,
-                          const Mxfp8Outputs& out) {
-  PACKMOE_RETURN_IF_ERROR(validate_mxfp8(in, cfg, out));
+                          const Mxfp8Outputs& given) {
+  PACKMOE_RETURN_IF_ERROR(validate_mxfp8(in, cfg, given));
+  // A copy kept as its values only is quantized into host scratch, then its values are written.
+  std::vector<std::vector<uint8_t>> scratch;
+  Mxfp8Outputs out = given;
+  auto fill = [&](std::vector<void*>& ptrs, int64_t divisor) {  // rows * K / divisor bytes
+    for (int64_t rows : in.rows)
+      ptrs.push_back(scratch.emplace_back(std::max<int64_t>(rows * in.cols / divisor, 1)).data());
+  };
+  if (cfg.rowwise && given.row_values_only()) {
+    fill(out.row_data, 1);
+    fill(out.row_scale, kB);  // (rows, K/32)
+  }
+  if (cfg.columnwise && given.col_values_only()) {
+    fill(out.col_data, 1);
+    fill(out.col_scale, kB);  // (rows/32, K)
+  }
   const int64_t k = in.cols;
   const DType el = cfg.element;
   for (int64_t g = 0; g < in.groups(); ++g) {

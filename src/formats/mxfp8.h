@@ -28,9 +28,12 @@ struct Mxfp8Outputs {
   std::vector<void*> col_scale;  // (rows_g/32, K) E8M0, compact row-major
   // Optional, 1D copies only: (rows_g, K) BF16, a copy's values f32_to_bf16(mxfp8_decode(code,
   // scale)), exactly what a GEMM dequantizes the copy to, so a GEMM that is given them
-  // (GemmOperand::bf16) reads them instead. Empty: not written.
+  // (GemmOperand::bf16) reads them instead. Empty: not written. A requested copy given only
+  // these (its data and scale vectors empty) is written as its values only.
   std::vector<void*> row_bf16;
   std::vector<void*> col_bf16;
+  bool row_values_only() const { return !row_bf16.empty() && row_data.empty() && row_scale.empty(); }
+  bool col_values_only() const { return !col_bf16.empty() && col_data.empty() && col_scale.empty(); }
 };
 
 // One copy of quantized grouped data, for dequantization.

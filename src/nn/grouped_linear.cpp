@@ -9,6 +9,39 @@ namespace {
 
 std::vector<const void*> to_const(const std::vector<void*>& p) { return {p.begin(), p.end()}; }
 
+// MXFP8 copies of `in` ((M, C) BF16, rows grouped by in.rows). The rowwise copy, read by the fprop
+// / dgrad right after, is kept as its BF16 values only (GemmOperand::values_only): the quantizer
+// writes them while it has them, the GEMM reads them instead of dequantizing, and FP8 bytes
+// nothing would read are never written. So is a gradient's columnwise copy (its wgrad runs in the
+// same backward). An input's columnwise copy waits for the backward pass: it stays FP8, since the
+// memory that saves is the point of the format.
+ActivationCopies mxfp8_copies(Backend& b, const QuantRecipe& q, TensorRole role,
+                              const GroupedMatrices& in, int64_t rows) {
+  const int64_t c = in.cols;
+  const std::vector<int64_t>& m = in.rows;
+  ActivationCopies out;
+  out.rowwise.format = out.columnwise.format = OperandFormat::kMxfp8;
+  Mxfp8Outputs o;
+  auto values = [&](std::vector<DeviceBuffer>& memory) {  // (M, C) BF16
+    return carve_rows(memory.emplace_back(b, rows * c * 2).get(), m, c * 2);
+  };
+  o.row_bf16 = values(out.row_memory);
+  out.rowwise.bf16 = to_const(o.row_bf16);
+  if (role == TensorRole::kGradOutput) {
+    o.col_bf16 = values(out.col_memory);
+    out.columnwise.bf16 = to_const(o.col_bf16);
+  } else {
+    o.col_data = carve_rows(out.col_memory.emplace_back(b, rows * c).get(), m, c);  // (M, C)
+    // (M/32, C): group g's scales start at row off_g / 32, i.e. byte off_g * C / 32
+    o.col_scale = carve_rows(out.col_memory.emplace_back(b, rows * c / kMxfp8Block).get(), m,
+                             c / kMxfp8Block);
+    out.columnwise.data = to_const(o.col_data);
+    out.columnwise.scale = to_const(o.col_scale);
+  }
+  check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
+  return out;
+}
+
 // Quantizes a (M, C) BF16 activation with rows grouped by m (host counts) into its rowwise and
 // columnwise copies in one call. M == 0 (no tokens for any local expert) gives operands with
 // null pointers that no GEMM reads (every group is empty).
@@ -36,7 +69,15 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
     return out;
   }
 
+  GroupedMatrices in;  // G x (m_g, C) BF16
+  in.dtype = DType::kBF16;
+  in.cols = c;
+  in.data = to_const(carve_rows(a.data(), m, c * 2));
+  in.rows = m;
   const bool mx = format == OperandFormat::kMxfp8;
+  if (mx && rows) return mxfp8_copies(b, q, role, in, rows);
+
+  // NVFP4 (and MXFP8 without tokens: null pointers no GEMM reads).
   const size_t data_bytes_per_row = mx ? c : c / 2;  // per token row, both copies
   const size_t scale_bytes_per_row = mx ? c / kMxfp8Block : c / kNvfp4Block;
   void* row_data = out.row_memory.emplace_back(b, rows * data_bytes_per_row).get();    // (M, C)
@@ -52,29 +93,8 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   out.rowwise.scale = to_const(rs);
   out.columnwise.data = to_const(cd);
   out.columnwise.scale = to_const(cs);
+  if (mx) return out;
 
-  GroupedMatrices in;  // G x (m_g, C) BF16
-  in.dtype = DType::kBF16;
-  in.cols = c;
-  in.data = to_const(carve_rows(a.data(), m, c * 2));
-  in.rows = m;
-
-  if (mx) {
-    if (!rows) return out;
-    // The copies' BF16 values, written by the quantizer while it has them, so the GEMMs right
-    // after read them instead of dequantizing (the same values): the rowwise copy's for fprop /
-    // dgrad, and a gradient's columnwise copy's for its wgrad. An input's columnwise copy waits
-    // for the backward pass, so it is kept in FP8 only (the memory that saves is the point).
-    Mxfp8Outputs o{rd, rs, cd, cs, {}, {}};
-    o.row_bf16 = carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);
-    out.rowwise.bf16 = to_const(o.row_bf16);
-    if (role == TensorRole::kGradOutput) {
-      o.col_bf16 = carve_rows(out.col_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);
-      out.columnwise.bf16 = to_const(o.col_bf16);
-    }
-    check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
-    return out;
-  }
   // NVFP4: per-group amax and decode scales of both copies (the columnwise one after the RHT).
   const size_t scalar_bytes = groups * sizeof(float);
   void* row_amax = out.row_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32

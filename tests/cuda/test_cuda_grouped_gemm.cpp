@@ -129,6 +129,7 @@ struct HostOperand {
   std::vector<std::vector<uint8_t>> data, scale;
   std::vector<float> s_dec;  // NVFP4 per-group decode scale
   std::vector<std::vector<uint8_t>> bf16;  // given BF16 values (GemmOperand::bf16), or none
+  bool values_only = false;  // with bf16: the GEMM gets no data or scale (GemmOperand::values_only)
 
   // Logical (lrows, lcols) row-major values in double; NVFP4 without S_dec (it is alpha).
   std::vector<double> decode(size_t g) const {
@@ -409,6 +410,7 @@ DevOperand upload_operand(Backend& gpu, const HostOperand& h, Placement pl, size
       if (bb[g]) std::memcpy(d.bf16->host(g), h.bf16[g].data(), bb[g]);
     d.bf16->upload();
     d.view.bf16 = d.bf16->cptrs();
+    if (h.values_only) d.view.data.clear(), d.view.scale.clear();
   }
   if (h.format == OperandFormat::kNvfp4) {
     d.s_dec = std::make_unique<DeviceBuffer>(gpu, G * sizeof(float));
@@ -765,8 +767,9 @@ TEST(CudaGroupedGemm, Nvfp4RhtSrWgrad) {
 // quantizer writes beside a copy) is read instead of dequantized: the same output bytes as
 // without, on both implementations, with aligned and misaligned (staged) BF16 pointers. Cases: the
 // NVFP4 and MXFP8 lhs of fprop and dgrad (rowwise copies), the MXFP8 lhs and rhs of wgrad
-// (columnwise copies, stored like the logical matrix). The BF16 values here come from the
-// operand's own decode (exact in BF16), not from the quantizer.
+// (columnwise copies, stored like the logical matrix); each also kept as its values only (no data
+// or scale given). The BF16 values here come from the operand's own decode (exact in BF16), not
+// from the quantizer.
 TEST(CudaGroupedGemm, GivenBf16ValuesGiveTheSameBytes) {
   SKIP_WITHOUT_GPU();
   struct Given {
@@ -808,8 +811,8 @@ TEST(CudaGroupedGemm, GivenBf16ValuesGiveTheSameBytes) {
       const Role rhs_role = wgrad ? Role::kActivation : Role::kWeight;
       const HostOperand lhs = make_operand(lhs_l, rc, lhs_role, wgrad, seed);
       const HostOperand rhs = make_operand(rhs_l, rc, rhs_role, op != GemmOp::kFprop, seed + 1);
-      const HostOperand lhs_bf16 = with_bf16(lhs);
-      const HostOperand rhs_bf16 = wgrad ? with_bf16(rhs) : rhs;
+      HostOperand lhs_bf16 = with_bf16(lhs);
+      HostOperand rhs_bf16 = wgrad ? with_bf16(rhs) : rhs;
       Case c;
       c.op = op;
       c.recipe = rc;
@@ -825,23 +828,27 @@ TEST(CudaGroupedGemm, GivenBf16ValuesGiveTheSameBytes) {
                            el,
                        kUnset);
       for (const char* impl : {"sm90", "cublas"})
-        for (Placement pl : {Placement::kPacked, Placement::kMisaligned}) {
-          SCOPED_TRACE(std::string(op_name_of(op)) + " " + impl + " m[0]=" + std::to_string(sh.m[0]) +
-                       " N=" + std::to_string(sh.n) + " K=" + std::to_string(sh.k) +
-                       (gv.format == OperandFormat::kMxfp8 ? " mxfp8" : " nvfp4"));
-          setenv("PACKMOE_GEMM_IMPL", impl, 1);
-          const RunOut a = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
-          const RunOut b = run_gpu(*gpu, c, lhs_bf16, rhs_bf16, init, pl, false);
-          unsetenv("PACKMOE_GEMM_IMPL");
-          ASSERT_TRUE(a.status.is_ok()) << a.status.message();
-          ASSERT_TRUE(b.status.is_ok()) << b.status.message();
-          EXPECT_EQ(b.gap_changes, 0u);
-          for (size_t g = 0; g < G; ++g) {
-            EXPECT_TRUE(a.regions[g] == b.regions[g]) << "group " << g << " differs";
-            bytes += b.regions[g].size();
+        for (Placement pl : {Placement::kPacked, Placement::kMisaligned})
+          for (bool only : {false, true}) {
+            lhs_bf16.values_only = only;
+            rhs_bf16.values_only = only && wgrad;
+            SCOPED_TRACE(std::string(op_name_of(op)) + " " + impl + " m[0]=" + std::to_string(sh.m[0]) +
+                         " N=" + std::to_string(sh.n) + " K=" + std::to_string(sh.k) +
+                         (gv.format == OperandFormat::kMxfp8 ? " mxfp8" : " nvfp4") +
+                         (only ? " values only" : ""));
+            setenv("PACKMOE_GEMM_IMPL", impl, 1);
+            const RunOut a = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
+            const RunOut b = run_gpu(*gpu, c, lhs_bf16, rhs_bf16, init, pl, false);
+            unsetenv("PACKMOE_GEMM_IMPL");
+            ASSERT_TRUE(a.status.is_ok()) << a.status.message();
+            ASSERT_TRUE(b.status.is_ok()) << b.status.message();
+            EXPECT_EQ(b.gap_changes, 0u);
+            for (size_t g = 0; g < G; ++g) {
+              EXPECT_TRUE(a.regions[g] == b.regions[g]) << "group " << g << " differs";
+              bytes += b.regions[g].size();
+            }
+            ++cases;
           }
-          ++cases;
-        }
     }
   std::printf("[gemm cuda] given bf16 == dequantized: cases=%zu bytes=%zu\n", cases, bytes);
 }

@@ -618,6 +618,60 @@ TEST(GroupedGemmRouting, EachGroupLandsInItsOwnSlice) {
       }
 }
 
+// A quantized token-side copy kept as its values only (GemmOperand::values_only: BF16 values
+// given, no data or scale) gives the bytes of the quantized copy itself: the CPU reads the values
+// where it would decode the bytes. The values come from this file's FP64 decode (exact in BF16;
+// NVFP4 without S_dec, which stays the GEMM's alpha). Copies stored like their logical matrix:
+// MXFP8 lhs of every op and wgrad rhs, NVFP4 lhs of fprop and dgrad.
+TEST(GroupedGemmValuesOnly, SameBytesAsTheQuantizedCopy) {
+  RANDOM_SEED(seed);
+  std::mt19937_64 rng(seed);
+  for (GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad, GemmOp::kWgrad})
+    for (Fmt fmt : {Fmt::kMxfp8E4m3, Fmt::kMxfp8E5m2, Fmt::kNvfp4}) {
+      if (fmt == Fmt::kNvfp4 && op == GemmOp::kWgrad) continue;  // transposed copies
+      Case c;
+      c.op = op;
+      c.fmt = fmt;
+      c.n = 64;
+      c.k = 96;
+      c.m = {64, 0, 32, 96};
+      SCOPED_TRACE(describe(c));
+      Problem p = build_problem(c, rng());
+      GroupedGemmArgs a = p.args(false);
+      ASSERT_TRUE(grouped_gemm_cpu(a).is_ok());
+      // The same call with the token-side copies as values, into a second output.
+      const size_t G = c.m.size();
+      std::vector<size_t> out_sizes;
+      for (size_t g = 0; g < G; ++g) out_sizes.push_back(p.out.size(g));
+      GroupedBytes out2(out_sizes);
+      std::vector<std::vector<uint16_t>> lhs_values(G), rhs_values(G);
+      auto values_only = [&](GemmOperand& o, const Operand& src,
+                             std::vector<std::vector<uint16_t>>& values) {
+        o.data.clear();
+        o.scale.clear();
+        for (size_t g = 0; g < G; ++g) {
+          for (double v : src.logical[g]) {
+            const double x = src.format == OperandFormat::kNvfp4 ? v / src.decode[g] : v;
+            const uint16_t h = f32_to_bf16(static_cast<float>(x));
+            ASSERT_EQ(static_cast<double>(bf16_to_f32(h)), x) << "a value is not exact in BF16";
+            values[g].push_back(h);
+          }
+          o.bf16.push_back(values[g].data());
+        }
+      };
+      GroupedGemmArgs b = a;
+      values_only(b.lhs, p.lhs, lhs_values);
+      if (op == GemmOp::kWgrad) values_only(b.rhs, p.rhs, rhs_values);
+      ASSERT_TRUE(b.lhs.values_only());
+      b.out = out2.ptrs(false);
+      const Status st = grouped_gemm_cpu(b);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      for (size_t g = 0; g < G; ++g)
+        EXPECT_EQ(0, std::memcmp(p.out.bytes(g, false), out2.bytes(g, false), p.out.size(g)))
+            << "group " << g << ": values-only copy gives other bytes";
+    }
+}
+
 // ---- token counts in backend memory: packed token buffers ------------------------------------
 
 // `b`'s groups back to back (the packed layout), then `tail` bytes: random garbage for an input
@@ -798,6 +852,17 @@ TEST(GroupedGemmValidation, BadCallsFailCleanlyAndTouchNothing) {
        [](GroupedGemmArgs& a) { a.out_dtype = DType::kE4M3; }},
       {"too few lhs pointers", Fmt::kMxfp8E4m3, GemmOp::kDgrad, "data pointers",
        [](GroupedGemmArgs& a) { a.lhs.data.pop_back(); }},
+      {"bf16 values of a weight", Fmt::kMxfp8E4m3, GemmOp::kFprop, "never for a weight",
+       [](GroupedGemmArgs& a) { a.rhs.bf16 = a.rhs.data; }},
+      {"bf16 values of a bf16 operand", Fmt::kBf16, GemmOp::kDgrad, "quantized token-side",
+       [](GroupedGemmArgs& a) { a.lhs.bf16 = a.lhs.data; }},
+      {"values-only copy with too few bf16 pointers", Fmt::kMxfp8E4m3, GemmOp::kWgrad,
+       "bf16 pointers", [](GroupedGemmArgs& a) {
+         a.rhs.bf16 = a.rhs.data;
+         a.rhs.bf16.pop_back();
+         a.rhs.data.clear();
+         a.rhs.scale.clear();
+       }},
       {"too many output pointers", Fmt::kBf16, GemmOp::kWgrad, "output pointers",
        [](GroupedGemmArgs& a) { a.out.push_back(a.out[0]); }},
       {"too few rhs scale pointers", Fmt::kNvfp4, GemmOp::kWgrad, "scale pointers",

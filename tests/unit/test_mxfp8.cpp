@@ -688,6 +688,20 @@ TEST(Mxfp8Quantize, Bf16ValuesOfBothCopies) {
       }
       EXPECT_EQ(values[0][0], values[1][0]) << "row_bf16 bytes left unwritten";
       EXPECT_EQ(values[0][1], values[1][1]) << "col_bf16 bytes left unwritten";
+      // Both copies kept as their values only (no data or scale pointers): the same values.
+      std::vector<std::vector<uint16_t>> only[2];
+      Mxfp8Outputs vo;
+      for (int64_t r : rows) {
+        only[0].emplace_back(r * k, 0xFFFF);
+        only[1].emplace_back(r * k, 0xFFFF);
+        vo.row_bf16.push_back(only[0].back().data());
+        vo.col_bf16.push_back(only[1].back().data());
+      }
+      ASSERT_TRUE(vo.row_values_only() && vo.col_values_only());
+      const Status st = quantize_mxfp8_cpu(in.view(), cfg, vo);
+      ASSERT_TRUE(st.is_ok()) << st.message();
+      EXPECT_EQ(only[0], values[0][0]) << "values-only rowwise copy";
+      EXPECT_EQ(only[1], values[0][1]) << "values-only columnwise copy";
       size_t checked = 0;
       for (size_t g = 0; g < rows.size(); ++g)
         for (int64_t r = 0; r < rows[g]; ++r)
@@ -839,6 +853,10 @@ TEST(Mxfp8Validate, BadRequestsFailWithoutTouchingMemory) {
     o.col_bf16.clear();
     o.row_bf16 = {bufs[4].data()};
     cases.push_back({"row_bf16 pointer count", good, rowwise(), o, "row_bf16"});
+    o = outputs(true, false);
+    o.row_scale.clear();
+    o.row_bf16 = {bufs[4].data(), bufs[5].data()};
+    cases.push_back({"values with data but no scales", good, rowwise(), o, "row_scale"});
   }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

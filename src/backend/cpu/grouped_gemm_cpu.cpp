@@ -53,13 +53,13 @@ struct Stored {
 // over the logical rows (dgrad's W over N, wgrad's dY and X over tokens), so blocks run down the
 // columns: MXFP8 keeps the shape with columnwise scales, NVFP4 stores the transpose (table in
 // backend/grouped_gemm.h).
+// A copy kept as its values only (GemmOperand::values_only) is read as BF16 in the stored layout;
+// a copy that has both is dequantized from its bytes (the same values by definition).
 Stored stored_operand(const GemmOperand& o, size_t g, int64_t lrows, int64_t lcols,
                       bool reduce_rows) {
   Stored s;
   s.format = o.format;
   s.element = o.element;
-  s.data = o.data[g];
-  s.scale = o.format == OperandFormat::kBF16 ? nullptr : o.scale[g];
   s.rows = lrows;
   s.cols = lcols;
   switch (o.format) {
@@ -75,6 +75,14 @@ Stored stored_operand(const GemmOperand& o, size_t g, int64_t lrows, int64_t lco
         s.cols = lrows;
       }
       break;
+  }
+  if (o.values_only()) {
+    s.format = OperandFormat::kBF16;
+    s.axis = ScaleAxis::kNone;
+    s.data = o.bf16[g];
+  } else {
+    s.data = o.data[g];
+    s.scale = o.format == OperandFormat::kBF16 ? nullptr : o.scale[g];
   }
   return s;
 }

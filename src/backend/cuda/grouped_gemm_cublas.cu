@@ -641,7 +641,7 @@ constexpr bool kFusedMxfp8ByDefault = false;
 // Both routes give the same bytes: the same BF16 values reach the same wgmmas.
 bool use_fused_mxfp8(const GroupedGemmArgs& a, const std::vector<int64_t>& m, Impl impl) {
   if (impl != Impl::kSm90 || a.op != GemmOp::kFprop || a.lhs.format != OperandFormat::kMxfp8 ||
-      a.lhs.element != DType::kE4M3 || a.rhs.element != DType::kE4M3)
+      a.lhs.element != DType::kE4M3 || a.rhs.element != DType::kE4M3 || !a.lhs.bf16.empty())
     return false;
   const char* env = std::getenv("PACKMOE_GEMM_SM90_FUSED");
   if (!(env != nullptr ? std::string(env) != "0" : kFusedMxfp8ByDefault)) return false;

@@ -12,6 +12,7 @@
 
 #include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/cuda/kernels_common.cuh"
+#include "backend/device_buffer.h"
 #include "formats/mxfp8_math.h"
 
 namespace packmoe {
@@ -308,7 +309,7 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
 
   // ---- rowwise 1x32 blocks ----
   if (args.rowwise && !args.two_d) {
-    uint8_t* const row_data = grp.row_data + p.r0 * K + p.c0;
+    uint8_t* const row_data = grp.row_data;  // null: the copy is kept as its values only
     uint8_t* const row_scale = grp.row_scale;
     const int64_t rows = grp.rows;
     uint8_t codes[R];
@@ -334,7 +335,7 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
           raw[i], [&](int) { return q; }, words);
       const int64_t r = p.r0 + i;
       if (r < rows && p.col_valid) {
-        store_bytes<kVec>(row_data + i * K, words, p.col_valid);
+        if (row_data != nullptr) store_bytes<kVec>(row_data + r * K + p.c0, words, p.col_valid);
         if constexpr (kValues) {
           if (grp.row_bf16 != nullptr) {
             const float sc = e8m0_to_f32(codes[i]);
@@ -343,7 +344,7 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
         }
       }
     }
-    store_row_scales<R>(row_scale, K, p, rows, codes);
+    if (row_scale != nullptr) store_row_scales<R>(row_scale, K, p, rows, codes);
   }
   if (!(args.columnwise || args.two_d)) return;
 
@@ -428,8 +429,9 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
     return;
   }
 
-  // 1D column scales: the tile's kTileCols codes in 16-byte pieces (or bytes at ragged K).
-  {
+  // 1D column scales: the tile's kTileCols codes in 16-byte pieces (or bytes at ragged K); none
+  // for a copy kept as its values only.
+  if (grp.col_scale != nullptr) {
     const int64_t c0 = p.col_tile * Config::kTileCols;
     uint8_t* dst = grp.col_scale + p.row_tile * K + c0;
     if (args.col_scale_vec) {
@@ -442,7 +444,7 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
     }
   }
   if (!p.col_valid) return;
-  uint8_t* const col_data = grp.col_data + p.r0 * K + p.c0;
+  uint8_t* const col_data = grp.col_data;  // null: the copy is kept as its values only
   float q[C];
 #pragma unroll
   for (int j = 0; j < C; ++j) q[j] = cs.colq[j][lane];
@@ -452,7 +454,7 @@ __device__ __forceinline__ void process_tile(const Mxfp8Args& args, const uint4*
     uint32_t words[C / 4];
     encode_chunk<In, kEl, kHw>(
         raw[i], [&](int j) { return q[j]; }, words);
-    store_bytes<kVec>(col_data + i * K, words, p.col_valid);
+    if (col_data != nullptr) store_bytes<kVec>(col_data + (p.r0 + i) * K + p.c0, words, p.col_valid);
     if (kValues && col_bf16 != nullptr) {
       // The column codes from shared memory (8 bytes), not 8 more live registers.
       const uint2 cc = *reinterpret_cast<const uint2*>(cs.colcode + lane * C);
@@ -539,11 +541,51 @@ void dispatch_element(CudaBackend& be, const Mxfp8Args& args, DType el, bool hw,
     dispatch_hw_vec<In, DType::kE4M3>(be, args, hw, vec, values);
 }
 
+// The group table of the outputs `out` (a pointer the request leaves out is null) and whether
+// the vector path applies: chunks never straddle K and every row of every buffer starts 16-byte
+// aligned (outputs are written in 8- and 16-byte pieces at multiples of their size).
+struct GroupPlan {
+  std::vector<Mxfp8Group> groups;
+  uint64_t tiles = 0;
+  bool vec = false;
+  bool col_scale_vec = false;  // the column scales may leave in 16-byte stores (and K % 16 == 0)
+};
+
+GroupPlan plan_groups(const GroupedMatrices& in, const Mxfp8Config& cfg, const Mxfp8Outputs& out,
+                      uint32_t col_tiles) {
+  auto at = [](const std::vector<void*>& v, int64_t g) {
+    return v.empty() ? nullptr : static_cast<uint8_t*>(v[g]);
+  };
+  GroupPlan plan;
+  plan.vec = in.cols % Config::kCols == 0;
+  plan.col_scale_vec = true;
+  plan.groups.resize(in.groups());
+  for (int64_t g = 0; g < in.groups(); ++g) {
+    Mxfp8Group& d = plan.groups[g];
+    d.in = in.data[g];
+    d.row_data = at(out.row_data, g);
+    d.row_scale = at(out.row_scale, g);
+    d.col_data = at(out.col_data, g);
+    d.col_scale = at(out.col_scale, g);
+    d.row_bf16 = at(out.row_bf16, g);
+    d.col_bf16 = at(out.col_bf16, g);
+    d.rows = in.rows[g];
+    d.tile_begin = static_cast<uint32_t>(plan.tiles);
+    if (d.rows == 0) continue;
+    plan.vec = plan.vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) &&
+               cuda::aligned16(d.col_data) && cuda::aligned16(d.row_bf16) &&
+               cuda::aligned16(d.col_bf16) && (!cfg.two_d || cuda::aligned16(d.col_scale));
+    plan.col_scale_vec = plan.col_scale_vec && cuda::aligned16(d.col_scale);
+    plan.tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) * col_tiles;
+  }
+  return plan;
+}
+
 }  // namespace
 
 Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxfp8Config& cfg,
-                           const Mxfp8Outputs& out) {
-  PACKMOE_RETURN_IF_ERROR(validate_mxfp8(in, cfg, out));
+                           const Mxfp8Outputs& given) {
+  PACKMOE_RETURN_IF_ERROR(validate_mxfp8(in, cfg, given));
   const int64_t K = in.cols;
   Mxfp8Args args{};
   args.cols = K;
@@ -552,45 +594,33 @@ Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxf
   args.rowwise = cfg.rowwise;
   args.columnwise = cfg.columnwise;
   args.two_d = cfg.two_d;
-
-  // Vector path: chunks never straddle K and every row of every buffer starts 16-byte aligned
-  // (outputs are written in 8-byte pieces at multiples of 8 bytes).
-  bool vec = K % Config::kCols == 0;
-  bool col_scale_vec = K % 16 == 0;
-  std::vector<Mxfp8Group> groups(in.groups());
-  uint64_t tiles = 0;
-  for (int64_t g = 0; g < in.groups(); ++g) {
-    Mxfp8Group& d = groups[g];
-    d.in = in.data[g];
-    d.row_data = cfg.rowwise ? static_cast<uint8_t*>(out.row_data[g]) : nullptr;
-    d.row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
-    d.col_data = cfg.columnwise ? static_cast<uint8_t*>(out.col_data[g]) : nullptr;
-    d.col_scale = cfg.columnwise ? static_cast<uint8_t*>(out.col_scale[g]) : nullptr;
-    d.row_bf16 = out.row_bf16.empty() ? nullptr : static_cast<uint8_t*>(out.row_bf16[g]);
-    d.col_bf16 = out.col_bf16.empty() ? nullptr : static_cast<uint8_t*>(out.col_bf16[g]);
-    d.rows = in.rows[g];
-    d.tile_begin = static_cast<uint32_t>(tiles);
-    if (d.rows == 0) continue;
-    vec = vec && cuda::aligned16(d.in) && cuda::aligned16(d.row_data) &&
-          cuda::aligned16(d.col_data) && (!cfg.two_d || cuda::aligned16(d.col_scale)) &&
-          cuda::aligned16(d.row_bf16) && cuda::aligned16(d.col_bf16);
-    col_scale_vec = col_scale_vec && (!cfg.columnwise || cuda::aligned16(d.col_scale));
-    tiles += static_cast<uint64_t>((d.rows + Config::kTileRows - 1) / Config::kTileRows) *
-             args.col_tiles;
-  }
-  args.col_scale_vec = col_scale_vec;
-  args.groups = cuda::make_group_table<Mxfp8Group, Config::kInlineGroups>(be, groups, tiles);
   const bool hw = cuda_fp8_hw_conversion_ok(be, cfg.element) && cuda_mxfp8_fast_scale_ok(be);
-  const bool want_values = !out.row_bf16.empty() || !out.col_bf16.empty();
+  const bool want_values = !given.row_bf16.empty() || !given.col_bf16.empty();
+  GroupPlan plan = plan_groups(in, cfg, given, args.col_tiles);
   // The kernel writes the values itself on the fast path (BF16 input, hardware conversions,
-  // aligned vectors: the activations of a layer); elsewhere the dequantize kernel writes them
-  // after it, by the same definition.
-  const bool in_kernel = want_values && hw && vec && in.dtype == DType::kBF16;
+  // aligned vectors: the activations of a layer). Elsewhere the dequantize kernel writes them
+  // after it, from the copies' bytes, by the same definition: a copy kept as its values only is
+  // quantized into stream-ordered scratch first.
+  const bool in_kernel = want_values && hw && plan.vec && in.dtype == DType::kBF16;
+  Mxfp8Outputs out = given;
+  std::vector<DeviceBuffer> scratch;
+  if (want_values && !in_kernel) {
+    auto fill = [&](std::vector<void*>& ptrs, int64_t divisor) {  // rows * K / divisor bytes
+      for (int64_t rows : in.rows)
+        ptrs.push_back(scratch.emplace_back(be, std::max<int64_t>(rows * K / divisor, 1)).get());
+    };
+    if (cfg.rowwise && given.row_values_only()) fill(out.row_data, 1), fill(out.row_scale, kMxfp8Block);
+    if (cfg.columnwise && given.col_values_only())
+      fill(out.col_data, 1), fill(out.col_scale, kMxfp8Block);
+    plan = plan_groups(in, cfg, out, args.col_tiles);
+  }
+  args.col_scale_vec = plan.col_scale_vec && K % 16 == 0;
+  args.groups = cuda::make_group_table<Mxfp8Group, Config::kInlineGroups>(be, plan.groups, plan.tiles);
   if (in.dtype == DType::kBF16)
-    dispatch_element<uint16_t>(be, args, cfg.element, hw, vec, in_kernel);
+    dispatch_element<uint16_t>(be, args, cfg.element, hw, plan.vec, in_kernel);
   else
-    dispatch_element<float>(be, args, cfg.element, hw, vec, false);
-  if (!want_values || in_kernel || tiles == 0) return Status::ok();
+    dispatch_element<float>(be, args, cfg.element, hw, plan.vec, false);
+  if (!want_values || in_kernel || plan.tiles == 0) return Status::ok();
   if (!out.row_bf16.empty())
     PACKMOE_RETURN_IF_ERROR(dequantize_mxfp8_sm90(
         be, mxfp8_copy_of(in, cfg.element, false, out), DType::kBF16, out.row_bf16));
