@@ -83,7 +83,8 @@ void encode_block(const float* xb, uint8_t s_b, float s_dec, const SrStream& sr,
 }
 
 // 1x16 blocks along the rows of x (rows, cols) with per-tensor amax: data (rows, cols/2),
-// scale (rows, cols/16), and when bf16 is given the values without S_dec (rows, cols) BF16.
+// scale (rows, cols/16), and when bf16 is given the values without S_dec (rows, cols) BF16; data
+// and scale null: the values only.
 // Block (r, kb) has global number base + r*(cols/16) + kb.
 void quantize_rows(const float* x, int64_t rows, int64_t cols, float amax, const SrStream& sr,
                    uint64_t base, uint8_t* data, uint8_t* scale, uint16_t* bf16) {
@@ -99,8 +100,8 @@ void quantize_rows(const float* x, int64_t rows, int64_t cols, float amax, const
       const uint8_t s_b = nvfp4_block_scale(block_amax, s_enc);
       uint8_t codes[kB];
       encode_block(xb, s_b, s_dec, sr, base + static_cast<uint64_t>(r * kblocks + kb), codes);
-      scale[r * kblocks + kb] = s_b;
-      pack16(codes, data + r * (cols / 2) + kb * (kB / 2));
+      if (scale) scale[r * kblocks + kb] = s_b;
+      if (data) pack16(codes, data + r * (cols / 2) + kb * (kB / 2));
       if (bf16)
         for (int j = 0; j < kB; ++j)
           bf16[r * cols + kb * kB + j] = f32_to_bf16(nvfp4_decode(codes[j], s_b, 1.0f));
@@ -180,10 +181,10 @@ Status validate_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg, const N
         return error(what, "group " + std::to_string(g) + " has " + std::to_string(in.rows[g]) +
                                " rows, not a multiple of 16 (needed for columnwise or 2D blocks)");
   }
+  const bool row_bytes = cfg.rowwise && !out.row_values_only();  // else kept as its values only
+  PACKMOE_RETURN_IF_ERROR(validate_copy_pointers(what, "row_data", row_bytes, out.row_data, in.rows));
   PACKMOE_RETURN_IF_ERROR(
-      validate_copy_pointers(what, "row_data", cfg.rowwise, out.row_data, in.rows));
-  PACKMOE_RETURN_IF_ERROR(
-      validate_copy_pointers(what, "row_scale", cfg.rowwise, out.row_scale, in.rows));
+      validate_copy_pointers(what, "row_scale", row_bytes, out.row_scale, in.rows));
   // With a given amax the amax outputs only echo it: they may be left null.
   if (!(cfg.amax && cfg.rowwise && out.row_amax == nullptr))
     PACKMOE_RETURN_IF_ERROR(check_amax(what, "row_amax", cfg.rowwise, out.row_amax));
@@ -247,8 +248,9 @@ Status quantize_nvfp4_cpu(const GroupedMatrices& in, const Nvfp4Config& cfg,
     const float* x = group_as_f32(in, g, buf);
     const float amax = cfg.amax ? cfg.amax[g] : amax_of(x, rows * k);
     if (row_amax) row_amax[g] = amax;
-    uint8_t* row_data = cfg.rowwise ? static_cast<uint8_t*>(out.row_data[g]) : nullptr;
-    uint8_t* row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
+    // Null for a rowwise copy kept as its values only.
+    uint8_t* row_data = out.row_data.empty() ? nullptr : static_cast<uint8_t*>(out.row_data[g]);
+    uint8_t* row_scale = out.row_scale.empty() ? nullptr : static_cast<uint8_t*>(out.row_scale[g]);
     uint8_t* col_data = cfg.columnwise ? static_cast<uint8_t*>(out.col_data[g]) : nullptr;
     uint8_t* col_scale = cfg.columnwise ? static_cast<uint8_t*>(out.col_scale[g]) : nullptr;
 

@@ -56,7 +56,9 @@ struct Nvfp4Outputs {
   // Optional, 1x16 rowwise copies only: (rows_g, K) BF16, the rowwise copy's values without the
   // per-tensor scale, f32_to_bf16(nvfp4_decode(code, s_b, 1)): exactly what a GEMM dequantizes
   // the copy to (it applies S_dec as alpha), so a GEMM that is given them reads them instead.
+  // A rowwise copy given only these (row_data and row_scale empty) is written as its values only.
   std::vector<void*> row_bf16;
+  bool row_values_only() const { return !row_bf16.empty() && row_data.empty() && row_scale.empty(); }
 };
 
 // One copy for dequantization. A columnwise copy dequantizes to its stored (K, rows_g) layout,

@@ -80,19 +80,17 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   // NVFP4 (and MXFP8 without tokens: null pointers no GEMM reads).
   const size_t data_bytes_per_row = mx ? c : c / 2;  // per token row, both copies
   const size_t scale_bytes_per_row = mx ? c / kMxfp8Block : c / kNvfp4Block;
-  void* row_data = out.row_memory.emplace_back(b, rows * data_bytes_per_row).get();    // (M, C)
-  void* row_scale = out.row_memory.emplace_back(b, rows * scale_bytes_per_row).get();  // (M, C/B)
   // MXFP8 (M, C) and (M/32, C); NVFP4 per group (C, m_g/2) and (C, m_g/16), transposed.
   void* col_data = out.col_memory.emplace_back(b, rows * data_bytes_per_row).get();
   void* col_scale = out.col_memory.emplace_back(b, rows * scale_bytes_per_row).get();
-  const std::vector<void*> rd = carve_rows(row_data, m, data_bytes_per_row);
-  const std::vector<void*> rs = carve_rows(row_scale, m, scale_bytes_per_row);
   const std::vector<void*> cd = carve_rows(col_data, m, data_bytes_per_row);
   const std::vector<void*> cs = carve_rows(col_scale, m, scale_bytes_per_row);
-  out.rowwise.data = to_const(rd);
-  out.rowwise.scale = to_const(rs);
   out.columnwise.data = to_const(cd);
   out.columnwise.scale = to_const(cs);
+  if (!rows) {  // (M, C) and (M, C/B) copies of nothing
+    out.rowwise.data = to_const(carve_rows(nullptr, m, data_bytes_per_row));
+    out.rowwise.scale = to_const(carve_rows(nullptr, m, scale_bytes_per_row));
+  }
   if (mx) return out;
 
   // NVFP4: per-group amax and decode scales of both copies (the columnwise one after the RHT).
@@ -108,12 +106,11 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
     b.fill_zero(col_decode, scalar_bytes);
     return out;
   }
-  // The rowwise copy's BF16 values, written by the quantizer while it has them, so the fprop /
-  // dgrad GEMM right after reads them instead of dequantizing (the same values).
+  // The rowwise copy, read by the fprop / dgrad right after, is kept as its BF16 values only
+  // (without S_dec, which stays the GEMM's alpha): the quantizer writes them while it has them
+  // and the GEMM reads them instead of dequantizing.
   void* row_bf16 = out.row_memory.emplace_back(b, rows * c * 2).get();  // (M, C) BF16
   Nvfp4Outputs o;
-  o.row_data = rd;
-  o.row_scale = rs;
   o.row_bf16 = carve_rows(row_bf16, m, c * 2);
   out.rowwise.bf16 = to_const(o.row_bf16);
   o.row_amax = row_amax;

@@ -991,6 +991,19 @@ TEST(Nvfp4Quantize, RowBf16IsTheRowwiseCopyDequantizedWithoutSdec) {
         EXPECT_EQ(q.col_data, plain.col_data);
       }
       EXPECT_EQ(bf16[0], bf16[1]) << "row_bf16 bytes left unwritten";
+      {  // The rowwise copy kept as its values only (no data or scale): the same values.
+        Quantized q = quantize(in, cfg);
+        std::vector<std::vector<uint16_t>> only;
+        Nvfp4Outputs o = q.outputs();
+        o.row_data.clear();
+        o.row_scale.clear();
+        for (int64_t r : in.rows) o.row_bf16.push_back(only.emplace_back(r * 48, 0xFFFF).data());
+        ASSERT_TRUE(o.row_values_only());
+        const Status st = quantize_nvfp4_cpu(in.view(), cfg, o);
+        ASSERT_TRUE(st.is_ok()) << st.message();
+        EXPECT_EQ(only, bf16[0]) << "values-only rowwise copy";
+        EXPECT_EQ(q.col_data, plain.col_data);
+      }
       for (size_t g = 0; g < in.rows.size(); ++g) {
         if (in.rows[g] == 0) continue;
         Nvfp4Copy c;
@@ -1079,6 +1092,10 @@ TEST(Nvfp4Validate, BadRequestsFailWithoutTouchingMemory) {
   o = outputs(true, false);
   o.row_bf16 = {bufs[0].data()};
   cases.push_back({"short row_bf16 list", good, cfg_of(true, false), o, "row_bf16"});
+  o = outputs(true, false);
+  o.row_scale.clear();
+  o.row_bf16 = {bufs[0].data(), bufs[1].data()};
+  cases.push_back({"values with data but no scales", good, cfg_of(true, false), o, "row_scale"});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const Status v = validate_nvfp4(c.in, c.cfg, c.out);

@@ -70,8 +70,8 @@ constexpr uint32_t kColStream = 1;  // ... and of the columnwise copy
 
 struct Nvfp4Group {
   const void* in;      // (rows, K) In
-  uint8_t* row_data;   // (rows, K/2)
-  uint8_t* row_scale;  // (rows, K/16) E4M3
+  uint8_t* row_data;   // (rows, K/2), or null: the copy is kept as its values (row_bf16) only
+  uint8_t* row_scale;  // (rows, K/16) E4M3, or null likewise
   uint8_t* col_data;   // (K, rows/2)
   uint8_t* col_scale;  // (K, rows/16) E4M3
   uint8_t* row_bf16;   // (rows, K) BF16 without S_dec, or null (Nvfp4Outputs::row_bf16)
@@ -661,8 +661,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
           c = encode16<true, true>(v, r, a.sr, draw, e4m3_to_f32(s_b), bf16);
         else
           c = encode16<kHw>(v, r, a.sr, draw);
-        store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
-        grp.row_scale[row * (K / kNvfp4Block) + kbg] = s_b;
+        if (grp.row_data != nullptr) {
+          store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
+          grp.row_scale[row * (K / kNvfp4Block) + kbg] = s_b;
+        }
         if constexpr (kRowBf16) {
           if constexpr (!kHw) {
 #pragma unroll
@@ -881,8 +883,8 @@ Nvfp4Args make_args(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Confi
   for (int64_t g = 0; g < G; ++g) {
     Nvfp4Group& d = groups[g];
     d.in = in.data[g];
-    d.row_data = cfg.rowwise ? static_cast<uint8_t*>(out.row_data[g]) : nullptr;
-    d.row_scale = cfg.rowwise ? static_cast<uint8_t*>(out.row_scale[g]) : nullptr;
+    d.row_data = out.row_data.empty() ? nullptr : static_cast<uint8_t*>(out.row_data[g]);
+    d.row_scale = out.row_scale.empty() ? nullptr : static_cast<uint8_t*>(out.row_scale[g]);
     d.col_data = cfg.columnwise ? static_cast<uint8_t*>(out.col_data[g]) : nullptr;
     d.col_scale = cfg.columnwise ? static_cast<uint8_t*>(out.col_scale[g]) : nullptr;
     d.row_bf16 = out.row_bf16.empty() ? nullptr : static_cast<uint8_t*>(out.row_bf16[g]);
