@@ -76,8 +76,9 @@ constexpr int kConvertChunk = 24576;    // elements a converter warp takes at a 
 // Registers per thread after setmaxnreg: the producer warpgroup (with the scale loaders or the
 // converters) and the consumers. The launch gives every thread the 168 of __launch_bounds__, so
 // what the producers release must be what the consumers take: 128 * 152 + 256 * 176 = 384 * 168.
-// ptxas compiles the producer warpgroup within kProducerRegs and the consumers within 168 (their
-// code spills a few bytes at BN = 256 when setmaxnreg is left out altogether).
+// ptxas compiles the code after each setmaxnreg within its count, except that a wgmma's register
+// operands must fit the launch bound's 168 (m64n256k16 needs 154; docs/gemm-sm90.md). The
+// consumers spill a few bytes at BN = 256 when setmaxnreg is left out altogether.
 constexpr int kProducerRegs = 152;
 constexpr int kConsumerRegs = 176;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "balanced setmaxnreg");
