@@ -26,18 +26,12 @@ const char* format_text(OperandFormat f) {
 }
 
 Status check_operand(const GemmOperand& o, const char* name, size_t groups, const std::string& ctx) {
-  if (o.values_only() && o.format != OperandFormat::kBF16) {
-    if (o.bf16.size() != groups)
-      return Status::error(ctx + name + " has " + std::to_string(o.bf16.size()) +
-                           " bf16 pointers for " + std::to_string(groups) + " groups");
-    if (o.format == OperandFormat::kNvfp4 && o.decode_scale == nullptr)
-      return Status::error(ctx + name + ": NVFP4 operands need per-group decode scales");
-    return Status::ok();
-  }
-  if (o.data.size() != groups)
+  // A quantized copy kept as its values only has no data or scale pointers (bf16 counted below).
+  const bool bytes = !(o.values_only() && o.format != OperandFormat::kBF16);
+  if (bytes && o.data.size() != groups)
     return Status::error(ctx + name + " has " + std::to_string(o.data.size()) + " data pointers for " +
                          std::to_string(groups) + " groups");
-  if (o.format != OperandFormat::kBF16 && o.scale.size() != groups)
+  if (bytes && o.format != OperandFormat::kBF16 && o.scale.size() != groups)
     return Status::error(ctx + name + " has " + std::to_string(o.scale.size()) +
                          " scale pointers for " + std::to_string(groups) + " groups");
   if (o.format == OperandFormat::kMxfp8 && o.element != DType::kE4M3 && o.element != DType::kE5M2)

@@ -9,7 +9,8 @@ namespace {
 
 std::vector<const void*> to_const(const std::vector<void*>& p) { return {p.begin(), p.end()}; }
 
-// MXFP8 copies of `in` ((M, C) BF16, rows grouped by in.rows). The rowwise copy, read by the fprop
+// MXFP8 copies of `in` ((M, C) BF16, rows grouped by in.rows; M == 0: copies of null pointers that
+// no GEMM reads, nothing quantized). The rowwise copy, read by the fprop
 // / dgrad right after, is kept as its BF16 values only (GemmOperand::values_only): the quantizer
 // writes them while it has them, the GEMM reads them instead of dequantizing, and FP8 bytes
 // nothing would read are never written. So is a gradient's columnwise copy (its wgrad runs in the
@@ -38,7 +39,7 @@ ActivationCopies mxfp8_copies(Backend& b, const QuantRecipe& q, TensorRole role,
     out.columnwise.data = to_const(o.col_data);
     out.columnwise.scale = to_const(o.col_scale);
   }
-  check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
+  if (rows) check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
   return out;
 }
 
@@ -74,26 +75,22 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   in.cols = c;
   in.data = to_const(carve_rows(a.data(), m, c * 2));
   in.rows = m;
-  const bool mx = format == OperandFormat::kMxfp8;
-  if (mx && rows) return mxfp8_copies(b, q, role, in, rows);
+  if (format == OperandFormat::kMxfp8) return mxfp8_copies(b, q, role, in, rows);
 
-  // NVFP4 (and MXFP8 without tokens: null pointers no GEMM reads).
-  const size_t data_bytes_per_row = mx ? c : c / 2;  // per token row, both copies
-  const size_t scale_bytes_per_row = mx ? c / kMxfp8Block : c / kNvfp4Block;
-  // MXFP8 (M, C) and (M/32, C); NVFP4 per group (C, m_g/2) and (C, m_g/16), transposed.
-  void* col_data = out.col_memory.emplace_back(b, rows * data_bytes_per_row).get();
-  void* col_scale = out.col_memory.emplace_back(b, rows * scale_bytes_per_row).get();
-  const std::vector<void*> cd = carve_rows(col_data, m, data_bytes_per_row);
-  const std::vector<void*> cs = carve_rows(col_scale, m, scale_bytes_per_row);
+  // NVFP4: the columnwise copy per group (C, m_g/2) and (C, m_g/16), transposed.
+  const std::vector<void*> cd =
+      carve_rows(out.col_memory.emplace_back(b, rows * c / 2).get(), m, c / 2);
+  const std::vector<void*> cs =
+      carve_rows(out.col_memory.emplace_back(b, rows * c / kNvfp4Block).get(), m, c / kNvfp4Block);
   out.columnwise.data = to_const(cd);
   out.columnwise.scale = to_const(cs);
-  if (!rows) {  // (M, C) and (M, C/B) copies of nothing
-    out.rowwise.data = to_const(carve_rows(nullptr, m, data_bytes_per_row));
-    out.rowwise.scale = to_const(carve_rows(nullptr, m, scale_bytes_per_row));
-  }
-  if (mx) return out;
-
-  // NVFP4: per-group amax and decode scales of both copies (the columnwise one after the RHT).
+  // The rowwise copy, read by the fprop / dgrad right after, is kept as its BF16 values only
+  // (without S_dec, which stays the GEMM's alpha): the quantizer writes them while it has them
+  // and the GEMM reads them instead of dequantizing.
+  Nvfp4Outputs o;
+  o.row_bf16 = carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);  // (M, C)
+  out.rowwise.bf16 = to_const(o.row_bf16);
+  // Per-group amax and decode scales of both copies (the columnwise one after the RHT).
   const size_t scalar_bytes = groups * sizeof(float);
   void* row_amax = out.row_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32
   void* row_decode = out.row_memory.emplace_back(b, scalar_bytes).get();  // (G,) F32
@@ -106,13 +103,6 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
     b.fill_zero(col_decode, scalar_bytes);
     return out;
   }
-  // The rowwise copy, read by the fprop / dgrad right after, is kept as its BF16 values only
-  // (without S_dec, which stays the GEMM's alpha): the quantizer writes them while it has them
-  // and the GEMM reads them instead of dequantizing.
-  void* row_bf16 = out.row_memory.emplace_back(b, rows * c * 2).get();  // (M, C) BF16
-  Nvfp4Outputs o;
-  o.row_bf16 = carve_rows(row_bf16, m, c * 2);
-  out.rowwise.bf16 = to_const(o.row_bf16);
   o.row_amax = row_amax;
   o.col_data = cd;
   o.col_scale = cs;

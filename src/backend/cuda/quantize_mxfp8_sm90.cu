@@ -548,7 +548,7 @@ struct GroupPlan {
   std::vector<Mxfp8Group> groups;
   uint64_t tiles = 0;
   bool vec = false;
-  bool col_scale_vec = false;  // the column scales may leave in 16-byte stores (and K % 16 == 0)
+  bool col_scale_vec = false;  // every column scale row is 16-byte aligned (K % 16 checked apart)
 };
 
 GroupPlan plan_groups(const GroupedMatrices& in, const Mxfp8Config& cfg, const Mxfp8Outputs& out,
