@@ -158,17 +158,20 @@ Tensor MoEBlock::forward(const Tensor& x) {
   pa.xp = xp.data();
   check_op(b.permute(pa), "permute");
 
-  h_ = fc1_.forward(xp, plan_.padded_counts);               // (M, 2F)
-  const Tensor a = Tensor::empty(b, DType::kBF16, {M, F});  // FC2's GEMM operand
+  // The expert MLP runs on the rows of this rank's experts (all of them, locally).
+  const ExpertRows local = dispatcher_->dispatch(xp, plan_.padded_counts);
+  const int64_t ML = local.rows.dim(0);
+  h_ = fc1_.forward(local.rows, local.counts);               // (ML, 2F)
+  const Tensor a = Tensor::empty(b, DType::kBF16, {ML, F});  // FC2's GEMM operand
   SwigluArgs sa;
-  sa.rows = M;
+  sa.rows = ML;
   sa.ffn = F;
   sa.in_dtype = cfg_.activation_dtype;
   sa.in = h_.data();
   sa.out_dtype = DType::kBF16;
   sa.out = a.data();
   check_op(b.swiglu(sa), "swiglu");
-  yp_ = fc2_.forward(a, plan_.padded_counts);  // (M, H)
+  yp_ = dispatcher_->combine(fc2_.forward(a, local.counts));  // (M, H)
 
   Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});
   UnpermuteArgs ua;
@@ -220,10 +223,13 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   ub.dw = dw.data_as<float>();
   check_op(b.unpermute_backward(ub), "unpermute_backward");
 
-  const Tensor da = fc2_.backward(dyp, accum);                   // (M, F)
-  const Tensor dh = Tensor::empty(b, DType::kBF16, {M, 2 * F});  // FC1's dY operand
+  // dY rows travel to the experts as the inputs did, dX rows come back as the outputs did.
+  const ExpertRows local = dispatcher_->dispatch(dyp, plan_.padded_counts);
+  const int64_t ML = local.rows.dim(0);
+  const Tensor da = fc2_.backward(local.rows, accum);             // (ML, F)
+  const Tensor dh = Tensor::empty(b, DType::kBF16, {ML, 2 * F});  // FC1's dY operand
   SwigluBackwardArgs sb;
-  sb.rows = M;
+  sb.rows = ML;
   sb.ffn = F;
   sb.in_dtype = cfg_.activation_dtype;
   sb.in = h_.data();
@@ -232,7 +238,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   sb.din_dtype = DType::kBF16;
   sb.din = dh.data();
   check_op(b.swiglu_backward(sb), "swiglu_backward");
-  const Tensor dxp = fc1_.backward(dh, accum);  // (M, H)
+  const Tensor dxp = dispatcher_->combine(fc1_.backward(dh, accum));  // (M, H)
 
   Tensor dx = Tensor::empty(b, DType::kF32, {T, H});
   PermuteBackwardArgs pb;
@@ -290,6 +296,13 @@ void MoEBlock::backward_dw() {
   fc2_.backward_dw();
   fc1_.backward_dw();
   state_ = BlockState::kIdle;
+}
+
+void MoEBlock::set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher) {
+  PACKMOE_CHECK(dispatcher != nullptr, "MoEBlock: a null token dispatcher");
+  PACKMOE_CHECK(state_ == BlockState::kIdle,
+                "MoEBlock: the token dispatcher changes only between steps (state Idle)");
+  dispatcher_ = std::move(dispatcher);
 }
 
 const RoutingPlan& MoEBlock::plan() const {

@@ -1,12 +1,14 @@
 // MoEBlock: the Qwen3-MoE sparse MLP with explicit forward / backward. Router linear (E, H) ->
 // softmax, top-k (+ load-balancing aux loss) -> permute (each expert padded to the recipe's token
-// alignment) -> FC1 (E, 2F, H) -> SwiGLU -> FC2 (E, H, F) -> unpermute + combine.
+// alignment) -> [TokenDispatcher::dispatch] -> FC1 (E, 2F, H) -> SwiGLU -> FC2 (E, H, F) ->
+// [TokenDispatcher::combine] -> unpermute + combine (nn/token_dispatcher.h; local: the identity).
 // Invariants: all arithmetic runs as Backend ops (the host only builds the routing plan from the
 // downloaded top-k indices); the block's state machine (Idle -> ForwardDone -> [WgradPending] ->
 // Idle) mirrors its linears'; both layouts issue identical ops, so their results are bitwise equal.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "backend/backend.h"
@@ -15,6 +17,7 @@
 #include "nn/grouped_linear.h"
 #include "nn/grouped_param.h"
 #include "nn/recipe.h"
+#include "nn/token_dispatcher.h"
 
 namespace packmoe {
 
@@ -85,6 +88,10 @@ class MoEBlock {
   // Runs FC2's and FC1's queued wgrads (-> kIdle). Only from kWgradPending.
   void backward_dw();
 
+  // Where the expert MLP's rows come from and go back to (default LocalTokenDispatcher: every
+  // expert here). Only in state Idle.
+  void set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher);
+
   // The routing plan of the last forward (tokens per expert, rows), for metrics and tests; its
   // dest and row_slot stay in the backend's memory (empty here).
   const RoutingPlan& plan() const;
@@ -97,6 +104,7 @@ class MoEBlock {
   GroupedLinear router_;  // (1, E, H) BF16, out F32 (logits, dx)
   GroupedLinear fc1_;     // (E, 2F, H)
   GroupedLinear fc2_;     // (E, H, F)
+  std::unique_ptr<TokenDispatcher> dispatcher_ = std::make_unique<LocalTokenDispatcher>();
   BlockState state_ = BlockState::kIdle;
   bool has_plan_ = false;
   float aux_ = 0.0f;
@@ -108,7 +116,7 @@ class MoEBlock {
   Tensor probs_;      // (T, E) F32
   Tensor idx_;        // (T, k) I32
   Tensor w_;          // (T, k) F32
-  Tensor h_;          // (M, 2F) activation_dtype, FC1's output (SwiGLU's input)
+  Tensor h_;          // (ML, 2F) activation_dtype, FC1's output (SwiGLU's input), expert side
   Tensor yp_;         // (M, H) activation_dtype, FC2's output (the combine's input)
 };
 
