@@ -435,19 +435,14 @@ Status run_train(const TrainArgs& args) {
   const int64_t train_tokens = static_cast<int64_t>(data.train.tokens.size());
   const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
 
-  // Data parallelism resumes in place after enable_data_parallel: its optimizer takes the
-  // checkpoint's state re-split for this job's world size.
-  const ModelWeights* init =
-      checkpoint ? &checkpoint->masters : (hf_weights ? &*hf_weights : nullptr);
+  // A resumed optimizer takes the checkpoint's state re-split for this job's world size.
+  const ModelWeights* init = hf_weights ? &*hf_weights : nullptr;
+  train::TrainerParallelism parallel;
+  parallel.comm = comm.get();
   Result<std::unique_ptr<train::Trainer>> trainer =
-      checkpoint && !comm
-          ? train::Trainer::resume(*backend, *checkpoint, config, std::move(data))
-          : train::Trainer::create(*backend, *model, config, std::move(data), init);
-  if (!trainer) return trainer.status();
-  if (comm)
-    PACKMOE_RETURN_IF_ERROR(trainer.value()->enable_data_parallel(*comm, config.gather_mode));
-  if (comm && checkpoint)
-    PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer.value()->load_checkpoint(*checkpoint)));
+      checkpoint ? train::Trainer::resume(*backend, *checkpoint, config, std::move(data), parallel)
+                 : train::Trainer::create(*backend, *model, config, std::move(data), init, parallel);
+  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer ? Status::ok() : trainer.status()));
 
   // ---- outputs ----
   std::error_code ec;
@@ -472,7 +467,7 @@ Status run_train(const TrainArgs& args) {
               static_cast<long long>(config.micro_batch_size),
               static_cast<long long>(config.seq_len), config.lr, config.min_lr);
   if (comm) {
-    const GatherTraffic& t = trainer.value()->dist_optimizer()->traffic();
+    const GatherTraffic& t = trainer.value()->optimizer().traffic();
     std::printf("  data parallel: %d ranks (%s), global batch %lld rows per step; gather mode %s: "
                 "%.2f MB all-gathered (%.4f B/param), %.2f MB reduce-scattered per step\n",
                 comm->size(), std::string(comm_kind_name(comm->kind())).c_str(),

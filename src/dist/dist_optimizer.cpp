@@ -176,18 +176,8 @@ DistStepResult DistOptimizer::step(double max_norm) {
   grads_.reduce_scatter();
   const FlatRange sh = shard();
   const float* grads = grads_.data();
-  double* norm = static_cast<double*>(norm_.get());
-  if (sh.size() > 0)
-    check_op(be_->sum_squares(one_segment(grads + sh.begin, sh.size()), norm), "sum_squares");
-  else
-    be_->fill_zero(norm, sizeof(double));
-  comm_->all_reduce(norm, norm, 1, ReduceOp::kSum);
-  double sum = 0;
-  const std::vector<uint8_t> bytes = norm_.download();
-  std::memcpy(&sum, bytes.data(), sizeof(double));
-
   DistStepResult r;
-  r.grad_norm = std::sqrt(sum);
+  r.grad_norm = comm_->size() == 1 ? single_rank_grad_norm() : shard_grad_norm();
   if (!std::isfinite(r.grad_norm)) {
     grads_.fill_zero();
     grads_.advance(GradBufferState::kZeroed, "step skipped: non-finite grad norm");
@@ -195,11 +185,8 @@ DistStepResult DistOptimizer::step(double max_norm) {
   }
   r.clip_scale = clip_coefficient(r.grad_norm, max_norm);
   ++steps_;
-  AdamWConfig no_decay = cfg_.adamw;
-  no_decay.weight_decay = 0.0f;
-  AdamWStepScalars decayed = adamw_step_scalars(cfg_.adamw, steps_);
-  AdamWStepScalars undecayed = adamw_step_scalars(no_decay, steps_);
-  decayed.grad_scale = undecayed.grad_scale = r.clip_scale;
+  const AdamWStepScalars decayed = adamw_param_scalars(cfg_.adamw, steps_, true, r.clip_scale);
+  const AdamWStepScalars undecayed = adamw_param_scalars(cfg_.adamw, steps_, false, r.clip_scale);
   float* master = static_cast<float*>(master_.get());
   float* m = static_cast<float*>(exp_avg_.get());
   float* v = static_cast<float*>(exp_avg_sq_.get());
@@ -217,6 +204,27 @@ DistStepResult DistOptimizer::step(double max_norm) {
   grads_.advance(GradBufferState::kParamsStaged, "step: update staged for the gather");
   r.applied = true;
   return r;
+}
+
+double DistOptimizer::shard_grad_norm() {
+  const FlatRange sh = shard();
+  double* norm = static_cast<double*>(norm_.get());
+  if (sh.size() > 0)
+    check_op(be_->sum_squares(one_segment<const float>(grads_.data() + sh.begin, sh.size()), norm),
+             "sum_squares");
+  else
+    be_->fill_zero(norm, sizeof(double));
+  comm_->all_reduce(norm, norm, 1, ReduceOp::kSum);
+  double sum = 0;
+  const std::vector<uint8_t> bytes = norm_.download();
+  std::memcpy(&sum, bytes.data(), sizeof(double));
+  return std::sqrt(sum);
+}
+
+double DistOptimizer::single_rank_grad_norm() const {
+  std::vector<const GroupedStorage*> grads;
+  for (const DistParam& d : params_) grads.push_back(&d.param->main_grad());
+  return global_grad_norm(*be_, grads);
 }
 
 void DistOptimizer::stage_bf16_image(uint8_t* image) {

@@ -147,6 +147,12 @@ class DistOptimizer {
   };
 
   void check_between_steps(const char* what) const;
+  // The global norm of the reduced gradient: N ranks sum their shard's squares (one call) and
+  // all-reduce; one rank sums per parameter in params order (optim/grad_clip.h, what a single
+  // process has always computed: a shard-wide call chunks the elements differently, so its
+  // rounding differs).
+  double shard_grad_norm();
+  double single_rank_grad_norm() const;
   void stage();  // masters -> the mode's gather source; params await the gather
   // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none. The
   // class owns a zeroed buffer unless `allocate` is false (reuse-grad-buffer: the grad buffer).

@@ -45,7 +45,7 @@ struct QuantRecipe {
 // bits, and a run resumed on any number of ranks that splits the step alike draws the bits the
 // uninterrupted run drew. Layout of the 64-bit offset: step (24 bits) | index (12) | the
 // micro-batch's own 2^28 blocks of 16 draws. A step from 2^24 or an index from 2^12 on is a
-// programming error: validate() and Trainer::enable_data_parallel refuse such NVFP4 runs first.
+// programming error: validate() and Trainer::create refuse such NVFP4 runs first.
 uint64_t nvfp4_grad_sr_offset(int64_t step, int64_t index);
 constexpr int kSrStepBits = 24, kSrIndexBits = 12, kSrBlockBits = 28;
 

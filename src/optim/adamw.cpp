@@ -20,6 +20,15 @@ AdamWStepScalars adamw_step_scalars(const AdamWConfig& cfg, int64_t t) {
   return s;
 }
 
+AdamWStepScalars adamw_param_scalars(const AdamWConfig& cfg, int64_t t, bool weight_decay,
+                                     float grad_scale) {
+  AdamWConfig c = cfg;
+  if (!weight_decay) c.weight_decay = 0.0f;
+  AdamWStepScalars s = adamw_step_scalars(c, t);
+  s.grad_scale = grad_scale;
+  return s;
+}
+
 void AdamW::add(GroupedParam& param, bool weight_decay) {
   const GroupedStorage& master = param.master();
   ParamState st{&param, weight_decay,
@@ -42,16 +51,10 @@ void AdamW::step(float grad_scale) {
     PACKMOE_CHECK(st.param->grad_state() == GradState::kSettled,
                   "AdamW step with a delayed wgrad pending: run backward_dw first");
   ++t_;
-  AdamWConfig no_decay = cfg_;
-  no_decay.weight_decay = 0.0f;
-  AdamWStepScalars decayed = adamw_step_scalars(cfg_, t_);
-  AdamWStepScalars undecayed = adamw_step_scalars(no_decay, t_);
-  decayed.grad_scale = grad_scale;
-  undecayed.grad_scale = grad_scale;
   for (ParamState& st : states_) {
     const GroupedStorage& master = st.param->master();
     AdamWArgs a;
-    a.scalars = st.weight_decay ? decayed : undecayed;
+    a.scalars = adamw_param_scalars(cfg_, t_, st.weight_decay, grad_scale);
     a.param = segments<float>(master);
     a.exp_avg = segments<float>(st.exp_avg);
     a.exp_avg_sq = segments<float>(st.exp_avg_sq);

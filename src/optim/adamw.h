@@ -23,6 +23,11 @@ struct AdamWConfig {
 
 // The scalars of step t (backend/elementwise.h has the struct and the per-element formula).
 AdamWStepScalars adamw_step_scalars(const AdamWConfig& cfg, int64_t t);
+// The scalars of step t for one param: without weight decay (decay = 1 exactly: norms) unless
+// weight_decay, the gradient multiplied by grad_scale (the clip coefficient). Every optimizer
+// over GroupedParams takes its scalars from here.
+AdamWStepScalars adamw_param_scalars(const AdamWConfig& cfg, int64_t t, bool weight_decay,
+                                     float grad_scale);
 
 // The update of a param is ONE backend adamw call over its E groups (either layout), in the
 // memory of the param's backend.

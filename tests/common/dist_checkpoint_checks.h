@@ -108,11 +108,9 @@ train::TrainConfig config(Recipe recipe, uint64_t seed, int64_t rows, int64_t ac
 
 // A trainer over `comm()` when `data_parallel`, else a single process.
 std::unique_ptr<train::Trainer> make(const train::TrainConfig& c, bool data_parallel) {
-  auto t = train::Trainer::create(comm().backend(), tiny(), c, corpus()).value();
-  if (data_parallel) {
-    EXPECT_TRUE(t->enable_data_parallel(comm(), GatherMode::kBf16).is_ok());
-  }
-  return t;
+  train::TrainerParallelism parallel;
+  if (data_parallel) parallel.comm = &comm();
+  return train::Trainer::create(comm().backend(), tiny(), c, corpus(), nullptr, parallel).value();
 }
 
 struct History {
@@ -128,27 +126,8 @@ void train_steps(train::Trainer& t, int64_t steps, History* h) {
   }
 }
 
-// Masters and moments per parameter (params() order) of either kind of trainer; collective with
-// data parallelism.
-FullOptimizerState state_of(train::Trainer& t) {
-  if (t.data_parallel()) return t.dist_optimizer()->gather_state();
-  FullOptimizerState s;
-  s.steps = t.optimizer().steps();
-  const ModelWeights masters = t.model().master_weights();
-  auto floats = [](const std::vector<uint8_t>& b) {
-    std::vector<float> v(b.size() / sizeof(float));
-    std::memcpy(v.data(), b.data(), b.size());
-    return v;
-  };
-  for (size_t i = 0; i < t.model().params().size(); ++i) {
-    const Tensor& m = masters.at(t.model().params()[i].name);
-    const auto* p = static_cast<const uint8_t*>(m.data());
-    s.master.push_back(floats({p, p + m.nbytes()}));
-    s.exp_avg.push_back(floats(t.optimizer().states()[i].exp_avg.download()));
-    s.exp_avg_sq.push_back(floats(t.optimizer().states()[i].exp_avg_sq.download()));
-  }
-  return s;
-}
+// Masters and moments per parameter (params() order) of any trainer; collective over its ranks.
+FullOptimizerState state_of(train::Trainer& t) { return t.optimizer().gather_state(); }
 
 // ---- files of the save job
 // ------------------------------------------------------------------------
@@ -352,7 +331,7 @@ TEST(DistCheckpoint, SaveWithTwoRanks) {
     History reference;
     train_steps(*straight, kSteps, &reference);
     write_bytes(reference_shard(recipe, comm().rank()),
-                encode_optimizer_shard(straight->dist_optimizer()->shard_state()));
+                encode_optimizer_shard(straight->optimizer().shard_state()));
     if (comm().rank() == 0) {
       json j;
       j["losses"] = bits(reference.losses);
@@ -376,7 +355,7 @@ TEST(DistCheckpoint, SaveWithTwoRanks) {
     const train::TrainerCheckpoint& back = read.value();
     EXPECT_EQ(back.world_size, kSavedRanks);
     ASSERT_TRUE(back.shard_plan.has_value());
-    EXPECT_EQ(back.shard_plan->params, saving->dist_optimizer()->plan().geometries());
+    EXPECT_EQ(back.shard_plan->params, saving->optimizer().plan().geometries());
     EXPECT_EQ(back.optimizer_steps, kSaveAt);
     EXPECT_EQ(back.sampler.offset, snap.sampler.offset);
     for (const auto& [name, t] : snap.masters)
@@ -423,14 +402,11 @@ TEST(DistCheckpoint, LoadWithAnyRankCountAndContinue) {
     const train::TrainConfig mine = config(
         recipe, seed, dp ? kRowsPerStep / world : kRowsPerStep / kSavedRanks, dp ? 1 : kSavedRanks);
     std::unique_ptr<train::Trainer> t;
-    if (dp) {
-      t = train::Trainer::create(comm().backend(), tiny(), mine, corpus(), &c.value().masters)
-              .value();
-      ASSERT_TRUE(t->enable_data_parallel(comm(), GatherMode::kBf16).is_ok());
-      ASSERT_TRUE(t->load_checkpoint(c.value()).is_ok());
-    } else {
+    {
+      train::TrainerParallelism parallel;
+      if (dp) parallel.comm = &comm();
       Result<std::unique_ptr<train::Trainer>> r =
-          train::Trainer::resume(comm().backend(), c.value(), mine, corpus());
+          train::Trainer::resume(comm().backend(), c.value(), mine, corpus(), parallel);
       ASSERT_TRUE(r.is_ok()) << r.status().message();
       t = std::move(r.value());
     }
@@ -492,11 +468,9 @@ TEST(DistCheckpoint, OneProcessCheckpointLoadsIntoAnyRankCount) {
   ASSERT_TRUE(c.is_ok()) << c.status().message();
   EXPECT_EQ(c.value().world_size, 1);
   EXPECT_FALSE(c.value().shard_plan.has_value());
-  auto t = train::Trainer::create(comm().backend(), tiny(), config(Recipe::kMxfp8, seed, 2, 1),
-                                  corpus(), &c.value().masters)
+  auto t = train::Trainer::resume(comm().backend(), c.value(), config(Recipe::kMxfp8, seed, 2, 1),
+                                  corpus(), {&comm()})
                .value();
-  ASSERT_TRUE(t->enable_data_parallel(comm(), GatherMode::kBf16).is_ok());
-  ASSERT_TRUE(t->load_checkpoint(c.value()).is_ok());
   expect_loaded_exactly(*t, c.value());
   History got;
   train_steps(*t, kSteps - kSaveAt, &got);

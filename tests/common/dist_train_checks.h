@@ -79,8 +79,11 @@ TEST(DistTrain, NRanksEqualOneProcessWithNMicroBatches) {
     SCOPED_TRACE(tc.name);
     auto ref =
         train::Trainer::create(b, model, train_config(world, tc.recipe, seed), corpus()).value();
-    auto dp = train::Trainer::create(b, model, train_config(1, tc.recipe, seed), corpus()).value();
-    ASSERT_TRUE(dp->enable_data_parallel(comm(), tc.mode, tc.bucket_elems).is_ok());
+    train::TrainConfig dp_config = train_config(1, tc.recipe, seed);
+    dp_config.gather_mode = tc.mode;
+    auto dp = train::Trainer::create(b, model, dp_config, corpus(), nullptr,
+                                     {&comm(), tc.bucket_elems})
+                  .value();
     ASSERT_EQ(dp->world_size(), world);
     for (int s = 0; s < 3; ++s) {
       SCOPED_TRACE("step " + std::to_string(s + 1));
@@ -97,8 +100,8 @@ TEST(DistTrain, NRanksEqualOneProcessWithNMicroBatches) {
             tc.name, world, s + 1, d.loss, r.loss,
             std::fabs(d.grad_norm - r.grad_norm) / r.grad_norm);
     }
-    const FullOptimizerState st = dp->dist_optimizer()->gather_state();
-    const ModelWeights masters = ref->model().master_weights();
+    const FullOptimizerState st = dp->optimizer().gather_state();
+    const ModelWeights masters = ref->snapshot().masters;
     const std::vector<NamedParam>& params = dp->model().params();
     ASSERT_EQ(st.master.size(), params.size());
     int differing = 0;
@@ -136,8 +139,9 @@ TEST(DistTrain, TiedEmbeddingWithinBounds) {
   const uint64_t seed = dist_test::g_seed % 100000 + 7;
   auto ref =
       train::Trainer::create(b, model, train_config(world, Recipe::kBF16, seed), corpus()).value();
-  auto dp = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, seed), corpus()).value();
-  ASSERT_TRUE(dp->enable_data_parallel(comm(), GatherMode::kBf16, 4096).is_ok());
+  auto dp = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, seed), corpus(), nullptr,
+                                   {&comm(), 4096})
+                .value();
   double loss_diff = 0, norm_diff = 0;
   for (int s = 0; s < 3; ++s) {
     const train::StepResult r = ref->train_step().value();
@@ -147,8 +151,8 @@ TEST(DistTrain, TiedEmbeddingWithinBounds) {
   }
   EXPECT_LE(loss_diff, kTiedLossBound);
   EXPECT_LE(norm_diff, kTiedNormBound);
-  const FullOptimizerState st = dp->dist_optimizer()->gather_state();
-  const ModelWeights masters = ref->model().master_weights();
+  const FullOptimizerState st = dp->optimizer().gather_state();
+  const ModelWeights masters = ref->snapshot().masters;
   const std::vector<NamedParam>& params = dp->model().params();
   double master_diff = 0;
   for (size_t p = 0; p < params.size(); ++p) {
@@ -186,9 +190,10 @@ TEST(DistTrain, Nvfp4WithTooManyMicroBatchesPerStepIsAnError) {
   Backend& b = comm().backend();
   const ModelConfig model = train::model_config_preset("tiny").value();
   const int64_t accum = 4096 / comm().size() + 1;  // valid alone, accum x ranks > 4096
-  auto t = train::Trainer::create(b, model, train_config(accum, Recipe::kNvfp4, 1), corpus()).value();
-  const Status s = t->enable_data_parallel(comm(), GatherMode::kBf16, 4096);
-  ASSERT_FALSE(s.is_ok());
+  const Result<std::unique_ptr<train::Trainer>> t = train::Trainer::create(
+      b, model, train_config(accum, Recipe::kNvfp4, 1), corpus(), nullptr, {&comm(), 4096});
+  ASSERT_FALSE(t.is_ok());
+  const Status s = t.status();
   EXPECT_NE(s.message().find("NVFP4: grad_accum_steps x ranks = " +
                              std::to_string(accum * comm().size()) + " micro-batches per step"),
             std::string::npos)
@@ -205,6 +210,7 @@ TEST(DistTrain, BackwardReportsEveryParameterOnceEmbeddingLast) {
   std::vector<size_t> order;
   t->model().set_grad_ready_hook([&order](size_t p) { order.push_back(p); });
   const Batch batch = t->train_sampler().next();
+  t->optimizer().prepare_forward();  // the weights of the optimizer's masters
   for (int pass = 0; pass < 2; ++pass) {
     order.clear();
     ASSERT_TRUE(t->model().forward(batch).is_ok());
@@ -230,9 +236,10 @@ TEST(DistTrain, ABackwardAfterTheOverlappedReduceScatterAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   Backend& b = comm().backend();
   const ModelConfig model = train::model_config_preset("tiny").value();
-  auto t = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, 1), corpus()).value();
-  ASSERT_TRUE(t->enable_data_parallel(comm(), GatherMode::kBf16, 4096).is_ok());
-  DistOptimizer& opt = *t->dist_optimizer();
+  auto t = train::Trainer::create(b, model, train_config(1, Recipe::kBF16, 1), corpus(), nullptr,
+                                  {&comm(), 4096})
+               .value();
+  DistOptimizer& opt = t->optimizer();
   const Batch batch = t->train_sampler().next();
   opt.prepare_forward();
   ASSERT_TRUE(t->model().forward(batch).is_ok());

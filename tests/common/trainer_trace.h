@@ -90,11 +90,15 @@ inline void capture_state(Trainer& t, Trace* trace) {
   trace->masters.clear();
   trace->exp_avg.clear();
   trace->exp_avg_sq.clear();
-  for (const auto& [name, tensor] : t.model().master_weights())
-    trace->masters.push_back(bytes_of(tensor));
-  for (const AdamW::ParamState& s : t.optimizer().states()) {
-    trace->exp_avg.push_back(s.exp_avg.download());
-    trace->exp_avg_sq.push_back(s.exp_avg_sq.download());
+  for (const auto& [name, tensor] : t.snapshot().masters) trace->masters.push_back(bytes_of(tensor));
+  const FullOptimizerState state = t.optimizer().gather_state();
+  auto bytes = [](const std::vector<float>& v) {
+    const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+    return std::vector<uint8_t>(p, p + v.size() * sizeof(float));
+  };
+  for (size_t i = 0; i < state.exp_avg.size(); ++i) {
+    trace->exp_avg.push_back(bytes(state.exp_avg[i]));
+    trace->exp_avg_sq.push_back(bytes(state.exp_avg_sq[i]));
   }
 }
 

@@ -157,7 +157,7 @@ TEST_F(CheckpointE2E, Bf16CheckpointStartsQuantizedRunsWithTheSavedMasters) {
     Trace loaded;
     capture_state(*t, &loaded);
     // Masters: the saved bytes (from the file and from the run that wrote it), not dequantized.
-    for (const auto& [name, tensor] : t->model().master_weights())
+    for (const auto& [name, tensor] : t->snapshot().masters)
       EXPECT_EQ(bytes_of(tensor), bytes_of(saved.at(name))) << name;
     EXPECT_EQ(loaded.masters, before.masters);
     EXPECT_EQ(loaded.exp_avg, before.exp_avg);  // the moments carry over too
@@ -457,7 +457,7 @@ TEST_F(CheckpointE2E, PrimaryWeightsFileHoldsTheBytesTheRunComputesWith) {
     io::SafetensorsFile d = io::SafetensorsFile::read(deq).value();
     const io::SafetensorsEntry* up_f32 = d.find(up->name);
     ASSERT_NE(up_f32, nullptr);
-    const Tensor master = t->model().master_weights().at("model.layers.1.mlp.experts.gate_up_proj");
+    const Tensor master = t->snapshot().masters.at("model.layers.1.mlp.experts.gate_up_proj");
     const float* want = master.data_as<const float>() + first_row * H;
     double err = 0, norm = 0;
     for (int64_t i = 0; i < F * H; ++i) {
