@@ -2,10 +2,10 @@
 // (bench/torch_grouped_gemm.py), in the bf16, mxfp8 (E4M3) and nvfp4 recipes, against torch's
 // figures from the same run (--peer-json; its token splits are used, so both sides multiply the
 // same problems). One line per case, both implementations (the sm_90a wgmma kernel and cuBLASLt
-// per group, chosen through PACKMOE_GEMM_IMPL): shape op recipe ms TFLOP/s for each, and
-// vs_* = torch ms / our ms. Quantized operands are prepared once outside the timed region; the
-// time covers the grouped_gemm call only (with its dequantize, a pre-pass or inside the sm90
-// kernel; mx-pre / mx-fus force the pre-pass or the fused loader). Backend interface only.
+// per group, chosen through the KernelPolicy of backend/cuda/kernel_policy.h): shape op recipe ms
+// TFLOP/s for each, and vs_* = torch ms / our ms. Quantized operands are prepared once outside the
+// timed region; the time covers the grouped_gemm call only (with its dequantize, a pre-pass or
+// inside the sm90 kernel; mx-pre forces the pre-pass). Backend interface only.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/kernel_policy.h"
 #include "backend/device_buffer.h"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
@@ -403,6 +404,14 @@ class ShapeCase {
   Nv nv_x_, nv_dy_, nv_w_;
 };
 
+// The grouped GEMM policy of one measured route (everything else the defaults).
+KernelPolicy policy(GemmImpl impl, Sm90Dequant dequant) {
+  KernelPolicy p;
+  p.gemm.impl = impl;
+  p.gemm.dequant = dequant;
+  return p;
+}
+
 const char* op_text(GemmOp op) {
   return op == GemmOp::kFprop ? "fprop" : op == GemmOp::kDgrad ? "dgrad" : "wgrad";
 }
@@ -435,12 +444,11 @@ int run(const Options& o) {
       "# FLOPs = 2*M*N*K per op (M = routed tokens incl. padding to 32); time = one grouped_gemm\n"
       "# call incl. the MXFP8/NVFP4 dequantize (a pre-pass, or inside the sm90 kernel: MXFP8 rowwise\n"
       "# copies by default); outputs BF16, wgrad+acc = FP32 main_grad\n"
-      "# accumulate. Two implementations per case (PACKMOE_GEMM_IMPL): sm90 = the wgmma kernel,\n"
+      "# accumulate. Two implementations per case (GemmPolicy::impl): sm90 = the wgmma kernel,\n"
       "# cublas = one cuBLASLt matmul per group. vs_gmm = torch._grouped_mm BF16 ms of the same op /\n"
       "# our ms; vs_loop = per-expert torch.matmul loop (fprop); vs_fp8 = torch._scaled_grouped_mm\n"
-      "# FP8 rowwise fprop ms / our sm90 ms. mxfp8 fprop on sm90, forced routes: mx-pre = the\n"
-      "# dequantize pre-pass (PACKMOE_GEMM_SM90_DEQUANT=prepass), mx-fus = the fused loader\n"
-      "# (PACKMOE_GEMM_SM90_FUSED=1);\n"
+      "# FP8 rowwise fprop ms / our sm90 ms. mxfp8 fprop on sm90 forced through the dequantize\n"
+      "# pre-pass (Sm90Dequant::kNone): mx-pre;\n"
       "# bf16:d = the BF16 call with the token counts in device memory (m_device: packed token\n"
       "# buffers, no host sync; on CUDA the sm90 kernel)\n");
   std::printf("%-16s %-9s %-6s %9s %8s %9s %8s %8s %8s %8s %8s\n", "shape", "op", "recipe", "sm90_ms",
@@ -463,11 +471,11 @@ int run(const Options& o) {
         const GroupedGemmArgs a = sc.args(op, f, acc);
         double ms[2] = {0, 0};  // sm90, cublas
         for (int impl = 0; impl < (o.no_cublas ? 1 : 2); ++impl) {
-          setenv("PACKMOE_GEMM_IMPL", impl == 0 ? "sm90" : "cublas", 1);
+          const ScopedKernelPolicy use(policy(impl == 0 ? GemmImpl::kAuto : GemmImpl::kCublasLt,
+                                              Sm90Dequant::kRowwiseMxfp8));
           check(be.grouped_gemm(a));  // argument errors surface before timing
           ms[impl] = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
         }
-        unsetenv("PACKMOE_GEMM_IMPL");
         const double torch_ms = op == GemmOp::kFprop ? s.gmm_fprop
                                 : op == GemmOp::kDgrad ? s.gmm_dgrad
                                                        : s.gmm_wgrad;
@@ -486,31 +494,22 @@ int run(const Options& o) {
         if (fp) fprop_ms[s.name + "/" + rname] = ms[0];
         if (f == OperandFormat::kBF16) {
           const GroupedGemmArgs d = sc.with_device_counts(a);
-          setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
-          check(be.grouped_gemm(d));
+          check(be.grouped_gemm(d));  // the default policy: the sm90 kernel where it applies
           const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(d)); });
-          unsetenv("PACKMOE_GEMM_IMPL");
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                       acc ? "wgrad+acc" : op_text(op), "bf16:d", t, flops / (t * 1e-3) / 1e12, "-",
                       "-", ratio(torch_ms, t).c_str(), "-", "-", "-");
           std::fflush(stdout);
         }
-        for (int fused = 0; fused < 2 && fp && f == OperandFormat::kMxfp8; ++fused) {
-          // The sm90 call forced through the dequantize pre-pass, then the fused loader.
-          const char* route = fused ? "mx-fus" : "mx-pre";
-          setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
-          setenv(fused ? "PACKMOE_GEMM_SM90_FUSED" : "PACKMOE_GEMM_SM90_DEQUANT",
-                 fused ? "1" : "prepass", 1);
+        if (fp && f == OperandFormat::kMxfp8) {  // the sm90 call forced through the pre-pass
+          const ScopedKernelPolicy use(policy(GemmImpl::kAuto, Sm90Dequant::kNone));
           check(be.grouped_gemm(a));
           const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
-          unsetenv("PACKMOE_GEMM_SM90_FUSED");
-          unsetenv("PACKMOE_GEMM_SM90_DEQUANT");
-          unsetenv("PACKMOE_GEMM_IMPL");
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
-                      "fprop", route, t, flops / (t * 1e-3) / 1e12, "-", "-",
+                      "fprop", "mx-pre", t, flops / (t * 1e-3) / 1e12, "-", "-",
                       ratio(torch_ms, t).c_str(), "-", "-", "-");
           std::fflush(stdout);
-          fprop_ms[s.name + "/" + route] = t;
+          fprop_ms[s.name + "/mx-pre"] = t;
         }
       }
     }
@@ -523,12 +522,11 @@ int run(const Options& o) {
   // The targets: quantized-operand fprop speed over our BF16 fprop (sm90 kernel).
   for (const Shape& s : shapes) {
     const double bf = fprop_ms[s.name + "/bf16"], mx = fprop_ms[s.name + "/mxfp8"],
-                 pre = fprop_ms[s.name + "/mx-pre"], fus = fprop_ms[s.name + "/mx-fus"],
-                 nv = fprop_ms[s.name + "/nvfp4"];
+                 pre = fprop_ms[s.name + "/mx-pre"], nv = fprop_ms[s.name + "/nvfp4"];
     std::printf("# %s sm90: bf16 fprop vs torch._grouped_mm %s, mxfp8 / bf16 fprop speed %s "
-                "(pre-pass %s, fused loader %s), nvfp4 / bf16 %s\n",
+                "(pre-pass %s), nvfp4 / bf16 %s\n",
                 s.name.c_str(), ratio(s.gmm_fprop, bf).c_str(), ratio(bf, mx).c_str(),
-                ratio(bf, pre).c_str(), ratio(bf, fus).c_str(), ratio(bf, nv).c_str());
+                ratio(bf, pre).c_str(), ratio(bf, nv).c_str());
   }
   return 0;
 }

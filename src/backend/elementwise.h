@@ -56,7 +56,7 @@ struct AdamWArgs {
 
 // Sum of squares for the global gradient norm, in FP64 (each x * x is exact in FP64: 24-bit
 // significands multiply into 48 bits). Each segment is cut into chunks of kSumSquaresChunk
-// elements (the last may be shorter); a chunk's sum is the R32 sum of moe_ops.h over its
+// elements (the last may be shorter); a chunk's sum is the R32 sum of reduce_order.h over its
 // elements' squares, in FP64; the result is the sequential FP64 sum (from +0) of the chunk sums in
 // (segment, chunk) order. Zero segments or n = 0 give +0.
 inline constexpr int64_t kSumSquaresChunk = 65536;

@@ -1,5 +1,5 @@
-// Arguments of the grouped GEMM op family (reference section A.5), one group per expert g with
-// m_g tokens, weight W_g (N, K), FP32 accumulation:
+// Arguments of the grouped GEMM op family (docs/gemm.md, docs/formats.md), one group per expert
+// g with m_g tokens, weight W_g (N, K), FP32 accumulation:
 //   fprop  Y_g  (m_g, N) = X_g  (m_g, K) . W_g^T        lhs = X,  rhs = W   (reduction K)
 //   dgrad  dX_g (m_g, K) = dY_g (m_g, N) . W_g          lhs = dY, rhs = W   (reduction N)
 //   wgrad  dW_g (N, K)   = dY_g^T . X_g                 lhs = dY, rhs = X   (reduction m_g)

@@ -7,14 +7,14 @@
 
 #include <cstdint>
 
-#include "backend/moe_ops.h"  // moe_exp_f32, kMoeReduceLanes, the R32 order
+#include "backend/moe_ops.h"  // moe_exp_f32, the R32 order (backend/reduce_order.h)
 #include "core/codecs.h"
 #include "core/hd.h"
 #include "core/status.h"
 
 namespace packmoe {
 
-// ---- exact arithmetic (see moe_ops.h for "sequential" and "R32" sums) --------------------------
+// ---- exact arithmetic (see reduce_order.h for "sequential" and "R32" sums) ---------------------
 
 // ln x in FP32 from exactly-rounded operations only (libm's logf and CUDA's differ in the last
 // bit). x = 2^e * m with m in (sqrt(1/2), sqrt(2)] (subnormals pre-scaled by 2^23), f = (m - 1) /

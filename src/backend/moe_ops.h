@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/reduce_order.h"
 #include "core/codecs.h"
 #include "core/dtype.h"
 #include "core/hd.h"
@@ -17,16 +18,7 @@ namespace packmoe {
 
 // ---- exact arithmetic shared by every backend ---------------------------------------------------
 //
-// Sequential sum over j = 0..n-1: acc = +0, then acc = acc + term_j. Used for the k terms of a
-// token.
-// R32 sum over i = 0..n-1 (long reductions, shaped like one CUDA warp): lane[l] = +0, then
-// lane[l] = lane[l] + term_i for i = l, l + 32, l + 64, ... (l < 32); then for off = 16, 8, 4,
-// 2, 1: lane[l] = lane[l] + lane[l + off] for l < off; the sum is lane[0]. (A warp computes it
-// with a strided loop and __shfl_xor_sync butterflies: lane 0 gets exactly this tree.)
-// Every product and quotient is one rounded FP32 operation (no FMA: -ffp-contract=off on the
-// host, --fmad=false for nvcc). BF16 inputs are widened exactly; BF16 outputs round the final
-// FP32 value once (RNE, f32_to_bf16).
-inline constexpr int kMoeReduceLanes = 32;
+// "Sequential" and "R32" sums, and the rounding rules: backend/reduce_order.h.
 
 // e^x in FP32 from exactly-rounded operations only, so host and device agree bit for bit (libm's
 // expf and CUDA's expf differ in the last bit). Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2,

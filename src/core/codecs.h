@@ -1,7 +1,7 @@
 // Bit-exact scalar codecs FP32 <-> BF16 / E4M3 / E5M2 / E8M0 / E2M1, one header for CPU and CUDA.
 // Invariant: every function is integer/bit manipulation or exactly-rounded FP32 arithmetic whose
 // result does not depend on FTZ/DAZ or FMA contraction, so host and device agree bit for bit.
-// Rounding is TransformerEngine's (reference/formats-and-grouped-linear.md A.2-A.4, B.2, B.3, B.7):
+// Rounding is TransformerEngine's (docs/formats.md):
 // RNE + satfinite for FP8/FP4, round-up (RCEIL) for E8M0 scales.
 #pragma once
 
@@ -146,7 +146,7 @@ PACKMOE_HD float e5m2_to_f32(uint8_t code) {
 
 // ---- E8M0 (MX shared scale): 2^(code-127), code 255 = NaN, no zero ---------------------------
 
-// TE float_to_e8m0 (A.2 step 3): round UP to a power of two, satfinite. v = amax * (1/max_norm) is
+// TE float_to_e8m0: round UP to a power of two, satfinite. v = amax * (1/max_norm) is
 // never negative, so the sign bit is ignored (|v| is encoded). NaN -> 0xFF, Inf -> 0xFE, 0 -> 0,
 // v <= 2^-127 -> 0.
 PACKMOE_HD uint8_t f32_to_e8m0_rceil(float v) {
@@ -202,7 +202,7 @@ PACKMOE_HD float e2m1_to_f32(uint8_t code) {
   return f32_from_bits(sign | ((exp + 126u) << 23) | (man << 22));  // rebias 1 -> 127
 }
 
-// Stochastic rounding to E2M1 (TE cvt.rs.satfinite.e2m1x4.f32; reference B.7), 8 random bits.
+// Stochastic rounding to E2M1 (TE cvt.rs.satfinite.e2m1x4.f32; docs/formats.md), 8 random bits.
 // TE's software model is t = |x| + (rbits/256) * step, result floor-to-grid(t), capped at 6. In
 // exact arithmetic that rounds UP to the next grid value exactly when
 //     |x| - lo >= step * (256 - rbits) / 256,

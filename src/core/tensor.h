@@ -71,7 +71,7 @@ class Tensor {
 
 enum class ScaleLayout : uint8_t {
   kCompact,   // row-major [rows, blocks] (MXFP8 columnwise: [rows/32, K]); what is communicated
-  kSwizzled,  // GEMM-ready 128x4 tiles (reference A.6), padded; derived, never communicated
+  kSwizzled,  // GEMM-ready 128x4 tiles (docs/formats.md), padded; derived, never communicated
 };
 
 struct ScaleSidecar {

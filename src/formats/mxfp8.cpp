@@ -1,4 +1,4 @@
-// MXFP8 CPU reference quantize / dequantize (reference A.2-A.5). Every byte comes from the
+// MXFP8 CPU reference quantize / dequantize (docs/formats.md, MXFP8). Every byte comes from the
 // per-block functions of formats/mxfp8_math.h, which the CUDA kernels call too. Validation runs
 // first and returns a Status before any memory is read or written.
 #include "formats/mxfp8.h"

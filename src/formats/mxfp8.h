@@ -1,4 +1,4 @@
-// MXFP8 (reference section A): E4M3/E5M2 elements, one E8M0 scale per 32 elements along the
+// MXFP8 (docs/formats.md): E4M3/E5M2 elements, one E8M0 scale per 32 elements along the
 // reduction dim, rounded UP from amax * fp32(1/max_norm) so the block max never saturates.
 // Rowwise (1x32 along K) and columnwise (32x1 along rows, same (rows, K) shape, NOT transposed)
 // are both computed from the high-precision input. Optional 2D 32x32 tiles for weights.

@@ -1,4 +1,4 @@
-// NVFP4 CPU reference quantize / dequantize (reference B.3-B.7). Every byte comes from the
+// NVFP4 CPU reference quantize / dequantize (docs/formats.md, NVFP4). Every byte comes from the
 // per-block functions of formats/nvfp4_math.h, which the CUDA kernels call too; SR bits follow
 // the global block numbering documented in formats/nvfp4.h. Validation runs first and returns a
 // Status before any memory is read or written.

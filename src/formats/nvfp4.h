@@ -1,4 +1,4 @@
-// NVFP4 (reference section B): E2M1 elements (two per byte, low nibble first), one E4M3 scale
+// NVFP4 (docs/formats.md): E2M1 elements (two per byte, low nibble first), one E4M3 scale
 // per 16 elements, and one FP32 amax per group (expert) giving the per-tensor scale
 // S_enc = 2688 / amax. Weights use 2D 16x16 tiles; activations and gradients 1x16 blocks with
 // the Random Hadamard Transform on the columnwise (wgrad) copy and stochastic rounding for

@@ -1,4 +1,4 @@
-// NVFP4 per-block arithmetic (reference B.3, B.6, B.7) and the 16-point Random Hadamard
+// NVFP4 per-block arithmetic (docs/formats.md, NVFP4) and the 16-point Random Hadamard
 // Transform, one source for the CPU reference and the CUDA kernels: both call exactly these
 // functions, so their bytes agree. Invariant: every step is one exactly-rounded FP32 (or FP64)
 // operation in a fixed order, or bit manipulation; nothing depends on FMA contraction or FTZ.
@@ -67,7 +67,7 @@ PACKMOE_HD uint8_t nvfp4_sr_byte(const Philox4& draw, int j) {
   return static_cast<uint8_t>(draw.v[j >> 2] >> (8 * (j & 3)));
 }
 
-// ---- Random Hadamard Transform (B.6)
+// ---- Random Hadamard Transform (docs/formats.md)
 // -------------------------------------------------------------
 
 inline constexpr int kRhtSize = 16;

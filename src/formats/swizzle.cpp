@@ -1,4 +1,4 @@
-// CPU reference of the GEMM-ready scale swizzle (formats/swizzle.h, reference A.6). The whole
+// CPU reference of the GEMM-ready scale swizzle (formats/swizzle.h, docs/formats.md). The whole
 // padded buffer is written: padding bytes are zero, so swizzled buffers compare bytewise.
 #include "formats/swizzle.h"
 

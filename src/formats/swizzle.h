@@ -1,4 +1,4 @@
-// GEMM-ready ("swizzled") scale layout of reference A.6, shared by MXFP8 and NVFP4: the compact
+// GEMM-ready ("swizzled") scale layout of docs/formats.md, shared by MXFP8 and NVFP4: the compact
 // scale matrix S[rows][cols] is padded to (roundup(rows,128), roundup(cols,4)) with zeros and
 // stored as 128x4 tiles, tile-major, inner order (i%32)*16 + ((i%128)/32)*4 + (j%4).
 // Swizzled scales are derived from compact ones and never communicated.

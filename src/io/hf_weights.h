@@ -1,4 +1,4 @@
-// Model weights <-> Hugging Face Qwen3-MoE safetensors (reference/style-and-ecosystem.md §2a, §2b).
+// Model weights <-> Hugging Face Qwen3-MoE safetensors (docs/checkpoints.md, docs/formats.md).
 // On disk experts are per expert and gate / up apart (what Qwen3MoeForCausalLM.from_pretrained
 // reads); in memory they are packed. Each HF tensor is ONE contiguous element range of one
 // ModelWeights tensor, so the map is a list of (HF name, shape, packed name, element offset) and

@@ -1,5 +1,5 @@
-// safetensors reader and writer (the huggingface/safetensors format; reference/
-// style-and-ecosystem.md §2a). A SafetensorsFile that exists has passed every check of the
+// safetensors reader and writer (the huggingface/safetensors format, rules in
+// docs/formats.md). A SafetensorsFile that exists has passed every check of the
 // reference reader: known dtypes, overflow-free shapes, sizes matching shape x dtype, tensors
 // tiling the data buffer with no hole, overlap or trailing byte, unique names. The writer emits
 // what the reference Rust writer emits (order, keys, padding) and replaces its target atomically.

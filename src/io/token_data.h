@@ -1,5 +1,5 @@
 // Token datasets: readers and writers for Megatron-LM indexed datasets (<prefix>.idx + .bin) and
-// llm.c token shards (reference/style-and-ecosystem.md §2c). A TokenDataset that a reader returns
+// llm.c token shards (docs/formats.md, "Files of other tools"). A TokenDataset a reader returns
 // has passed every header and size check: magic, version, dtype, counts, arrays consistent with
 // each other and with the file sizes, every token a non-negative integer below 2^32. No reader
 // ever touches a byte outside a file; writers replace their targets atomically (temp + rename).

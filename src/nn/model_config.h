@@ -11,7 +11,7 @@ namespace packmoe {
 
 struct ModelConfig {
   // Defaults are the HF class defaults (v4 for rope_theta and head_dim, see
-  // reference/style-and-ecosystem.md §2b), so a config.json that omits a field means the same here.
+  // docs/formats.md, "Files of other tools"), so a config.json that omits a field means the same.
   std::string model_type = "qwen3_moe";
   int64_t vocab_size = 151936;          // V
   int64_t hidden_size = 2048;           // H

@@ -1,5 +1,5 @@
 // Precision recipes: which format each GEMM operand of a grouped linear uses and how it is
-// quantized (TransformerEngine defaults, reference/formats-and-grouped-linear.md A.5, B.1).
+// quantized (TransformerEngine's defaults: docs/formats.md, "Which copy ...", "Recipes").
 // Invariant: every quantizer setting of a layer comes from these functions, so the packed and the
 // discrete layout, and the CPU and CUDA backends, quantize with the same configuration.
 #pragma once
@@ -59,7 +59,7 @@ int64_t token_alignment(Recipe r);
 // may use 2D tiles.
 Mxfp8Config mxfp8_config(const QuantRecipe& q, TensorRole role);
 
-// NVFP4 (reference B.1): weights 2D 16x16 with RNE; inputs 1x16 rowwise + columnwise with the RHT
+// NVFP4 (docs/formats.md): weights 2D 16x16 with RNE; inputs 1x16 rowwise + columnwise with the RHT
 // on the columnwise copy; gradients the same plus stochastic rounding of both copies from
 // (q.sr_seed, sr_offset). sr_offset is ignored for the other roles.
 Nvfp4Config nvfp4_config(const QuantRecipe& q, TensorRole role, uint64_t sr_offset);

@@ -290,7 +290,7 @@ Result<ModelConfig> model_config_from_json(const json& j) {
       c.mlp_only_layers.push_back(v.get<int64_t>());
     }
   }
-  // HF falls back to hidden / heads only when head_dim is absent (§2b: real checkpoints set it).
+  // HF falls back to hidden / heads only when head_dim is absent (docs/formats.md; checkpoints set it).
   if (present(j, "head_dim")) {
     PACKMOE_RETURN_IF_ERROR(read_int(j, "head_dim", c.head_dim));
   } else if (c.num_attention_heads > 0) {

@@ -6,9 +6,9 @@
 // packed operands / host m, per-expert buffers / host m, and packed token buffers / device m
 // (m_capacity past the last group, garbage in the unused rows); the three outputs must be the
 // same bytes, and the sm_90a variants must agree with each other byte for byte. Sentinel gaps
-// catch writes outside a group's slice. MXFP8 E4M3 fprop through the sm_90a kernel's fused
-// loader (no pre-pass) must give the pre-pass's bytes, and so must the kernel's streaming
-// dequantize of every quantized recipe. Device counts: a call captured in a CUDA
+// catch writes outside a group's slice. The sm_90a kernel's streaming dequantize of every
+// quantized recipe must give the pre-pass's bytes. Variants are chosen through the KernelPolicy
+// (backend/cuda/kernel_policy.h). Device counts: a call captured in a CUDA
 // graph (which fails on any host synchronisation) and replayed with new counts and values gives
 // the bytes of an eager host-m call. Skips when no GPU is visible.
 #include <gtest/gtest.h>
@@ -29,6 +29,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"  // the backend's stream, for CUDA-graph capture
+#include "backend/cuda/kernel_policy.h"
 #include "backend/device_buffer.h"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
@@ -292,42 +293,36 @@ HostOperand make_operand(const Logical& l, const Recipe& rc, Role role, bool red
 
 // ---- implementations ------------------------------------------------------------------------------
 
-// How the CUDA backend is told which grouped GEMM to run (grouped_gemm_cublas.cu and
-// grouped_gemm_sm90.cu read these variables at every call). Shapes the sm_90a kernel does not
-// take (odd row lengths) and GPUs other than sm_90 run cuBLASLt under every variant.
+// Which grouped GEMM the CUDA backend runs, as the GemmPolicy (backend/cuda/kernel_policy.h) that
+// selects it. Shapes the sm_90a kernel does not take (odd row lengths) and GPUs other than sm_90
+// run cuBLASLt under every variant.
 struct Variant {
   const char* name;
-  const char* impl;     // PACKMOE_GEMM_IMPL
-  const char* tile_n;   // PACKMOE_GEMM_SM90_TILE_N, or null for the heuristic
-  const char* cluster;  // PACKMOE_GEMM_SM90_CLUSTER, or null for the heuristic
-  const char* ctas;     // PACKMOE_GEMM_SM90_CTAS, or null for the whole GPU
+  GemmPolicy gemm;  // impl, dequant, tile_n, cluster, max_ctas (0: the heuristic / whole GPU)
+  bool sm90() const { return gemm.impl == GemmImpl::kAuto; }
 };
+constexpr Sm90Dequant kDefaultDequant = Sm90Dequant::kRowwiseMxfp8;
 const Variant kVariants[] = {
-    {"cublas", "cublas", nullptr, nullptr, nullptr},
-    {"sm90", "sm90", nullptr, nullptr, nullptr},
-    {"sm90/n256/c2/4", "sm90", "256", "2", "4"},
-    {"sm90/n128/c1/1", "sm90", "128", "1", "1"},
-    {"sm90/n256/c1", "sm90", "256", "1", nullptr},
-    {"sm90/n128/c2/2", "sm90", "128", "2", "2"},
+    {"cublas", {GemmImpl::kCublasLt, kDefaultDequant, 0, 0, 0}},
+    {"sm90", {GemmImpl::kAuto, kDefaultDequant, 0, 0, 0}},
+    {"sm90/n256/c2/4", {GemmImpl::kAuto, kDefaultDequant, 256, 2, 4}},
+    {"sm90/n128/c1/1", {GemmImpl::kAuto, kDefaultDequant, 128, 1, 1}},
+    {"sm90/n256/c1", {GemmImpl::kAuto, kDefaultDequant, 256, 1, 0}},
+    {"sm90/n128/c2/2", {GemmImpl::kAuto, kDefaultDequant, 128, 2, 2}},
 };
-const char* const kVariantVars[] = {"PACKMOE_GEMM_IMPL", "PACKMOE_GEMM_SM90_TILE_N",
-                                    "PACKMOE_GEMM_SM90_CLUSTER", "PACKMOE_GEMM_SM90_CTAS"};
 
-// Sets the variant's variables for its lifetime; restores the defaults after.
+// The policy of `gemm` (everything else default) for the life of the object.
+KernelPolicy gemm_policy(const GemmPolicy& gemm) {
+  KernelPolicy p;
+  p.gemm = gemm;
+  return p;
+}
 class UseVariant {
  public:
-  explicit UseVariant(const Variant& v) {
-    const char* values[] = {v.impl, v.tile_n, v.cluster, v.ctas};
-    for (int i = 0; i < 4; ++i) {
-      if (values[i] != nullptr)
-        setenv(kVariantVars[i], values[i], 1);
-      else
-        unsetenv(kVariantVars[i]);
-    }
-  }
-  ~UseVariant() {
-    for (const char* n : kVariantVars) unsetenv(n);
-  }
+  explicit UseVariant(const Variant& v) : scoped_(gemm_policy(v.gemm)) {}
+
+ private:
+  ScopedKernelPolicy scoped_;
 };
 
 // ---- one case ------------------------------------------------------------------------------------
@@ -487,27 +482,31 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
   return r;
 }
 
-// Runs the case twice, with environment variable `var` set to `first` and then to `second` (unset
+// Runs the case twice, under the policies `first` and then `second` (the previous policy restored
 // afterwards), and counts the groups whose output bytes differ between the two runs. Both runs
 // must succeed and leave every byte outside the group slices alone.
-struct EnvRunsDiff {
+struct PolicyRunsDiff {
   size_t bytes = 0;
   size_t differing_groups = 0;
 };
-EnvRunsDiff run_under_env_values(Backend& gpu, const Case& c, const HostOperand& lhs,
-                                 const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
-                                 Placement pl, bool m_device, const char* var, const char* first,
-                                 const char* second) {
-  setenv(var, first, 1);
-  const RunOut a = run_gpu(gpu, c, lhs, rhs, init, pl, m_device);
-  setenv(var, second, 1);
-  const RunOut b = run_gpu(gpu, c, lhs, rhs, init, pl, m_device);
-  unsetenv(var);
-  EXPECT_TRUE(a.status.is_ok()) << var << "=" << first << ": " << a.status.message();
-  EXPECT_TRUE(b.status.is_ok()) << var << "=" << second << ": " << b.status.message();
-  EXPECT_EQ(a.gap_changes, 0u) << "bytes outside the group slices changed (" << var << "=" << first << ")";
-  EXPECT_EQ(b.gap_changes, 0u) << "bytes outside the group slices changed (" << var << "=" << second << ")";
-  EnvRunsDiff d;
+PolicyRunsDiff run_under_policies(Backend& gpu, const Case& c, const HostOperand& lhs,
+                                  const HostOperand& rhs, const std::vector<std::vector<uint8_t>>& init,
+                                  Placement pl, bool m_device, const GemmPolicy& first,
+                                  const GemmPolicy& second) {
+  RunOut a, b;
+  {
+    const ScopedKernelPolicy use(gemm_policy(first));
+    a = run_gpu(gpu, c, lhs, rhs, init, pl, m_device);
+  }
+  {
+    const ScopedKernelPolicy use(gemm_policy(second));
+    b = run_gpu(gpu, c, lhs, rhs, init, pl, m_device);
+  }
+  EXPECT_TRUE(a.status.is_ok()) << "first policy: " << a.status.message();
+  EXPECT_TRUE(b.status.is_ok()) << "second policy: " << b.status.message();
+  EXPECT_EQ(a.gap_changes, 0u) << "bytes outside the group slices changed (first policy)";
+  EXPECT_EQ(b.gap_changes, 0u) << "bytes outside the group slices changed (second policy)";
+  PolicyRunsDiff d;
   if (!a.status.is_ok() || !b.status.is_ok()) return d;
   for (size_t g = 0; g < c.m.size(); ++g) {
     d.bytes += b.regions[g].size();
@@ -594,7 +593,7 @@ void run_case(Backend& gpu, const Case& c, uint64_t seed) {
   for (const Variant& variant : kVariants) {
     results.push_back(check_variant(gpu, c, variant, lhs, rhs, init, ref, product_zero));
     if (::testing::Test::HasFailure()) return;
-    if (std::string(variant.impl) != "sm90") continue;
+    if (!variant.sm90()) continue;
     if (sm90_bytes == nullptr) sm90_bytes = &results.back();
     EXPECT_TRUE(*sm90_bytes == results.back())
         << "the sm_90a kernel gave other bytes under variant " << variant.name;
@@ -827,19 +826,19 @@ TEST(CudaGroupedGemm, GivenBf16ValuesGiveTheSameBytes) {
                                                  : sh.m[g] * (op == GemmOp::kFprop ? sh.n : sh.k)) *
                            el,
                        kUnset);
-      for (const char* impl : {"sm90", "cublas"})
+      for (const Variant& v : {kVariants[1], kVariants[0]})  // sm90, cublas
         for (Placement pl : {Placement::kPacked, Placement::kMisaligned})
           for (bool only : {false, true}) {
+            const char* impl = v.name;
             lhs_bf16.values_only = only;
             rhs_bf16.values_only = only && wgrad;
             SCOPED_TRACE(std::string(op_name_of(op)) + " " + impl + " m[0]=" + std::to_string(sh.m[0]) +
                          " N=" + std::to_string(sh.n) + " K=" + std::to_string(sh.k) +
                          (gv.format == OperandFormat::kMxfp8 ? " mxfp8" : " nvfp4") +
                          (only ? " values only" : ""));
-            setenv("PACKMOE_GEMM_IMPL", impl, 1);
+            const UseVariant use(v);
             const RunOut a = run_gpu(*gpu, c, lhs, rhs, init, pl, false);
             const RunOut b = run_gpu(*gpu, c, lhs_bf16, rhs_bf16, init, pl, false);
-            unsetenv("PACKMOE_GEMM_IMPL");
             ASSERT_TRUE(a.status.is_ok()) << a.status.message();
             ASSERT_TRUE(b.status.is_ok()) << b.status.message();
             EXPECT_EQ(b.gap_changes, 0u);
@@ -938,62 +937,9 @@ TEST(CudaGroupedGemm, MisalignedQuantizedSameBytes) {
     }
 }
 
-// MXFP8 E4M3 fprop on the sm_90a kernel with PACKMOE_GEMM_SM90_FUSED=1 dequantizes in the
-// kernel's loader (no BF16 copy of the operands); with 0 it takes the dequantize pre-pass, which
-// writes the same BF16 values for the same wgmmas (and is checked against FP64 in Mxfp8E4m3): the
-// outputs must be the same bytes, on every tile variant, for FP32 and BF16 outputs, packed and
-// per-expert operands, partial M / N / K tiles and empty groups. Rows are scaled by 2^-125 .. 2^40,
-// so the block scales run from codes near 0 (where the BF16 operand is rounded) to about 170; the
-// last shape also gets NaN element codes and a NaN scale code (NaN outputs: the same bytes too).
-TEST(CudaGroupedGemm, Mxfp8FusedSameBytesAsPrepass) {
-  SKIP_WITHOUT_GPU();
-  uint64_t seed = 1100;
-  std::vector<Shape> cases = shapes(32);
-  cases.push_back({{0, 416, 96, 0, 160}, 544, 352});  // several m-tiles, 3 n-tiles, 5.5 steps
-  for (const Shape& sh : cases)
-    for (DType out : {DType::kF32, DType::kBF16}) {
-      std::mt19937_64 rng(seed++);
-      Case c;
-      c.recipe = Recipe{OperandFormat::kMxfp8, DType::kE4M3, DType::kE4M3};
-      c.out = out;
-      c.m = sh.m;
-      c.n = sh.n;
-      c.k = sh.k;
-      const size_t G = c.m.size();
-      const Logical x = make_logical(c.m, c.k, -1, rng, -125, 40);
-      const Logical w = make_logical(std::vector<int64_t>(G, c.n), c.k, -1, rng, -125, 40);
-      HostOperand lhs = make_operand(x, c.recipe, Role::kActivation, false, 0);
-      HostOperand rhs = make_operand(w, c.recipe, Role::kWeight, false, 0);
-      if (&sh == &cases.back()) {  // E4M3 NaN codes 0x7F / 0xFF in X, an E8M0 NaN scale in W
-        for (int i = 0; i < 3; ++i) lhs.data[1][rng() % lhs.data[1].size()] = i % 2 ? 0xFF : 0x7F;
-        rhs.scale[2][rng() % rhs.scale[2].size()] = 0xFF;
-      }
-      const size_t el = out == DType::kBF16 ? 2 : 4;
-      std::vector<std::vector<uint8_t>> init(G);
-      for (size_t g = 0; g < G; ++g) init[g].assign(static_cast<size_t>(c.m[g] * c.n) * el, kUnset);
-      for (const Variant& v : kVariants) {
-        if (std::string(v.impl) != "sm90") continue;
-        const UseVariant use(v);
-        for (Placement pl : {Placement::kPacked, Placement::kDiscrete}) {
-          const EnvRunsDiff d = run_under_env_values(*gpu, c, lhs, rhs, init, pl, pl == Placement::kDiscrete,
-                                                     "PACKMOE_GEMM_SM90_FUSED", "0", "1");
-          std::string ms;
-          for (int64_t m : c.m) ms += (ms.empty() ? "" : ",") + std::to_string(m);
-          std::printf("[gemm cuda] fused==prepass %-14s %-8s out=%-4s N=%-4lld K=%-4lld m={%s} "
-                      "bytes=%zu differing_groups=%zu\n",
-                      v.name, pl == Placement::kPacked ? "packed" : "device_m",
-                      out == DType::kBF16 ? "bf16" : "f32", static_cast<long long>(c.n),
-                      static_cast<long long>(c.k), ms.c_str(), d.bytes, d.differing_groups);
-          EXPECT_EQ(d.differing_groups, 0u) << "fused and pre-pass MXFP8 fprop differ (" << v.name << ")";
-          if (HasFailure()) return;
-        }
-      }
-    }
-}
-
 // Quantized operands on the sm_90a kernel are dequantized by the kernel's own converter warps
-// while it runs (PACKMOE_GEMM_SM90_DEQUANT=stream: every copy; by default only the MXFP8 rowwise
-// ones, which the other tests therefore cover too) or by a pre-pass launch before it (=prepass):
+// while it runs (Sm90Dequant::kAll: every copy; by default only the MXFP8 rowwise ones, which the
+// other tests therefore cover too) or by a pre-pass launch before it (Sm90Dequant::kNone):
 // the same BF16 values in the same scratch for the same wgmmas, so the same bytes, in
 // every op and recipe, on every tile variant (one CTA: its converters do every chunk while its own
 // producer waits; 4 CTAs: each converts many chunks), for per-expert and packed operands. The
@@ -1031,11 +977,13 @@ TEST(CudaGroupedGemm, StreamDequantSameBytesAsPrepass) {
         init[g].assign(static_cast<size_t>((wgrad ? c.n : c.m[g]) * (op == GemmOp::kFprop ? c.n : c.k)) * el,
                        kUnset);
       for (const Variant& v : kVariants) {
-        if (std::string(v.impl) != "sm90") continue;
-        const UseVariant use(v);
+        if (!v.sm90()) continue;
+        GemmPolicy prepass = v.gemm, stream = v.gemm;
+        prepass.dequant = Sm90Dequant::kNone;
+        stream.dequant = Sm90Dequant::kAll;
         for (Placement pl : {Placement::kPacked, Placement::kDiscrete}) {
-          const EnvRunsDiff d = run_under_env_values(*gpu, c, lhs, rhs, init, pl, false,
-                                                     "PACKMOE_GEMM_SM90_DEQUANT", "prepass", "stream");
+          const PolicyRunsDiff d = run_under_policies(*gpu, c, lhs, rhs, init, pl, false, prepass,
+                                                      stream);
           std::printf("[gemm cuda] stream==prepass %-14s %-5s %-16s %-8s bytes=%zu "
                       "differing_groups=%zu\n",
                       v.name, op_name_of(op), rc.name().c_str(),
@@ -1313,14 +1261,17 @@ TEST(CudaGroupedGemm, DeviceCountsCaptureErrors) {
   a.m_capacity = 256;
   // An eager host-m call first: the backend's GEMM state exists before any capture.
   ASSERT_TRUE(gpu->grouped_gemm(expand_packed_tokens(a, none)).is_ok());
-  for (const char* impl : {"sm90", "cublas"}) {
-    setenv("PACKMOE_GEMM_IMPL", impl, 1);
-    cudaGraph_t graph = nullptr;
-    ASSERT_EQ(cudaStreamBeginCapture(cuda->stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
-    const Status s = gpu->grouped_gemm(a);
-    cudaStreamEndCapture(cuda->stream(), &graph);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-    unsetenv("PACKMOE_GEMM_IMPL");
+  for (const Variant& v : {kVariants[1], kVariants[0]}) {  // sm90, cublas
+    const char* impl = v.name;
+    Status s;
+    {
+      const UseVariant use(v);
+      cudaGraph_t graph = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(cuda->stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
+      s = gpu->grouped_gemm(a);
+      cudaStreamEndCapture(cuda->stream(), &graph);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+    }
     EXPECT_FALSE(s.is_ok()) << impl;
     EXPECT_NE(s.message().find(std::string(impl) == "sm90" ? "run it once" : "cannot be captured"),
               std::string::npos)
@@ -1355,12 +1306,25 @@ TEST(CudaGroupedGemm, RejectsBadArguments) {
   std::printf("[gemm cuda] rejects: %s\n", s.message().c_str());
   a.lhs.format = a.rhs.format = OperandFormat::kBF16;
   a.lhs.scale = a.rhs.scale = {};
-  a.m = {32};
-  setenv("PACKMOE_GEMM_IMPL", "fast", 1);
-  const Status e = gpu->grouped_gemm(a);
-  unsetenv("PACKMOE_GEMM_IMPL");
-  EXPECT_FALSE(e.is_ok()) << "an unknown PACKMOE_GEMM_IMPL";
+}
+
+// The policy's ranges: a bad tile width, cluster or CTA limit is an error and changes nothing.
+TEST(CudaGroupedGemm, KernelPolicyRejectsBadValues) {
+  const KernelPolicy before = kernel_policy();
+  KernelPolicy p;
+  p.gemm.tile_n = 64;
+  EXPECT_FALSE(set_kernel_policy(p).is_ok()) << "tile_n 64";
+  p.gemm.tile_n = 0;
+  p.gemm.cluster = 3;
+  EXPECT_FALSE(set_kernel_policy(p).is_ok()) << "cluster 3";
+  p.gemm.cluster = 0;
+  p.quantize.nvfp4_max_ctas = -1;
+  const Status e = set_kernel_policy(p);
+  EXPECT_FALSE(e.is_ok()) << "nvfp4_max_ctas -1";
   std::printf("[gemm cuda] rejects: %s\n", e.message().c_str());
+  EXPECT_EQ(kernel_policy().gemm.tile_n, before.gemm.tile_n);
+  EXPECT_EQ(kernel_policy().gemm.cluster, before.gemm.cluster);
+  EXPECT_EQ(kernel_policy().quantize.nvfp4_max_ctas, before.quantize.nvfp4_max_ctas);
 }
 
 }  // namespace

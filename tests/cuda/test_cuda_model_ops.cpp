@@ -2,7 +2,8 @@
 // backward) and sum_squares against the CPU reference, BYTE FOR BYTE. Every output buffer has a
 // sentinel tail and starts with the same bytes on both sides, so a stray write is a mismatch too;
 // inputs stay finite (the GPU canonicalises NaN payloads, x86 does not). Fresh seed per test,
-// printed on failure. Backend interface only; skips without a GPU.
+// printed on failure. Backend interface only; skips without a GPU. The harness (Twin, Tally):
+// tests/common/cuda_vs_cpu.h.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,89 +17,21 @@
 #include "backend/backend.h"
 #include "backend/elementwise.h"
 #include "backend/model_ops.h"
+#include "common/cuda_vs_cpu.h"
 #include "core/codecs.h"
 
 namespace packmoe {
 namespace {
 
-constexpr size_t kTail = 16;  // sentinel elements after every buffer
-constexpr uint8_t kSentinel = 0xA5;
+using test::Tally;
+using test::Twin;
 
-Backend* gpu_or_null() {
-  Result<Backend*> b = get_backend(Device::kCUDA);
-  return b.is_ok() ? b.value() : nullptr;
-}
-
-#define SKIP_WITHOUT_GPU()                                                              \
-  Backend* gpu = gpu_or_null();                                                         \
-  if (gpu == nullptr)                                                                   \
-    GTEST_SKIP() << "no usable GPU: " << get_backend(Device::kCUDA).status().message(); \
-  const uint32_t seed = std::random_device{}();                                         \
-  SCOPED_TRACE(testing::Message() << "seed " << seed);                                  \
+// The GPU (or a skip) and a fresh seed, printed on failure.
+#define SKIP_WITHOUT_GPU()                                     \
+  PACKMOE_SKIP_WITHOUT_GPU();                                  \
+  const uint32_t seed = std::random_device{}();                \
+  SCOPED_TRACE(testing::Message() << "seed " << seed);         \
   std::mt19937_64 rng(seed)
-
-// One line per op: cases run and mismatching bytes over all of them.
-struct Tally {
-  std::string op;
-  int cases = 0;
-  size_t mismatches = 0;
-  explicit Tally(std::string name) : op(std::move(name)) {}
-  ~Tally() {
-    std::printf("[model_ops cuda==cpu] op=%s cases=%d mismatches=%zu\n", op.c_str(), cases,
-                mismatches);
-    std::fflush(stdout);
-    EXPECT_EQ(mismatches, 0u) << op;
-  }
-};
-
-// A host buffer (the CPU reference's) and its device twin: n elements plus a sentinel tail,
-// identical bytes at construction.
-template <typename T>
-class Twin {
- public:
-  Twin(Backend& gpu, const std::vector<T>& values) : gpu_(&gpu), n_(values.size()) {
-    bytes_ = (n_ + kTail) * sizeof(T);
-    host_.assign(bytes_, kSentinel);
-    if (n_) std::memcpy(host_.data(), values.data(), n_ * sizeof(T));
-    dev_ = gpu.allocate(bytes_);
-    gpu.copy(dev_, host_.data(), bytes_, Backend::CopyKind::kHostToDevice);
-  }
-  // n elements of sentinel bytes (an output).
-  Twin(Backend& gpu, size_t n) : Twin(gpu, sentinels(n)) {}
-  ~Twin() { gpu_->deallocate(dev_); }
-  Twin(const Twin&) = delete;
-  Twin& operator=(const Twin&) = delete;
-
-  T* h() { return reinterpret_cast<T*>(host_.data()); }
-  T* d() { return static_cast<T*>(dev_); }
-
-  // Differing bytes between the device image and the host image, tail included; prints the first.
-  size_t mismatches(const char* what) {
-    std::vector<uint8_t> dv(bytes_);
-    gpu_->copy(dv.data(), dev_, bytes_, Backend::CopyKind::kDeviceToHost);
-    size_t bad = 0;
-    for (size_t i = 0; i < bytes_; ++i)
-      if (dv[i] != host_[i]) {
-        if (bad == 0)
-          std::printf("  %s: first mismatch at byte %zu of %zu: cpu 0x%02x cuda 0x%02x\n", what, i,
-                      bytes_, host_[i], dv[i]);
-        ++bad;
-      }
-    return bad;
-  }
-
- private:
-  static std::vector<T> sentinels(size_t n) {
-    std::vector<T> v(n);
-    if (n) std::memset(v.data(), kSentinel, n * sizeof(T));
-    return v;
-  }
-  Backend* gpu_;
-  size_t n_;
-  size_t bytes_ = 0;
-  std::vector<uint8_t> host_;
-  void* dev_ = nullptr;
-};
 
 // Normal values around `scale` with signed zeros, subnormals and tiny / large magnitudes mixed in.
 float rand_value(std::mt19937_64& rng, float scale) {
@@ -154,7 +87,7 @@ TEST(CudaModelOps, Embedding) {
     Twin<float> out(*gpu, c.T * c.H);                            // (T, H)
     expect_ok(embedding_cpu({c.T, c.V, c.H, ids.h(), table.h(), out.h()}));
     expect_ok(gpu->embedding({c.T, c.V, c.H, ids.d(), table.d(), out.d()}));
-    tally.mismatches += out.mismatches("out");
+    out.compare(tally, "out");
     ++tally.cases;
   }
 }
@@ -168,7 +101,7 @@ TEST(CudaModelOps, EmbeddingBackward) {
     Twin<float> dtable(*gpu, rand_floats(c.V * c.H, rng, 1.0f));  // (V, H) accumulated into
     expect_ok(embedding_backward_cpu({c.T, c.V, c.H, ids.h(), dout.h(), dtable.h()}));
     expect_ok(gpu->embedding_backward({c.T, c.V, c.H, ids.d(), dout.d(), dtable.d()}));
-    tally.mismatches += dtable.mismatches("dtable");
+    dtable.compare(tally, "dtable");
     ++tally.cases;
   }
 }
@@ -200,7 +133,8 @@ TEST(CudaModelOps, RmsNorm) {
     Twin<float> y(*gpu, c.N * c.D), rstd(*gpu, c.N);   // (N, D), (N)
     expect_ok(rms_norm_cpu({c.N, c.D, c.eps, x.h(), w.h(), y.h(), rstd.h()}));
     expect_ok(gpu->rms_norm({c.N, c.D, c.eps, x.d(), w.d(), y.d(), rstd.d()}));
-    tally.mismatches += y.mismatches("y") + rstd.mismatches("rstd");
+    y.compare(tally, "y");
+    rstd.compare(tally, "rstd");
     ++tally.cases;
   }
 }
@@ -217,7 +151,8 @@ TEST(CudaModelOps, RmsNormBackward) {
     Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);           // (N, D), (D)
     expect_ok(rms_norm_backward_cpu({c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()}));
     expect_ok(gpu->rms_norm_backward({c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
-    tally.mismatches += dx.mismatches("dx") + dw.mismatches("dweight");
+    dx.compare(tally, "dx");
+    dw.compare(tally, "dweight");
     ++tally.cases;
   }
 }
@@ -247,12 +182,12 @@ TEST(CudaModelOps, RopeForwardAndBackward) {
       const auto cpu_fn = inverse ? rope_backward_cpu : rope_cpu;
       expect_ok(cpu_fn({c.T, c.heads, c.D, cos_t.h(), sin_t.h(), in.h(), out.h()}));
       expect_ok(run(*gpu, {c.T, c.heads, c.D, cos_t.d(), sin_t.d(), in.d(), out.d()}));
-      tally.mismatches += out.mismatches("out");
+      out.compare(tally, "out");
       // In place: in == out.
       Twin<float> io(*gpu, xv);
       expect_ok(cpu_fn({c.T, c.heads, c.D, cos_t.h(), sin_t.h(), io.h(), io.h()}));
       expect_ok(run(*gpu, {c.T, c.heads, c.D, cos_t.d(), sin_t.d(), io.d(), io.d()}));
-      tally.mismatches += io.mismatches("in place");
+      io.compare(tally, "in place");
       tally.cases += 2;
     }
   }
@@ -291,7 +226,9 @@ TEST(CudaModelOps, Attention) {
         {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.h(), k.h(), v.h(), o.h(), rmax.h(), rsum.h()}));
     expect_ok(gpu->attention(
         {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(), rmax.d(), rsum.d()}));
-    tally.mismatches += o.mismatches("o") + rmax.mismatches("row_max") + rsum.mismatches("row_sum");
+    o.compare(tally, "o");
+    rmax.compare(tally, "row_max");
+    rsum.compare(tally, "row_sum");
     ++tally.cases;
   }
 }
@@ -317,7 +254,9 @@ TEST(CudaModelOps, AttentionBackward) {
     expect_ok(
         gpu->attention_backward({c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(),
                                  rmax.d(), rsum.d(), dout.d(), dq.d(), dk.d(), dv.d()}));
-    tally.mismatches += dq.mismatches("dq") + dk.mismatches("dk") + dv.mismatches("dv");
+    dq.compare(tally, "dq");
+    dk.compare(tally, "dk");
+    dv.compare(tally, "dv");
     ++tally.cases;
   }
 }
@@ -380,8 +319,10 @@ TEST(CudaModelOps, CrossEntropy) {
     };
     expect_ok(cross_entropy_cpu(args(false)));
     expect_ok(gpu->cross_entropy(args(true)));
-    tally.mismatches += loss.mismatches("loss") + valid.mismatches("valid") +
-                        rmax.mismatches("row_max") + rsum.mismatches("row_sum");
+    loss.compare(tally, "loss");
+    valid.compare(tally, "valid");
+    rmax.compare(tally, "row_max");
+    rsum.compare(tally, "row_sum");
     ++tally.cases;
   }
 }
@@ -405,7 +346,7 @@ TEST(CudaModelOps, CrossEntropyBackward) {
         {c.T, c.V, c.ignore_index, dloss, z.h(), tg.h(), rmax.h(), rsum.h(), dz.h()}));
     expect_ok(gpu->cross_entropy_backward(
         {c.T, c.V, c.ignore_index, dloss, z.d(), tg.d(), rmax.d(), rsum.d(), dz.d()}));
-    tally.mismatches += dz.mismatches("dlogits");
+    dz.compare(tally, "dlogits");
     ++tally.cases;
   }
 }
@@ -439,7 +380,7 @@ TEST(CudaModelOps, SumSquares) {
     }
     expect_ok(sum_squares_cpu(hs, out.h()));
     expect_ok(gpu->sum_squares(ds, out.d()));
-    tally.mismatches += out.mismatches("sum");
+    out.compare(tally, "sum");
     ++tally.cases;
   }
 }
@@ -470,7 +411,8 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
     Twin<float> dtable(*gpu, rand_floats(V * H, rng, 1.0f));
     expect_same_error(embedding_backward_cpu({T, V, H, ids.h(), dout.h(), dtable.h()}),
                       gpu->embedding_backward({T, V, H, ids.d(), dout.d(), dtable.d()}));
-    tally.mismatches += out.mismatches("embedding out") + dtable.mismatches("dtable");
+    out.compare(tally, "embedding out");
+    dtable.compare(tally, "dtable");
 
     // Targets: -100 is the default ignore index (fine); with ignore_index -7 it is an error.
     for (int32_t ignore : {-100, -7}) {
@@ -486,9 +428,11 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
                             {T, V, ignore, 1.0f, z.h(), ids.h(), rmax.h(), rsum.h(), dz.h()}),
                         gpu->cross_entropy_backward(
                             {T, V, ignore, 1.0f, z.d(), ids.d(), rmax.d(), rsum.d(), dz.d()}));
-      tally.mismatches += loss.mismatches("loss") + valid.mismatches("valid") +
-                          rmax.mismatches("row_max") + rsum.mismatches("row_sum") +
-                          dz.mismatches("dlogits");
+      loss.compare(tally, "loss");
+      valid.compare(tally, "valid");
+      rmax.compare(tally, "row_max");
+      rsum.compare(tally, "row_sum");
+      dz.compare(tally, "dlogits");
       tally.cases += 2;
     }
     tally.cases += 2;
@@ -500,14 +444,14 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
   const Status st = gpu->attention({1, 1, 1, 1, D, 0.5f, q.d(), q.d(), q.d(), o.d(), m.d(), s.d()});
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("head_dim"), std::string::npos) << st.message();
-  tally.mismatches += o.mismatches("attention o");
+  o.compare(tally, "attention o");
 
   Segments<const float> neg;
   neg.n = -1;
   double h = 0.0;
   Twin<double> out(*gpu, 1);
   expect_same_error(sum_squares_cpu(neg, &h), gpu->sum_squares(neg, out.d()));
-  tally.mismatches += out.mismatches("sum_squares out");
+  out.compare(tally, "sum_squares out");
   tally.cases += 2;
 }
 

@@ -3,6 +3,7 @@
 // buffer is mirrored host/device, starts with the same sentinel bytes, and is compared whole
 // (gaps and a tail included), so a stray write is a mismatch too. Inputs to arithmetic stay finite
 // (the GPU canonicalises NaN payloads, x86 does not). Backend interface only; skips without a GPU.
+// The harness (Mirror, Tally): tests/common/cuda_vs_cpu.h.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,23 +22,16 @@
 #include "backend/backend.h"
 #include "backend/elementwise.h"
 #include "backend/moe_ops.h"
+#include "common/cuda_vs_cpu.h"
 #include "core/codecs.h"
 #include "optim/adamw.h"
 
 namespace packmoe {
 namespace {
 
-constexpr uint8_t kSentinel = 0xA5;
-
-Backend* gpu_or_null() {
-  Result<Backend*> b = get_backend(Device::kCUDA);
-  return b.is_ok() ? b.value() : nullptr;
-}
-
-#define SKIP_WITHOUT_GPU()                                                    \
-  Backend* gpu = gpu_or_null();                                               \
-  if (gpu == nullptr) GTEST_SKIP() << "no usable GPU: "                       \
-                                   << get_backend(Device::kCUDA).status().message()
+using test::Mirror;
+using test::Placement;
+using test::Tally;
 
 // printf into a std::string (operator+ chains of literals and to_string trip GCC 12's -Wrestrict).
 template <typename... A>
@@ -46,106 +40,6 @@ std::string fmt(const char* f, A... a) {
   std::snprintf(buf, sizeof buf, f, a...);
   return buf;
 }
-
-// ---- bookkeeping ---------------------------------------------------------------------------------
-
-struct Tally {
-  std::string op;
-  int cases = 0;
-  size_t bytes = 0;
-  size_t mismatches = 0;
-  explicit Tally(std::string name) : op(std::move(name)) {}
-  ~Tally() {
-    std::printf("[cuda==cpu] %-22s cases=%-4d bytes=%-11zu mismatches=%zu\n", op.c_str(), cases,
-                bytes, mismatches);
-    std::fflush(stdout);
-    EXPECT_EQ(mismatches, 0u) << op;
-  }
-};
-
-// ---- host/device mirrors -------------------------------------------------------------------------
-
-enum class Placement {
-  kPacked,      // regions back to back (a packed tensor; odd sizes leave later regions unaligned)
-  kDiscrete,    // 256-byte aligned regions with gaps, like separate allocations
-  kMisaligned,  // discrete, each region shifted by `shift` bytes (scalar kernel paths)
-};
-
-// One byte image on the host (CPU reference) and one on the device, same layout: regions of the
-// given sizes, gaps and a 64-byte tail all start as kSentinel.
-class Mirror {
- public:
-  Mirror(Backend& gpu, const std::vector<size_t>& bytes, Placement pl = Placement::kDiscrete,
-         size_t shift = 0)
-      : gpu_(&gpu) {
-    size_t at = 0;
-    for (size_t b : bytes) {
-      if (pl != Placement::kPacked)
-        at = (at + 64 + 255) / 256 * 256 + (pl == Placement::kMisaligned ? shift : 0);
-      offsets_.push_back(at);
-      at += b;
-    }
-    total_ = at + 64;
-    host_.assign(total_, kSentinel);
-    dev_ = gpu.allocate(total_);
-    upload();
-  }
-  // One region of `bytes`, shifted off alignment by `shift` bytes when shift > 0.
-  Mirror(Backend& gpu, size_t bytes, size_t shift = 0)
-      : Mirror(gpu, std::vector<size_t>{bytes},
-               shift ? Placement::kMisaligned : Placement::kDiscrete, shift) {}
-  ~Mirror() { gpu_->deallocate(dev_); }
-  Mirror(const Mirror&) = delete;
-  Mirror& operator=(const Mirror&) = delete;
-
-  template <typename T = void>
-  T* h(size_t g = 0) {
-    return reinterpret_cast<T*>(host_.data() + offsets_[g]);
-  }
-  template <typename T = void>
-  T* d(size_t g = 0) {
-    return reinterpret_cast<T*>(static_cast<uint8_t*>(dev_) + offsets_[g]);
-  }
-  template <typename T>
-  std::vector<T*> h_all() {
-    std::vector<T*> v;
-    for (size_t g = 0; g < offsets_.size(); ++g) v.push_back(h<T>(g));
-    return v;
-  }
-  template <typename T>
-  std::vector<T*> d_all() {
-    std::vector<T*> v;
-    for (size_t g = 0; g < offsets_.size(); ++g) v.push_back(d<T>(g));
-    return v;
-  }
-  void set(const void* src, size_t bytes, size_t g = 0) {
-    std::memcpy(host_.data() + offsets_[g], src, bytes);
-  }
-  void upload() { gpu_->copy(dev_, host_.data(), total_, Backend::CopyKind::kHostToDevice); }
-
-  // Whole-image comparison; prints the first few differing bytes.
-  void compare(Tally& t, const std::string& what) {
-    std::vector<uint8_t> dv(total_);
-    gpu_->copy(dv.data(), dev_, total_, Backend::CopyKind::kDeviceToHost);
-    size_t bad = 0;
-    for (size_t i = 0; i < total_; ++i)
-      if (dv[i] != host_[i]) {
-        if (bad < 4)
-          std::printf("  mismatch %s / %s at byte %zu: cpu 0x%02x cuda 0x%02x\n", t.op.c_str(),
-                      what.c_str(), i, host_[i], dv[i]);
-        ++bad;
-      }
-    t.bytes += total_;
-    t.mismatches += bad;
-  }
-
- private:
-  Backend* gpu_;
-  std::vector<size_t> offsets_;
-  size_t total_ = 0;
-  std::vector<uint8_t> host_;
-  void* dev_ = nullptr;
-};
 
 // ---- values ----------------------------------------------------------------------------------------
 
@@ -273,7 +167,7 @@ RouterOut cpu_router(const RouterCase& c, const std::vector<float>& logits) {
 }
 
 TEST(CudaMoeOps, RouterTopkForward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("router_topk");
   std::mt19937_64 rng(101);
   for (const RouterCase& c : router_cases()) {
@@ -297,7 +191,7 @@ TEST(CudaMoeOps, RouterTopkForward) {
 }
 
 TEST(CudaMoeOps, RouterTopkBackward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("router_topk_backward");
   std::mt19937_64 rng(102);
   for (RouterCase c : router_cases()) {
@@ -334,7 +228,7 @@ std::vector<RouterCase> aux_cases() {
 }
 
 TEST(CudaMoeOps, AuxLossForward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("aux_loss");
   std::mt19937_64 rng(103);
   for (const RouterCase& c : aux_cases()) {
@@ -354,7 +248,7 @@ TEST(CudaMoeOps, AuxLossForward) {
 }
 
 TEST(CudaMoeOps, AuxLossBackward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("aux_loss_backward");
   std::mt19937_64 rng(104);
   for (const RouterCase& c : aux_cases()) {
@@ -430,7 +324,7 @@ constexpr DType kDtypes[] = {DType::kF32, DType::kBF16};
 // E up to the CUDA limit 1024, every alignment, skewed routings (one expert takes most pairs, many
 // experts empty). dest, row_slot (with spare rows) and counts compared whole with the CPU op.
 TEST(CudaMoeOps, RoutingPlan) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("routing_plan");
   std::mt19937_64 rng(111);
   struct PlanCase {
@@ -484,7 +378,7 @@ TEST(CudaMoeOps, RoutingPlan) {
 }
 
 TEST(CudaMoeOps, PermuteForward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("permute");
   std::mt19937_64 rng(105);
   for (const RowCase& c : row_cases())
@@ -507,7 +401,7 @@ TEST(CudaMoeOps, PermuteForward) {
 }
 
 TEST(CudaMoeOps, PermuteBackward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("permute_backward");
   std::mt19937_64 rng(106);
   for (const RowCase& c : row_cases())
@@ -529,7 +423,7 @@ TEST(CudaMoeOps, PermuteBackward) {
 }
 
 TEST(CudaMoeOps, UnpermuteForward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("unpermute");
   std::mt19937_64 rng(107);
   for (const RowCase& c : row_cases())
@@ -554,7 +448,7 @@ TEST(CudaMoeOps, UnpermuteForward) {
 }
 
 TEST(CudaMoeOps, UnpermuteBackward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("unpermute_backward");
   std::mt19937_64 rng(108);
   for (const RowCase& c : row_cases())
@@ -600,7 +494,7 @@ std::vector<SwigluCase> swiglu_cases() {
 }
 
 TEST(CudaMoeOps, SwigluForward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("swiglu");
   std::mt19937_64 rng(109);
   for (const SwigluCase& c : swiglu_cases())
@@ -620,7 +514,7 @@ TEST(CudaMoeOps, SwigluForward) {
 }
 
 TEST(CudaMoeOps, SwigluBackward) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("swiglu_backward");
   std::mt19937_64 rng(110);
   for (const SwigluCase& c : swiglu_cases())
@@ -687,7 +581,7 @@ std::vector<const T*> const_ptrs(const std::vector<T*>& v) {
 }
 
 TEST(CudaElementwise, CastF32ToBf16) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("cast_f32_to_bf16");
   std::mt19937_64 rng(111);
   for (const SegCase& c : seg_cases()) {
@@ -720,7 +614,7 @@ TEST(CudaElementwise, CastF32ToBf16) {
 }
 
 TEST(CudaElementwise, AddF32) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("add_f32");
   std::mt19937_64 rng(112);
   for (const SegCase& c : seg_cases()) {
@@ -740,7 +634,7 @@ TEST(CudaElementwise, AddF32) {
 }
 
 TEST(CudaElementwise, AdamW) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("adamw");
   std::mt19937_64 rng(113);
   int step = 0;
@@ -771,7 +665,7 @@ TEST(CudaElementwise, AdamW) {
 }
 
 TEST(CudaElementwise, Nvfp4DecodeScales) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("nvfp4_decode_scales");
   std::mt19937_64 rng(114);
   for (int64_t groups : {1, 7, 256, 1000, 70000}) {
@@ -797,7 +691,7 @@ TEST(CudaElementwise, Nvfp4DecodeScales) {
 
 // Shapes the ops must reject before touching memory, on both backends alike.
 TEST(CudaMoeOps, InvalidArgumentsAreStatusErrors) {
-  SKIP_WITHOUT_GPU();
+  PACKMOE_SKIP_WITHOUT_GPU();
   RouterTopkArgs a;
   a.tokens = 4, a.experts = 2, a.top_k = 3;  // k > E
   EXPECT_FALSE(gpu->router_topk(a).is_ok());

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "backend/elementwise.h"
-#include "backend/moe_ops.h"
+#include "backend/reduce_order.h"
 #include "core/codecs.h"
 #include "formats/nvfp4_math.h"
 
@@ -66,14 +66,10 @@ Status sum_squares_cpu(const Segments<const float>& x, double* out) {
   for (int64_t c = 0; c < chunks; ++c) {
     const float* p = x.ptr[c / chunks_per_segment] + (c % chunks_per_segment) * kSumSquaresChunk;
     const int64_t n = std::min(kSumSquaresChunk, x.n - (c % chunks_per_segment) * kSumSquaresChunk);
-    double lane[kMoeReduceLanes] = {};
-    for (int64_t i = 0; i < n; ++i) {
+    partial[c] = sum_r32<double>(n, [&](int64_t i) {
       const double v = p[i];
-      lane[i % kMoeReduceLanes] = lane[i % kMoeReduceLanes] + v * v;
-    }
-    for (int off = kMoeReduceLanes / 2; off >= 1; off /= 2)
-      for (int l = 0; l < off; ++l) lane[l] = lane[l] + lane[l + off];
-    partial[c] = lane[0];
+      return v * v;
+    });
   }
   double total = 0.0;
   for (double v : partial) total = total + v;

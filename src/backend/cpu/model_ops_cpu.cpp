@@ -7,19 +7,10 @@
 #include <vector>
 
 #include "backend/model_ops.h"
+#include "backend/reduce_order.h"
 
 namespace packmoe {
 namespace {
-
-// The R32 order of moe_ops.h: strided lane partials, then the butterfly tree into lane 0.
-template <typename Term>
-float sum_r32(int64_t n, Term term) {
-  float lane[kMoeReduceLanes] = {};
-  for (int64_t i = 0; i < n; ++i) lane[i % kMoeReduceLanes] = lane[i % kMoeReduceLanes] + term(i);
-  for (int off = kMoeReduceLanes / 2; off >= 1; off /= 2)
-    for (int l = 0; l < off; ++l) lane[l] = lane[l] + lane[l + off];
-  return lane[0];
-}
 
 // R32 sums of D-vectors: term n adds w_n * x_n[d] into lane n % 32 of every d, then the same tree.
 class SumR32Vec {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/moe_ops.h"
+#include "backend/reduce_order.h"
 #include "core/check.h"
 
 namespace packmoe {
@@ -21,16 +22,6 @@ void store(DType t, void* p, int64_t i, float v) {
     static_cast<float*>(p)[i] = v;
   else
     static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-}
-
-// The R32 order of moe_ops.h: strided lane partials, then the butterfly tree into lane 0.
-template <typename Term>
-float sum_r32(int64_t n, Term term) {
-  float lane[kMoeReduceLanes] = {};
-  for (int64_t i = 0; i < n; ++i) lane[i % kMoeReduceLanes] = lane[i % kMoeReduceLanes] + term(i);
-  for (int off = kMoeReduceLanes / 2; off >= 1; off /= 2)
-    for (int l = 0; l < off; ++l) lane[l] = lane[l] + lane[l + off];
-  return lane[0];
 }
 
 // Top-k order key: NaN sorts below every probability (probabilities are >= 0).

@@ -13,6 +13,7 @@
 #include "backend/cuda/attention_sm90_kernels.cuh"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels_common.cuh"
+#include "backend/cuda/reduce_order.cuh"
 #include "backend/model_ops.h"
 
 namespace packmoe {
@@ -26,33 +27,11 @@ struct Config {
   static constexpr int kMaxHeadDim = 512;
   static constexpr int kAttnSmemTarget = 64 * 1024;  // per CTA; one warp may exceed it
   static constexpr int kAttnMaxWarps = 8;
-  static_assert(kMoeReduceLanes == 32, "R32 is one warp");
   static_assert(kMaxHeadDim % 32 == 0 && kMaxHeadDim / 32 <= 16, "kPer stays in registers");
   static_assert(attn::kMaxHeadDim <= kMaxHeadDim, "the tiled kernels cover a prefix of head_dim");
 };
 
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 using cuda::blocks_for;
-
-// R32 second stage on one warp (lane l adds lane l ^ off, off = 16 .. 1): lanes below off form
-// moe_ops.h's tree, the others the same sums with swapped operands, so every lane ends with the
-// tree's value.
-__device__ __forceinline__ float r32_butterfly(float acc) {
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, off);
-  return acc;
-}
-
-// Two independent butterflies interleaved (their shuffles overlap).
-__device__ __forceinline__ void r32_butterfly2(float& a, float& b) {
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) {
-    const float oa = __shfl_xor_sync(kFullMask, a, off);
-    const float ob = __shfl_xor_sync(kFullMask, b, off);
-    a = a + oa;
-    b = b + ob;
-  }
-}
 
 // ---- one warp per row (head_dim > attn::kMaxHeadDim) --------------------------------------------
 //

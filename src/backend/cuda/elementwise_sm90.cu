@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/reduce_order.cuh"
 #include "backend/elementwise.h"
 #include "backend/moe_ops.h"
 #include "core/codecs.h"
@@ -22,7 +23,6 @@ struct Config {
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kInline = 8;  // segments per table carried in the kernel parameters
-  static_assert(kMoeReduceLanes == 32, "sum_squares: R32 is one warp");
 };
 
 // kTables pointer columns of G segments each. Up to kInline segments travel inline (the kernel
@@ -198,8 +198,7 @@ __global__ void __launch_bounds__(Config::kThreads)
     const double v = __ldg(x + i);
     acc = acc + v * v;
   }
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  acc = r32_butterfly(acc);
   if (lane == 0) partial[c] = acc;
 }
 

@@ -3,12 +3,11 @@
 // runs all groups in one launch (grouped_gemm_sm90.cu; chosen by choose_impl from the device and
 // the shapes) or each group is one cuBLASLt matmul with true FP32 accumulation, all on
 // be.stream(). On the sm_90a kernel the MXFP8 rowwise copies skip the pre-pass: the kernel's
-// converter warps write the same BF16 values while it runs (stream_dequant_mode), and MXFP8 E4M3
-// fprop can dequantize in the kernel's loader instead (use_fused_mxfp8). Invariant: the
-// implementation and a group's algorithm are functions of (op, m_g, N, K, out dtype) only, never
-// of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the same
-// bytes. Host synchronisation: when a cached device buffer has to grow, and for `m_device` calls
-// off the sm_90a path (other GPUs, PACKMOE_GEMM_IMPL=cublas, shapes or pointers the kernel does
+// converter warps write the same BF16 values while it runs (streams). Invariant: the
+// implementation and a group's algorithm are functions of (policy, op, m_g, N, K, out dtype) only,
+// never of where its pointers live, so a packed (E, N, K) weight and E separate buffers give the
+// same bytes. Host synchronisation: when a cached device buffer has to grow, and for `m_device`
+// calls off the sm_90a path (other GPUs, GemmImpl::kCublasLt, shapes or pointers the kernel does
 // not take, more than kSm90MaxDeviceGroups groups: the G counts are copied to the host). On the
 // sm_90a path an m_device call never synchronises after its first run (which makes its device
 // state) and can be captured in a CUDA graph ("token counts in device memory" below).
@@ -46,7 +45,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -58,6 +56,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/grouped_gemm_sm90.h"
 #include "backend/cuda/grouped_gemm_dequant.cuh"
+#include "backend/cuda/kernel_policy.h"
 #include "backend/grouped_gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
@@ -618,61 +617,25 @@ Sm90Gemm sm90_geometry(const GroupedGemmArgs& a, const std::vector<int64_t>& m) 
   return sm90_device_geometry(sm90_op_shape(a), m);
 }
 
-// PACKMOE_GEMM_IMPL=cublas forces cuBLASLt; otherwise (unset, `auto` or `sm90`) the sm_90a kernel
-// runs on compute capability 9.0 wherever its shape rules allow (grouped_gemm_sm90.h). The choice
-// depends on the device and the shapes only, never on pointers.
-Result<Impl> choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
-  const char* env = std::getenv("PACKMOE_GEMM_IMPL");
-  const std::string want = env != nullptr ? env : "auto";
-  if (want == "cublas") return Impl::kCublasLt;
-  if (want != "auto" && want != "sm90")
-    return Status::error("PACKMOE_GEMM_IMPL must be auto, sm90 or cublas (got '" + want + "')");
+// GemmImpl::kCublasLt (kernel_policy.h) forces cuBLASLt; otherwise the sm_90a kernel runs on
+// compute capability 9.0 wherever its shape rules allow (grouped_gemm_sm90.h). The choice depends
+// on the policy, the device and the shapes only, never on pointers.
+Impl choose_impl(CudaBackend& be, const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
+  if (kernel_policy().gemm.impl == GemmImpl::kCublasLt) return Impl::kCublasLt;
   if (!sm90_gemm_device_ok(be)) return Impl::kCublasLt;
   return sm90_gemm_shape_ok(sm90_geometry(a, m)) ? Impl::kSm90 : Impl::kCublasLt;
 }
 
-// Whether MXFP8 E4M3 fprop on the sm_90a kernel dequantizes in the kernel's loader when
-// PACKMOE_GEMM_SM90_FUSED does not say (1: fused, 0: the pre-pass). Set to the faster route on
-// the H200: today the pre-pass (docs/gemm-sm90.md).
-constexpr bool kFusedMxfp8ByDefault = false;
-
-// The sm_90a kernel dequantizes MXFP8 fprop operands itself (no BF16 copy: Sm90Gemm::mxfp8_e4m3)
-// when both are E4M3 copies at 16-byte aligned addresses (TMA) and the fused route is chosen.
-// Both routes give the same bytes: the same BF16 values reach the same wgmmas.
-bool use_fused_mxfp8(const GroupedGemmArgs& a, const std::vector<int64_t>& m, Impl impl) {
-  if (impl != Impl::kSm90 || a.op != GemmOp::kFprop || a.lhs.format != OperandFormat::kMxfp8 ||
-      a.lhs.element != DType::kE4M3 || a.rhs.element != DType::kE4M3 || !a.lhs.bf16.empty())
-    return false;
-  const char* env = std::getenv("PACKMOE_GEMM_SM90_FUSED");
-  if (!(env != nullptr ? std::string(env) != "0" : kFusedMxfp8ByDefault)) return false;
-  for (size_t g = 0; g < m.size(); ++g)
-    if (m[g] > 0 && !(aligned(a.lhs.data[g]) && aligned(a.rhs.data[g]))) return false;
-  Sm90Gemm p = sm90_geometry(a, m);
-  p.mxfp8_e4m3 = true;
-  return sm90_gemm_shape_ok(p);
-}
-
-// Which quantized copies the sm_90a kernel dequantizes itself while it runs (its converter warps,
-// Sm90Gemm::a_dequant) instead of a pre-pass launch before it. PACKMOE_GEMM_SM90_DEQUANT=stream:
-// every copy; =prepass: none; unset or auto: the MXFP8 rowwise copies only, where streaming was
-// measured faster than the pre-pass (qwen3, deepseek, small_64e fprop); columnwise MXFP8 and
-// NVFP4 copies stream as fast as the pre-pass converts them, not faster (docs/gemm-sm90.md,
-// "Streaming dequantize"). Either way the same BF16 values reach the same wgmmas: the same bytes.
-enum class StreamDequant { kNone, kRowwiseMxfp8, kAll };
-
-StreamDequant stream_dequant_mode(const GroupedGemmArgs& a, Impl impl, bool fused) {
-  if (impl != Impl::kSm90 || fused || a.lhs.format == OperandFormat::kBF16)
-    return StreamDequant::kNone;
-  const char* env = std::getenv("PACKMOE_GEMM_SM90_DEQUANT");
-  const std::string v = env != nullptr ? env : "auto";
-  if (v == "stream") return StreamDequant::kAll;
-  if (v == "prepass") return StreamDequant::kNone;
-  return StreamDequant::kRowwiseMxfp8;
-}
-
-bool streams(StreamDequant mode, const GemmOperand& o, const std::vector<Stored>& shape) {
-  if (mode == StreamDequant::kAll) return o.format != OperandFormat::kBF16;
-  return mode == StreamDequant::kRowwiseMxfp8 && o.format == OperandFormat::kMxfp8 &&
+// Whether the sm_90a kernel dequantizes quantized copy `o` itself while it runs (its converter
+// warps, Sm90Gemm::a_dequant) instead of a pre-pass launch before it: GemmPolicy::dequant. By
+// default the MXFP8 rowwise copies only, where streaming was measured faster than the pre-pass
+// (qwen3, deepseek, small_64e fprop); columnwise MXFP8 and NVFP4 copies stream as fast as the
+// pre-pass converts them, not faster (docs/gemm-sm90.md, "Streaming dequantize"). Either way the
+// same BF16 values reach the same wgmmas: the same bytes.
+bool streams(Sm90Dequant mode, const GemmOperand& o, const std::vector<Stored>& shape) {
+  if (o.format == OperandFormat::kBF16) return false;
+  if (mode == Sm90Dequant::kAll) return true;
+  return mode == Sm90Dequant::kRowwiseMxfp8 && o.format == OperandFormat::kMxfp8 &&
          !shape[0].columnwise;
 }
 
@@ -714,8 +677,7 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
       if (active[g] && !aligned(bf16[g])) return true;
     return false;
   };
-  const bool fused = use_fused_mxfp8(a, m, impl);
-  const bool lhs_scratch = !fused && need(a.lhs), rhs_scratch = !fused && need(a.rhs);
+  const bool lhs_scratch = need(a.lhs), rhs_scratch = need(a.rhs);
   size_t total = 0;
   auto layout = [&](bool use, const std::vector<Stored>& sh, std::vector<size_t>& off, size_t el) {
     if (!use) return;
@@ -733,14 +695,13 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
   uint8_t* scratch = total ? static_cast<uint8_t*>(st.scratch.get(be, total)) : nullptr;
 
   Prepared lhs, rhs;
-  const StreamDequant mode = stream_dequant_mode(a, impl, fused);
+  const Sm90Dequant mode = kernel_policy().gemm.dequant;
+  const bool sm90 = impl == Impl::kSm90;
   std::vector<DequantJob> lhs_jobs, rhs_jobs;  // converted by the sm_90a kernel itself
-  if (!fused) {
-    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs,
-                                    streams(mode, a.lhs, lhs_shape) ? &lhs_jobs : nullptr));
-    PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs,
-                                    streams(mode, a.rhs, rhs_shape) ? &rhs_jobs : nullptr));
-  }
+  PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.lhs, lhs_shape, active, scratch, lhs_off, lhs,
+                                  sm90 && streams(mode, a.lhs, lhs_shape) ? &lhs_jobs : nullptr));
+  PACKMOE_RETURN_IF_ERROR(prepare(be, st, a.rhs, rhs_shape, active, scratch, rhs_off, rhs,
+                                  sm90 && streams(mode, a.rhs, rhs_shape) ? &rhs_jobs : nullptr));
 
   // Rows of D in cuBLASLt's column-major view (fprop N, dgrad and wgrad K): the alpha vector length.
   const int64_t d_rows = a.op == GemmOp::kFprop ? N : K;
@@ -774,18 +735,10 @@ Status run_grouped(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
 
   if (impl == Impl::kSm90) {
     Sm90Gemm p = sm90_geometry(a, m);
-    if (fused) {  // the quantized copies themselves; inactive groups are never read
-      p.mxfp8_e4m3 = true;
-      p.a = a.lhs.data;
-      p.b = a.rhs.data;
-      p.a_scale = a.lhs.scale;
-      p.b_scale = a.rhs.scale;
-    } else {
-      p.a = lhs.ptr;
-      p.b = rhs.ptr;
-      p.a_dequant = std::move(lhs_jobs);
-      p.b_dequant = std::move(rhs_jobs);
-    }
+    p.a = lhs.ptr;
+    p.b = rhs.ptr;
+    p.a_dequant = std::move(lhs_jobs);
+    p.b_dequant = std::move(rhs_jobs);
     p.out = out;
     if (f == OperandFormat::kNvfp4) {
       p.alpha_lhs = static_cast<const float*>(a.lhs.decode_scale);
@@ -867,21 +820,20 @@ bool capturing(CudaBackend& be) {
 
 // The sm_90a problem of an m_device call with the caller's pointers (the BF16 copies of quantized
 // operands are filled in by make_device_call); shapes decide everything else.
-Sm90DeviceGemm device_problem(const GroupedGemmArgs& a, bool fused) {
+Sm90DeviceGemm device_problem(const GroupedGemmArgs& a) {
   const TokenStrides ts = token_strides(a);
   Sm90DeviceGemm p = sm90_op_shape(a);
   p.groups = a.groups;
   p.capacity = a.m_capacity;
   p.align = gemm_token_alignment(a.lhs.format);
-  p.mxfp8_e4m3 = fused;
   if (a.lhs.format == OperandFormat::kNvfp4) {
     p.alpha_lhs = static_cast<const float*>(a.lhs.decode_scale);
     p.alpha_rhs = static_cast<const float*>(a.rhs.decode_scale);
   }
-  // Token-side operands: BF16 bytes per token are 2 * (their token-row length), FP8 1 (fused).
+  // Token-side operands: BF16 bytes per token are 2 * (their token-row length).
   const int64_t lhs_cols = a.op == GemmOp::kFprop ? a.k : a.n;
   p.a.base = a.lhs.data[0];
-  p.a.token_bytes = fused ? ts.lhs_data : 2 * lhs_cols;
+  p.a.token_bytes = 2 * lhs_cols;
   if (a.op == GemmOp::kWgrad) {
     p.b.base = a.rhs.data[0];
     p.b.token_bytes = 2 * a.k;
@@ -890,11 +842,6 @@ Sm90DeviceGemm device_problem(const GroupedGemmArgs& a, bool fused) {
     p.b.ptr = a.rhs.data;
     p.out.base = a.out[0];
     p.out.token_bytes = ts.out;
-  }
-  if (fused) {
-    p.a_scale.base = a.lhs.scale[0];
-    p.a_scale.token_bytes = ts.lhs_scale;
-    p.b_scale.ptr = a.rhs.scale;
   }
   return p;
 }
@@ -905,7 +852,7 @@ Sm90DeviceGemm device_problem(const GroupedGemmArgs& a, bool fused) {
 bool device_path_ok(const GroupedGemmArgs& a, Impl impl) {
   if (impl != Impl::kSm90 || a.groups > kSm90MaxDeviceGroups || a.m_capacity >= (int64_t{1} << 31))
     return false;
-  const Sm90DeviceGemm p = device_problem(a, false);
+  const Sm90DeviceGemm p = device_problem(a);
   const int64_t align = gemm_token_alignment(a.lhs.format);
   if (!sm90_gemm_shape_ok(sm90_device_geometry(p, sm90_uniform_split(p.capacity, p.groups, align))))
     return false;
@@ -921,20 +868,8 @@ bool device_path_ok(const GroupedGemmArgs& a, Impl impl) {
   return true;
 }
 
-// The fused MXFP8 loader on the device path: E4M3 fprop when chosen (use_fused_mxfp8's rules).
-bool device_fused(const GroupedGemmArgs& a) {
-  if (a.op != GemmOp::kFprop || a.lhs.format != OperandFormat::kMxfp8 ||
-      a.lhs.element != DType::kE4M3 || a.rhs.element != DType::kE4M3)
-    return false;
-  const char* env = std::getenv("PACKMOE_GEMM_SM90_FUSED");
-  if (!(env != nullptr ? std::string(env) != "0" : kFusedMxfp8ByDefault)) return false;
-  Sm90DeviceGemm p = device_problem(a, true);
-  return sm90_gemm_shape_ok(
-      sm90_device_geometry(p, sm90_uniform_split(p.capacity, p.groups, p.align)));
-}
-
 // The signature of a call: everything its DeviceCall depends on.
-std::vector<uintptr_t> device_call_key(const GroupedGemmArgs& a, Sm90Tiles tiles, bool fused) {
+std::vector<uintptr_t> device_call_key(const GroupedGemmArgs& a, Sm90Tiles tiles) {
   const std::vector<uintptr_t> head = {
       static_cast<uintptr_t>(a.op), static_cast<uintptr_t>(a.lhs.format),
       static_cast<uintptr_t>(a.lhs.element), static_cast<uintptr_t>(a.rhs.element),
@@ -942,7 +877,7 @@ std::vector<uintptr_t> device_call_key(const GroupedGemmArgs& a, Sm90Tiles tiles
       static_cast<uintptr_t>(a.m_capacity), static_cast<uintptr_t>(a.out_dtype),
       a.accumulate, reinterpret_cast<uintptr_t>(a.m_device),
       reinterpret_cast<uintptr_t>(a.lhs.decode_scale), reinterpret_cast<uintptr_t>(a.rhs.decode_scale),
-      static_cast<uintptr_t>(tiles.bn), static_cast<uintptr_t>(tiles.cluster), fused};
+      static_cast<uintptr_t>(tiles.bn), static_cast<uintptr_t>(tiles.cluster)};
   std::vector<uintptr_t> k = head;
   for (const auto* v : {&a.lhs.data, &a.lhs.scale, &a.rhs.data, &a.rhs.scale}) {
     k.push_back(v->size());
@@ -978,14 +913,14 @@ DeviceDequant make_device_dequant(const GemmOperand& o, const std::vector<Stored
 }
 
 DeviceCall make_device_call(CudaBackend& be, GemmState& st, const GroupedGemmArgs& a,
-                            Sm90Tiles tiles, bool fused) {
+                            Sm90Tiles tiles) {
   const size_t G = static_cast<size_t>(a.groups);
   const OperandFormat f = a.lhs.format;
   const bool wgrad = a.op == GemmOp::kWgrad;
-  Sm90DeviceGemm p = device_problem(a, fused);
+  Sm90DeviceGemm p = device_problem(a);
   p.tiles = tiles;
   DeviceCall call;
-  if (f != OperandFormat::kBF16 && !fused) {
+  if (f != OperandFormat::kBF16) {
     // BF16 copies: token-side operands over the whole capacity, weights per group.
     const Stored lhs_cap = stored_of(a.op, f, true, a.m_capacity, a.n, a.k);
     const Stored rhs_sh = stored_of(a.op, f, false, a.m_capacity, a.n, a.k);
@@ -1024,12 +959,10 @@ Result<bool> run_device_counts(CudaBackend& be, GemmState& st, const GroupedGemm
   // Shape and pointer checks, with every group taken as non-empty (every pointer must be valid).
   const std::vector<int64_t> probe(static_cast<size_t>(a.groups), gemm_token_alignment(a.lhs.format));
   PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(expand_packed_tokens(a, probe), probe));
-  Result<Impl> impl = choose_impl(be, expand_packed_tokens(a, probe), probe);
-  if (!impl.is_ok()) return impl.status();
-  if (!device_path_ok(a, impl.value())) return false;
-  const bool fused = device_fused(a);
-  const Sm90Tiles tiles = sm90_device_tiles(be, device_problem(a, fused));
-  const std::vector<uintptr_t> key = device_call_key(a, tiles, fused);
+  const Impl impl = choose_impl(be, expand_packed_tokens(a, probe), probe);
+  if (!device_path_ok(a, impl)) return false;
+  const Sm90Tiles tiles = sm90_device_tiles(be, device_problem(a));
+  const std::vector<uintptr_t> key = device_call_key(a, tiles);
   auto it = st.device_calls.find(key);
   if (it == st.device_calls.end()) {
     if (capturing(be))
@@ -1039,7 +972,7 @@ Result<bool> run_device_counts(CudaBackend& be, GemmState& st, const GroupedGemm
       return Status::error("grouped_gemm: more than " + std::to_string(kMaxDeviceCalls) +
                            " distinct m_device call signatures (their device state is kept for "
                            "CUDA graphs and never freed)");
-    it = st.device_calls.emplace(key, make_device_call(be, st, a, tiles, fused)).first;
+    it = st.device_calls.emplace(key, make_device_call(be, st, a, tiles)).first;
   }
   const DeviceCall& call = it->second;
   const auto* m = static_cast<const int64_t*>(a.m_device);
@@ -1080,14 +1013,10 @@ Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args) {
     PACKMOE_RETURN_IF_ERROR(check_device_counts(args, m));
     const GroupedGemmArgs host = expand_packed_tokens(args, m);
     PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(host, m));
-    Result<Impl> impl = choose_impl(be, host, m);
-    if (!impl.is_ok()) return impl.status();
-    return run_grouped(be, st, host, m, impl.value());
+    return run_grouped(be, st, host, m, choose_impl(be, host, m));
   }
   PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, args.m));
-  Result<Impl> impl = choose_impl(be, args, args.m);
-  if (!impl.is_ok()) return impl.status();
-  return run_grouped(be, st, args, args.m, impl.value());
+  return run_grouped(be, st, args, args.m, choose_impl(be, args, args.m));
 }
 
 }  // namespace packmoe

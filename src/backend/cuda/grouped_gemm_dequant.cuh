@@ -1,5 +1,5 @@
 // The exact MXFP8 / NVFP4 -> BF16 dequantize of the grouped GEMM's operands, 8 elements at a
-// time, shared by the dequantize pre-pass (grouped_gemm_cublas.cu) and the sm_90a kernel's
+// time, shared by the dequantize pre-pass (grouped_gemm_operands.cu) and the sm_90a kernel's
 // streaming converter (grouped_gemm_sm90.cu), so both write the same BF16 bits: the FP32 product
 // of the exactly converted element and its block scale, rounded once to BF16 (RNE, no FTZ), i.e.
 // f32_to_bf16(mxfp8_decode(...)) / f32_to_bf16(nvfp4_decode(..., S_dec = 1)).

@@ -1,5 +1,5 @@
 // One quantized operand copy of one group for the grouped GEMM's exact dequantize to BF16: what
-// the pre-pass kernels (grouped_gemm_cublas.cu) and the sm_90a kernel's streaming converter
+// the pre-pass kernels (grouped_gemm_operands.cu) and the sm_90a kernel's streaming converter
 // (grouped_gemm_sm90.cu) read; the device code is in grouped_gemm_dequant.cuh.
 #pragma once
 

@@ -24,10 +24,6 @@
 // the BF16 storage the maps read, group by group, while the consumers compute; a producer waits
 // until its tile's group is converted (the section "streaming dequantize" below).
 //
-// Fused MXFP8 operands (kFused, E4M3 fprop): the TMA ring holds FP8 bytes, warps 1-3 of
-// warpgroup 0 add each stage's scale codes, and the consumers convert every stage into one of two
-// BF16 tiles before their wgmmas read it (the section "fused MXFP8 (E4M3) operands" below).
-//
 // Shared memory, 128-byte swizzle (the TMA maps and the wgmma descriptors agree on it):
 //   K-major operand (rows x 64 reduction elements): row r at r * 128 B, 8-row atoms of 1024 B; a
 //     wgmma k16 step advances the descriptor's start by 32 B inside the swizzle row.
@@ -46,19 +42,16 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
 
 #include "backend/cuda/grouped_gemm_sm90.h"
 #include "backend/cuda/grouped_gemm_dequant.cuh"
-#include "backend/cuda/grouped_gemm_sm90_convert.cuh"
 #include "backend/cuda/grouped_gemm_sm90_ptx.cuh"
 #include "backend/cuda/grouped_gemm_sm90_schedule.cuh"
 #include "backend/cuda/grouped_gemm_sm90_tiles.h"
-#include "core/codecs.h"
+#include "backend/cuda/kernel_policy.h"
 
 namespace packmoe {
 namespace {
@@ -69,12 +62,10 @@ constexpr int kThreads = 384;            // producer warpgroup + 2 consumer warp
 constexpr int kBox = 64;                 // elements in one 128-byte swizzle row
 constexpr int kBlockBytes = kBox * kSm90TileK * 2;  // one 64 x 64 BF16 box: 8 KB
 constexpr int kEpiBytes = 16384;         // epilogue staging per consumer warpgroup
-constexpr int kScaleBlock = 32;         // MXFP8: elements per E8M0 scale
-constexpr int kScaleLoaders = 96;       // fused: warps 1-3 of the producer warpgroup
-constexpr int kConverters = 96;         // streaming dequantize: the same warps otherwise
+constexpr int kConverters = 96;         // streaming dequantize: warps 1-3 of warpgroup 0
 constexpr int kConvertChunk = 24576;    // elements a converter warp takes at a time
-// Registers per thread after setmaxnreg: the producer warpgroup (with the scale loaders or the
-// converters) and the consumers. The launch gives every thread the 168 of __launch_bounds__, so
+// Registers per thread after setmaxnreg: the producer warpgroup (with the converters) and the
+// consumers. The launch gives every thread the 168 of __launch_bounds__, so
 // what the producers release must be what the consumers take: 128 * 152 + 256 * 176 = 384 * 168.
 // ptxas compiles the code after each setmaxnreg within its count, except that a wgmma's register
 // operands must fit the launch bound's 168 (m64n256k16 needs 154; docs/gemm-sm90.md). The
@@ -84,28 +75,19 @@ constexpr int kConsumerRegs = 176;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs == kThreads * 168, "balanced setmaxnreg");
 static_assert(kSm90TileK == kBox, "one swizzle row per reduction step");
 
-// kFused: the ring holds FP8 bytes (1 byte an element) and, per stage, the two E8M0 codes of the
-// step for each of the 128 + BN rows (A rows, then B rows); the consumers convert each stage into
-// one of two BF16 tiles (A then B, K-major, 128-byte swizzle) that the wgmmas read.
-template <int BN, bool kFused>
+// Shared memory of one CTA: the TMA ring of BF16 stages (A tile, then B tile), the two consumers'
+// epilogue staging, the ring's mbarriers.
+template <int BN>
 struct Layout {
-  static constexpr int kElem = kFused ? 1 : 2;  // bytes per element in the TMA ring
-  static constexpr int kABytes = kSm90TileM * kSm90TileK * kElem;
-  static constexpr int kBBytes = BN * kSm90TileK * kElem;
+  static constexpr int kABytes = kSm90TileM * kSm90TileK * 2;
+  static constexpr int kBBytes = BN * kSm90TileK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = BN == 256 ? (kFused ? 3 : 4) : 6;
-  static constexpr int kTileABytes = kSm90TileM * kSm90TileK * 2;  // fused: BF16 tiles
-  static constexpr int kTileBytes = kTileABytes + BN * kSm90TileK * 2;
-  static constexpr int kTileOffset = kStages * kStageBytes;
-  static constexpr int kScaleStageBytes = (kSm90TileM + BN) * 2;
-  static constexpr int kScaleOffset = kTileOffset + (kFused ? 2 * kTileBytes : 0);
-  static constexpr int kEpiOffset =
-      kScaleOffset + (kFused ? (kStages * kScaleStageBytes + 1023) / 1024 * 1024 : 0);
+  static constexpr int kStages = BN == 256 ? 4 : 6;
+  static constexpr int kEpiOffset = kStages * kStageBytes;
   static constexpr int kBarOffset = kEpiOffset + 2 * kEpiBytes;
   static constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8 + 1024;  // + 1024-byte align
   static_assert(kSmemBytes <= 232448, "more shared memory than an sm_90 CTA has");
-  static_assert(kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 && kEpiOffset % 1024 == 0,
-                "swizzle atoms 1024-aligned");
+  static_assert(kStageBytes % 1024 == 0 && kEpiOffset % 1024 == 0, "swizzle atoms 1024-aligned");
 };
 
 struct Params {
@@ -118,9 +100,6 @@ struct Params {
   int32_t out_mode;  // 0: FP32, 1: BF16, 2: FP32 added to the output
   const float* alpha_lhs;
   const float* alpha_rhs;
-  // Fused MXFP8: per table row, the (rows, kred / 32) E8M0 scales of A and B.
-  const uint8_t* const* a_scale;
-  const uint8_t* const* b_scale;
   // Streaming dequantize (null: the operands are BF16 already): jobs 2 row and 2 row + 1 convert
   // table row `row`'s A and B into the BF16 storage its maps read, then a sentinel; `begin` counts
   // chunks of kConvertChunk elements. dq_counters (zeroed before the launch): [0] the next chunk
@@ -194,10 +173,10 @@ __device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, uint
     tma_load_2d(dst, map, bar, c0, c1);
 }
 
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
 __device__ __forceinline__ void produce(const Params& p, const Sm90Work& w, uint8_t* smem, uint64_t* full,
                                         uint64_t* empty, int rank) {
-  using L = Layout<BN, kFused>;
+  using L = Layout<BN>;
   constexpr int kHalfB = L::kBBytes / 2;  // bytes of BN / 2 columns
   int stage = 0;
   uint32_t phase = 0;
@@ -349,140 +328,13 @@ __device__ __forceinline__ void release_stage(uint64_t* empty) {
   }
 }
 
-// ---- fused MXFP8 (E4M3) operands ---------------------------------------------------------------
-// The TMA ring holds the FP8 bytes of A (128 rows x 64 B) and B (BN rows x 64 B), row r at r * 64,
-// and warps 1-3 of the producer warpgroup fill the stage's scale codes: for tile row r (A rows,
-// then B rows) the 16-bit pair (block 2 ks, block 2 ks + 1) of the step. Per step, consumer
-// warpgroup `half` converts A rows [64 half, 64 half + 64) and B rows [BN/2 half, BN/2 (half + 1))
-// into the BF16 tile (the layout the TMA path loads: row r at r * 128, 16-byte chunk q stored at
-// q ^ (r % 8)). Thread t converts the 16-byte chunk c = t % 4 (elements [16 c, 16 c + 16) of the
-// step, block 2 ks + c / 2) of rows t / 4 + 32 j: 8 lanes read two whole 64-byte rows and write
-// chunks {2c, 2c + 1} ^ (r % 8) of an even and an odd row, so neither side has bank conflicts.
-// Values: exactly the dequantize pre-pass's (grouped_gemm_sm90_convert.cuh). Elements outside the
-// group (TMA zero fill) get scale code 127 (1.0): +0 in BF16, as the TMA zero fill of a BF16
-// operand.
-template <int BN>
-struct FusedShare {
-  static constexpr int kARows = 2;            // A rows a consumer thread converts per step
-  static constexpr int kItems = 2 + BN / 64;  // + B rows
-};
-
-// Scale loader `lt` (0 .. kScaleLoaders - 1): per stage, the codes of tile rows lt, lt + 96, ...
-// from global memory (L2-resident), then one arrival on the stage's `full` barrier (which counts
-// the TMA producer's arrival and these). Runs ahead of the consumers like the TMA producer.
-template <int BN, int kCluster>
-__device__ __forceinline__ void load_scales(const Params& p, const Sm90Work& w, uint8_t* smem, uint64_t* full,
-                                            uint64_t* empty, int rank, int lt) {
-  using L = Layout<BN, true>;
-  constexpr int kRows = kSm90TileM + BN;
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int unit = blockIdx.x / kCluster; unit < w.total_units; unit += gridDim.x / kCluster) {
-    GroupTiles g;
-    const TileAt at = tile_of<BN, kCluster>(p, w, unit, rank, g);
-    const uint8_t* sa = p.a_scale[at.gi];
-    const uint8_t* sb = p.b_scale[at.gi];
-    const int blocks = g.kred / kScaleBlock;
-    const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
-    for (int ks = 0; ks < k_steps; ++ks) {
-      mbar_wait(&empty[stage], phase ^ 1);
-      uint16_t* dst =
-          reinterpret_cast<uint16_t*>(smem + L::kScaleOffset + stage * L::kScaleStageBytes);
-#pragma unroll
-      for (int i = 0; i < (kRows + kScaleLoaders - 1) / kScaleLoaders; ++i) {
-        const int r = lt + i * kScaleLoaders;
-        if (r >= kRows) break;
-        const bool is_a = r < kSm90TileM;
-        const int row = is_a ? at.m0 + r : at.n0 + (r - kSm90TileM);
-        uint32_t lo = 127u, hi = 127u;
-        if (row < (is_a ? g.mk : p.nk)) {
-          const uint8_t* src = (is_a ? sa : sb) + static_cast<int64_t>(row) * blocks + 2 * ks;
-          lo = __ldg(src);
-          if (2 * ks + 1 < blocks) hi = __ldg(src + 1);
-        }
-        dst[r] = static_cast<uint16_t>(lo | (hi << 8));
-      }
-      mbar_arrive(&full[stage]);
-      if (++stage == L::kStages) stage = 0, phase ^= 1;
-    }
-  }
-}
-
-// 16 FP8 E4M3 codes at shared address `src` times 2^(code - 127) -> BF16 chunks 2c and 2c + 1 of
-// the swizzled row `row` that starts at `dst_row`.
-__device__ __forceinline__ void convert_chunk(uint32_t src, uint32_t dst_row, int row, int c,
-                                              uint32_t code) {
-  uint32_t w[4];
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-               : "r"(src));
-  const float sc = e8m0_to_f32(static_cast<uint8_t>(code));
-  uint32_t o[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    o[j] = gemm_convert::fp8x2_scaled_to_bf16x2<false>(w[j >> 1] >> (16 * (j & 1)), sc);
-  const uint32_t sw = static_cast<uint32_t>(row % 8);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                     dst_row + (((2 * static_cast<uint32_t>(c) + h) ^ sw) << 4)),
-                 "r"(o[4 * h]), "r"(o[4 * h + 1]), "r"(o[4 * h + 2]), "r"(o[4 * h + 3])
-                 : "memory");
-}
-
-// The fused main loop of one tile: per step, both consumer warpgroups wait until the wgmmas that
-// last read BF16 tile `buf` are done (named barrier 3 over both, after each one's wait_group 1),
-// convert the raw stage into it, fence it for the async proxy, meet again, release the raw stage
-// and issue the step's wgmmas, which run while the next step is converted into the other tile.
-template <int BN, int kCluster>
-__device__ __forceinline__ void mainloop_fused(uint32_t smem_base, uint64_t* full, uint64_t* empty,
-                                               int half, int t, int k_steps, float (&acc)[BN / 2],
-                                               int& stage, uint32_t& phase, uint32_t& buf) {
-  using L = Layout<BN, true>;
-  using S = FusedShare<BN>;
-  const int c = t % 4;
-  for (int ks = 0; ks < k_steps; ++ks) {
-    named_barrier_sync(3, 256);  // tile `buf` is no longer read by either warpgroup
-    mbar_wait(&full[stage], phase);
-    const uint32_t raw = smem_base + stage * L::kStageBytes;
-    const uint32_t tile = smem_base + L::kTileOffset + buf * L::kTileBytes;
-    const uint32_t codes = smem_base + L::kScaleOffset + stage * L::kScaleStageBytes + (c / 2);
-#pragma unroll
-    for (int j = 0; j < S::kItems; ++j) {
-      const bool is_a = j < S::kARows;
-      const int row = is_a ? 64 * half + t / 4 + 32 * j
-                           : (BN / 2) * half + t / 4 + 32 * (j - S::kARows);
-      const uint32_t src = raw + (is_a ? 0 : L::kABytes) + row * kSm90TileK + c * 16;
-      const uint32_t dst = tile + (is_a ? 0 : L::kTileABytes) + row * 128;
-      convert_chunk(src, dst, row, c, ld_shared_u8(codes + 2 * (is_a ? row : kSm90TileM + row)));
-    }
-    fence_async_shared();
-    named_barrier_sync(3, 256);  // the BF16 tile is complete; the raw stage has been read
-    if (t == 0) release_stage<kCluster>(&empty[stage]);
-    const uint32_t sa = tile + half * kBlockBytes;
-    const uint32_t sb = tile + L::kTileABytes;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kSm90TileK / 16; ++kk) {
-      const uint64_t da = wgmma_desc(sa + kk * 32, 16, 1024);
-      const uint64_t db = wgmma_desc(sb + kk * 32, 16, 1024);
-      wgmma_step<BN, 0, 0>(acc, da, db, (ks | kk) != 0 ? 1u : 0u);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // the previous step's wgmmas are done: its tile may be rewritten
-    buf ^= 1;
-    if (++stage == L::kStages) stage = 0, phase ^= 1;
-  }
-  wgmma_wait<0>();
-}
-
 // The main loop of one tile on BF16 operands: per step, wait for the TMA stage, issue its
 // wgmmas, and release the previous stage once its wgmmas are done.
 template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
 __device__ __forceinline__ void mainloop_tma(uint32_t smem_base, uint64_t* full, uint64_t* empty,
                                              int half, int t, int k_steps, float (&acc)[BN / 2],
                                              int& stage, uint32_t& phase) {
-  using L = Layout<BN, false>;
+  using L = Layout<BN>;
   constexpr int kTransA = kAKMajor ? 0 : 1, kTransB = kBKMajor ? 0 : 1;
   // Descriptor steps per k16: 32 B inside the swizzle row (K-major), two 8-row atoms (MN-major).
   constexpr uint32_t kStepA = kAKMajor ? 32 : 2048, kStepB = kBKMajor ? 32 : 2048;
@@ -513,10 +365,10 @@ __device__ __forceinline__ void mainloop_tma(uint32_t smem_base, uint64_t* full,
 }
 
 // Consumer warpgroup `half` (0: tile rows [0, 64), 1: [64, 128)), thread t of it.
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
 __device__ __forceinline__ void consume(const Params& p, const Sm90Work& w, uint8_t* smem, uint64_t* full,
                                         uint64_t* empty, int rank, int half, int t) {
-  using L = Layout<BN, kFused>;
+  using L = Layout<BN>;
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t epi = smem_base + L::kEpiOffset + half * kEpiBytes;
   uint8_t* epi_ptr = smem + L::kEpiOffset + half * kEpiBytes;
@@ -525,19 +377,12 @@ __device__ __forceinline__ void consume(const Params& p, const Sm90Work& w, uint
   float acc[BN / 2];
   int stage = 0;
   uint32_t phase = 0;
-  uint32_t buf = 0;  // fused: the BF16 tile the next step converts into
   for (int unit = blockIdx.x / kCluster; unit < w.total_units; unit += gridDim.x / kCluster) {
     GroupTiles g;
     const TileAt at = tile_of<BN, kCluster>(p, w, unit, rank, g);
     const int k_steps = (g.kred + kSm90TileK - 1) / kSm90TileK;
-    if constexpr (kFused) {
-      static_assert(kAKMajor && kBKMajor, "fused MXFP8 operands are K-major (fprop)");
-      mainloop_fused<BN, kCluster>(smem_base, full, empty, half, t, k_steps, acc, stage, phase,
-                                   buf);
-    } else {
-      mainloop_tma<BN, kAKMajor, kBKMajor, kCluster>(smem_base, full, empty, half, t, k_steps, acc,
-                                                     stage, phase);
-    }
+    mainloop_tma<BN, kAKMajor, kBKMajor, kCluster>(smem_base, full, empty, half, t, k_steps, acc,
+                                                   stage, phase);
 
     // Epilogue: the fragment (row 16 warp + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1)) is
     // written into 16 KB of shared memory in the output map's 128-byte swizzled boxes of 64 rows,
@@ -609,9 +454,9 @@ __device__ __forceinline__ void consume(const Params& p, const Sm90Work& w, uint
   if (t == 0) bulk_wait_all<false>();
 }
 
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused>
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __grid_constant__ Params p) {
-  using L = Layout<BN, kFused>;
+  using L = Layout<BN>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
@@ -623,8 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
   const Sm90Work w = *p.work;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      // the producer's expect_tx arrival (+ the bytes); fused: + each scale loader's
-      mbar_init(&full[s], 1 + (kFused ? kScaleLoaders : 0));
+      mbar_init(&full[s], 1);               // the producer's expect_tx arrival (+ the bytes)
       mbar_init(&empty[s], 2 * kCluster);   // each consumer warpgroup of the cluster
     }
     mbar_init_fence();
@@ -636,15 +480,11 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
   const int wg = threadIdx.x / 128, t = threadIdx.x % 128;
   if (wg == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, w, smem, full, empty, rank);
-    if constexpr (kFused) {
-      if (t >= 128 - kScaleLoaders) load_scales<BN, kCluster>(p, w, smem, full, empty, rank, t - 32);
-    } else {
-      if (t >= 128 - kConverters && p.dq_jobs != nullptr) stream_dequant(p, t % 32);
-    }
+    if (t == 0) produce<BN, kAKMajor, kBKMajor, kCluster>(p, w, smem, full, empty, rank);
+    if (t >= 128 - kConverters && p.dq_jobs != nullptr) stream_dequant(p, t % 32);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    consume<BN, kAKMajor, kBKMajor, kCluster, kFused>(p, w, smem, full, empty, rank, wg - 1, t);
+    consume<BN, kAKMajor, kBKMajor, kCluster>(p, w, smem, full, empty, rank, wg - 1, t);
   }
   // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
   if constexpr (kCluster == 2) cluster_sync();
@@ -652,8 +492,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_sm90_kernel(const __
 
 // ---- host ---------------------------------------------------------------------------------------
 
-// Element type of a tensor map: BF16 and FP32 with 128-byte swizzle, FP8 bytes without swizzle.
-enum class MapElem { kBf16, kF32, kU8 };
+// Element type of a tensor map (both with 128-byte swizzle).
+enum class MapElem { kBf16, kF32 };
 
 // 2-D tensor (outer, inner) row-major, box (box_outer, box_inner).
 struct MapKey {
@@ -685,10 +525,9 @@ class MapCache {
     if (it != maps_.end()) return it->second;
     if (maps_.size() >= kMaxMaps) maps_.clear();
     CUtensorMap m;
-    const int el = k.elem == MapElem::kF32 ? 4 : k.elem == MapElem::kBf16 ? 2 : 1;
-    const CUtensorMapDataType type = k.elem == MapElem::kF32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                                     : k.elem == MapElem::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    const int el = k.elem == MapElem::kF32 ? 4 : 2;
+    const CUtensorMapDataType type = k.elem == MapElem::kF32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(k.inner), static_cast<cuuint64_t>(k.outer)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(k.inner) * el};
     const cuuint32_t box[2] = {static_cast<cuuint32_t>(k.box_inner),
@@ -696,8 +535,7 @@ class MapCache {
     const cuuint32_t elem_strides[2] = {1, 1};
     const CUresult r = encode()(
         &m, type, 2, const_cast<void*>(k.ptr), dims, strides, box, elem_strides,
-        CU_TENSOR_MAP_INTERLEAVE_NONE,
-        k.elem == MapElem::kU8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     PACKMOE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed ("
                                          << static_cast<int>(r) << ") for a (" << k.outer << ", "
@@ -729,21 +567,13 @@ MapCache& map_cache() {
   return *c;
 }
 
-// Test and tuning knobs: PACKMOE_GEMM_SM90_TILE_N (128 | 256) forces the tile width,
-// PACKMOE_GEMM_SM90_CLUSTER (1 | 2) the cluster size, PACKMOE_GEMM_SM90_CTAS sets the persistent
-// grid (a small grid makes every CTA walk many tiles), PACKMOE_GEMM_SM90_VERBOSE prints each
-// launch's shape on stderr.
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : 0;
-}
-
 // `units`: the work units when the host knows them (the grid is no larger), else -1 (the grid is
-// the resident CTA count; CTAs without work exit).
-template <int BN, bool kAKMajor, bool kBKMajor, int kCluster, bool kFused = false>
+// the resident CTA count; CTAs without work exit). GemmPolicy::max_ctas caps the grid (tests: a
+// few CTAs walk many tiles).
+template <int BN, bool kAKMajor, bool kBKMajor, int kCluster>
 void launch(CudaBackend& be, const Params& p, int64_t units) {
-  auto kernel = grouped_gemm_sm90_kernel<BN, kAKMajor, kBKMajor, kCluster, kFused>;
-  constexpr int kSmem = Layout<BN, kFused>::kSmemBytes;
+  auto kernel = grouped_gemm_sm90_kernel<BN, kAKMajor, kBKMajor, kCluster>;
+  constexpr int kSmem = Layout<BN>::kSmemBytes;
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -766,22 +596,15 @@ void launch(CudaBackend& be, const Params& p, int64_t units) {
     PACKMOE_CHECK(clusters > 0, "grouped_gemm_sm90: no cluster of " << kCluster << " fits");
     return clusters * kCluster;
   }();
-  // PACKMOE_GEMM_SM90_CTAS replaces the resident count (tests: a few CTAs walk many tiles).
-  const int cap = env_int("PACKMOE_GEMM_SM90_CTAS");
+  const int cap = kernel_policy().gemm.max_ctas;
   const int64_t limit = cap > 0 ? std::max(kCluster, cap / kCluster * kCluster) : resident;
   const int64_t grid = units >= 0 ? std::min<int64_t>(units * kCluster, limit) : limit;
-  if (std::getenv("PACKMOE_GEMM_SM90_VERBOSE") != nullptr)
-    std::fprintf(stderr,
-                 "grouped_gemm_sm90: BN %d cluster %d%s, %lld units, grid %lld (resident %d)\n", BN,
-                 kCluster, kFused ? " fused MXFP8" : "", static_cast<long long>(units),
-                 static_cast<long long>(grid), resident);
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   PACKMOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
 template <int BN, int kCluster>
-void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k, bool fused, int64_t units) {
-  if (fused) return launch<BN, true, true, kCluster, true>(be, p, units);
+void launch_layout(CudaBackend& be, const Params& p, bool a_k, bool b_k, int64_t units) {
   if (a_k && b_k) return launch<BN, true, true, kCluster>(be, p, units);
   if (a_k && !b_k) return launch<BN, true, false, kCluster>(be, p, units);
   if (!a_k && !b_k) return launch<BN, false, false, kCluster>(be, p, units);
@@ -809,12 +632,10 @@ bool sm90_gemm_shape_ok(const Sm90Gemm& p) {
   if (p.nk <= 0 || p.nk % 8 != 0 || p.nk >= kMax) return false;
   if (p.a_k_major == false && p.b_k_major == true) return false;
   if (p.accumulate && p.out_bf16) return false;
-  if (p.mxfp8_e4m3 && !(p.a_k_major && p.b_k_major)) return false;
   for (size_t g = 0; g < p.mk.size(); ++g) {
     const int64_t mk = p.mk[g], kred = p.kred[g];
     if (mk <= 0 || kred <= 0) continue;
     if (mk >= kMax || kred >= kMax) return false;
-    if (p.mxfp8_e4m3 && kred % kScaleBlock != 0) return false;
     if ((p.a_k_major ? kred : mk) % 8 != 0) return false;  // A row length
     if (p.b_k_major && kred % 8 != 0) return false;         // B row length (else nk)
   }
@@ -823,20 +644,21 @@ bool sm90_gemm_shape_ok(const Sm90Gemm& p) {
 
 namespace {
 
-// The PACKMOE_GEMM_SM90_TILE_N / _CLUSTER overrides of a heuristic choice.
-Sm90Tiles with_overrides(Sm90Tiles tiles) {
-  const int forced_n = env_int("PACKMOE_GEMM_SM90_TILE_N");
-  if (forced_n == 128 || forced_n == 256) tiles.bn = forced_n;
-  const int forced_c = env_int("PACKMOE_GEMM_SM90_CLUSTER");
-  if (forced_c == 1 || forced_c == 2) tiles.cluster = forced_c;
+// The heuristic's choice, or the one GemmPolicy forces (tile_n, cluster; 0: the heuristic's).
+Sm90Tiles with_policy(Sm90Tiles tiles) {
+  const GemmPolicy g = kernel_policy().gemm;
+  if (g.tile_n != 0) tiles.bn = g.tile_n;
+  if (g.cluster != 0) tiles.cluster = g.cluster;
   return tiles;
 }
 
 // The maps of one group, (mk, kred) its shape: A and B boxes per the operand majors, C the output.
-MapKey a_map_key(const void* a, int64_t mk, int64_t kred, bool k_major, MapElem in) {
+MapKey a_map_key(const void* a, int64_t mk, int64_t kred, bool k_major) {
+  constexpr MapElem in = MapElem::kBf16;
   return k_major ? MapKey{a, kred, mk, kBox, 64, in} : MapKey{a, mk, kred, kBox, kSm90TileK, in};
 }
-MapKey b_map_key(const void* b, int64_t nk, int64_t kred, bool k_major, int bn, MapElem in) {
+MapKey b_map_key(const void* b, int64_t nk, int64_t kred, bool k_major, int bn) {
+  constexpr MapElem in = MapElem::kBf16;
   return k_major ? MapKey{b, kred, nk, kBox, bn / 2, in} : MapKey{b, nk, kred, kBox, kSm90TileK, in};
 }
 MapKey c_map_key(void* out, int64_t nk, int64_t mk, bool f32_out) {
@@ -845,12 +667,12 @@ MapKey c_map_key(void* out, int64_t nk, int64_t mk, bool f32_out) {
 
 // Launches the kernel instance of `tiles` (units: see launch).
 void launch_tiles(CudaBackend& be, const Params& k, Sm90Tiles tiles, bool a_k, bool b_k,
-                  bool fused, int64_t units) {
+                  int64_t units) {
   const int bn = tiles.bn, cl = tiles.cluster;
-  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, a_k, b_k, fused, units);
-  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, a_k, b_k, fused, units);
-  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, a_k, b_k, fused, units);
-  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, a_k, b_k, fused, units);
+  if (bn == 256 && cl == 2) launch_layout<256, 2>(be, k, a_k, b_k, units);
+  if (bn == 256 && cl == 1) launch_layout<256, 1>(be, k, a_k, b_k, units);
+  if (bn == 128 && cl == 2) launch_layout<128, 2>(be, k, a_k, b_k, units);
+  if (bn == 128 && cl == 1) launch_layout<128, 1>(be, k, a_k, b_k, units);
 }
 
 }  // namespace
@@ -858,15 +680,13 @@ void launch_tiles(CudaBackend& be, const Params& k, Sm90Tiles tiles, bool a_k, b
 Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   if (!sm90_gemm_shape_ok(p)) return Status::error("grouped_gemm_sm90: unsupported shape");
   const size_t G = p.mk.size();
-  const Sm90Tiles tiles = with_overrides(choose_sm90_tiles(p.mk, p.kred, p.nk, be.sm_count()));
+  const Sm90Tiles tiles = with_policy(choose_sm90_tiles(p.mk, p.kred, p.nk, be.sm_count()));
   const int bn = tiles.bn, cl = tiles.cluster;
   const int64_t n_tiles = (p.nk + bn - 1) / bn;
   const bool f32_out = !p.out_bf16;
-  const bool fused = p.mxfp8_e4m3;
 
   std::vector<GroupTiles> table;
   std::vector<CUtensorMap> amaps, bmaps, cmaps;
-  std::vector<const void*> a_scale, b_scale;  // fused: per table row
   std::vector<gemm_convert::DequantJob> jobs;  // streaming dequantize: A, B per table row
   const bool stream = !p.a_dequant.empty() || !p.b_dequant.empty();
   uint32_t chunks = 0;
@@ -888,21 +708,14 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
       if (mk <= 0 || kred <= 0) continue;
       PACKMOE_CHECK(aligned16(p.a[g]) && aligned16(p.b[g]) && aligned16(p.out[g]),
                     "grouped_gemm_sm90: group " << g << " has a pointer off 16-byte alignment");
-      PACKMOE_CHECK(!fused || (p.a_scale[g] != nullptr && p.b_scale[g] != nullptr),
-                    "grouped_gemm_sm90: group " << g << " has no MXFP8 scales");
       const int64_t m_tiles = (mk + kSm90TileM - 1) / kSm90TileM;
       table.push_back(GroupTiles{static_cast<int32_t>(mk), static_cast<int32_t>(kred),
                                  static_cast<int32_t>(total), static_cast<int32_t>(m_tiles),
                                  sm90_band(bn, kred, n_tiles), static_cast<int32_t>(g)});
       total += sm90_units(m_tiles, n_tiles, cl);
-      const MapElem in = fused ? MapElem::kU8 : MapElem::kBf16;
-      amaps.push_back(cache.get(a_map_key(p.a[g], mk, kred, p.a_k_major, in)));
-      bmaps.push_back(cache.get(b_map_key(p.b[g], p.nk, kred, p.b_k_major, bn, in)));
+      amaps.push_back(cache.get(a_map_key(p.a[g], mk, kred, p.a_k_major)));
+      bmaps.push_back(cache.get(b_map_key(p.b[g], p.nk, kred, p.b_k_major, bn)));
       cmaps.push_back(cache.get(c_map_key(p.out[g], p.nk, mk, f32_out)));
-      if (fused) {
-        a_scale.push_back(p.a_scale[g]);
-        b_scale.push_back(p.b_scale[g]);
-      }
       if (stream) add_job(p.a_dequant, g), add_job(p.b_dequant, g);
     }
   }
@@ -913,19 +726,18 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   if (total == 0) return Status::ok();
   PACKMOE_CHECK(total < (int64_t{1} << 30), "grouped_gemm_sm90: " << total << " work units");
 
-  // One upload: [A maps][B maps][C maps][group table][work][A scales][B scales] (the scale
-  // pointers only when fused)[dequantize jobs][zeroed counters] (only when streaming); the staging
-  // buffers are 256-byte aligned, a CUtensorMap is 64-byte aligned, the table (24 bytes a row) and
-  // the work (8 bytes) end 8-byte aligned.
+  // One upload: [A maps][B maps][C maps][group table][work][dequantize jobs][zeroed counters]
+  // (the last two only when streaming); the staging buffers are 256-byte aligned, a CUtensorMap is
+  // 64-byte aligned, the table (24 bytes a row) and the work (8 bytes) end 8-byte aligned.
   const size_t n = table.size();
   const size_t maps_bytes = n * sizeof(CUtensorMap);
-  const size_t table_bytes = n * sizeof(GroupTiles), ptr_bytes = a_scale.size() * sizeof(void*);
+  const size_t table_bytes = n * sizeof(GroupTiles);
   static_assert(sizeof(GroupTiles) % 8 == 0 && sizeof(Sm90Work) == 8,
-                "the scale pointers follow the table and the work 8-byte aligned");
+                "the jobs follow the table and the work 8-byte aligned");
   const Sm90Work work{static_cast<int32_t>(n), static_cast<int32_t>(total)};
-  const size_t work_at = 3 * maps_bytes + table_bytes, scales_at = work_at + sizeof(Sm90Work);
+  const size_t work_at = 3 * maps_bytes + table_bytes;
   static_assert(sizeof(gemm_convert::DequantJob) % 8 == 0, "the counters follow the jobs");
-  const size_t jobs_at = scales_at + 2 * ptr_bytes,
+  const size_t jobs_at = work_at + sizeof(Sm90Work),
                counters_at = jobs_at + jobs.size() * sizeof(gemm_convert::DequantJob);
   const size_t counters = stream ? 1 + n : 0;
   std::vector<uint8_t> blob(counters_at + counters * sizeof(uint32_t), 0);
@@ -934,10 +746,6 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   std::memcpy(blob.data() + 2 * maps_bytes, cmaps.data(), maps_bytes);
   std::memcpy(blob.data() + 3 * maps_bytes, table.data(), table_bytes);
   std::memcpy(blob.data() + work_at, &work, sizeof work);
-  if (fused) {
-    std::memcpy(blob.data() + scales_at, a_scale.data(), ptr_bytes);
-    std::memcpy(blob.data() + scales_at + ptr_bytes, b_scale.data(), ptr_bytes);
-  }
   if (stream) std::memcpy(blob.data() + jobs_at, jobs.data(), jobs.size() * sizeof(jobs[0]));
   const auto* dev = static_cast<const uint8_t*>(be.upload(blob.data(), blob.size()));
 
@@ -952,10 +760,6 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
   k.out_mode = p.out_bf16 ? 1 : p.accumulate ? 2 : 0;
   k.alpha_lhs = p.alpha_lhs;
   k.alpha_rhs = p.alpha_rhs;
-  if (fused) {
-    k.a_scale = reinterpret_cast<const uint8_t* const*>(dev + scales_at);
-    k.b_scale = reinterpret_cast<const uint8_t* const*>(dev + scales_at + ptr_bytes);
-  }
   if (stream) {
     k.dq_jobs = reinterpret_cast<const gemm_convert::DequantJob*>(dev + jobs_at);
     k.dq_rows = static_cast<int32_t>(n);
@@ -963,7 +767,7 @@ Status grouped_gemm_sm90(CudaBackend& be, const Sm90Gemm& p) {
     // upload into that slot, which the stream orders after it.
     k.dq_counters = reinterpret_cast<uint32_t*>(const_cast<uint8_t*>(dev) + counters_at);
   }
-  launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, fused, total);
+  launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, total);
   return Status::ok();
 }
 
@@ -980,23 +784,22 @@ Sm90Gemm sm90_device_geometry(const Sm90DeviceGemm& p, const std::vector<int64_t
   g.b_k_major = p.b_k_major;
   g.out_bf16 = p.out_bf16;
   g.accumulate = p.accumulate;
-  g.mxfp8_e4m3 = p.mxfp8_e4m3;
   return g;
 }
 
 Sm90Tiles sm90_device_tiles(CudaBackend& be, const Sm90DeviceGemm& p) {
   const Sm90Gemm g = sm90_device_geometry(p, sm90_uniform_split(p.capacity, p.groups, p.align));
-  return with_overrides(choose_sm90_tiles(g.mk, g.kred, g.nk, be.sm_count()));
+  return with_policy(choose_sm90_tiles(g.mk, g.kred, g.nk, be.sm_count()));
 }
 
 // One allocation: [A templates][B templates][C templates][A maps][B maps][C maps] (G each),
-// [table (G)][work][B scale pointers per group (G)][A scale rows (G)][B scale rows (G)].
+// [table (G)][work].
 static_assert(kSm90MaxDeviceGroups <= kMaxScheduleGroups, "the schedule kernel holds every group");
 
 struct Sm90DevicePlan {
   Sm90DeviceGemm p;
   uint8_t* memory = nullptr;
-  size_t maps_at = 0, table_at = 0, work_at = 0, b_scale_in_at = 0, scale_rows_at = 0;
+  size_t maps_at = 0, table_at = 0, work_at = 0;
 };
 
 namespace {
@@ -1015,8 +818,7 @@ const Sm90DevicePlan* make_sm90_device_plan(CudaBackend& be, const Sm90DeviceGem
   PACKMOE_CHECK(p.groups > 0 && p.groups <= kSm90MaxDeviceGroups,
                 "grouped_gemm_sm90: " << p.groups << " groups on the device-count path");
   const int bn = p.tiles.bn;
-  const bool fused = p.mxfp8_e4m3, f32_out = !p.out_bf16;
-  const MapElem in = fused ? MapElem::kU8 : MapElem::kBf16;
+  const bool f32_out = !p.out_bf16;
   // Templates: token-side maps over the whole capacity at the packed base, weight-side maps of
   // each group as the host path encodes them.
   const int64_t cap = p.capacity;
@@ -1031,8 +833,8 @@ const Sm90DevicePlan* make_sm90_device_plan(CudaBackend& be, const Sm90DeviceGem
       void* out = const_cast<void*>(p.out.token_bytes ? p.out.base : p.out.ptr[g]);
       PACKMOE_CHECK(aligned16(a) && aligned16(b) && aligned16(out),
                     "grouped_gemm_sm90: group " << g << " has a pointer off 16-byte alignment");
-      templates[g] = cache.get(a_map_key(a, mk, kred, p.a_k_major, in));
-      templates[G + g] = cache.get(b_map_key(b, p.nk, kred, p.b_k_major, bn, in));
+      templates[g] = cache.get(a_map_key(a, mk, kred, p.a_k_major));
+      templates[G + g] = cache.get(b_map_key(b, p.nk, kred, p.b_k_major, bn));
       templates[2 * G + g] = cache.get(c_map_key(out, p.nk, mk, f32_out));
     }
   }
@@ -1042,12 +844,9 @@ const Sm90DevicePlan* make_sm90_device_plan(CudaBackend& be, const Sm90DeviceGem
   plan->maps_at = maps;
   plan->table_at = 2 * maps;
   plan->work_at = plan->table_at + G * sizeof(GroupTiles);
-  plan->b_scale_in_at = plan->work_at + sizeof(Sm90Work);
-  plan->scale_rows_at = plan->b_scale_in_at + G * sizeof(void*);
-  const size_t bytes = plan->scale_rows_at + 2 * G * sizeof(void*);
+  const size_t bytes = plan->work_at + sizeof(Sm90Work);
   std::vector<uint8_t> blob(bytes, 0);
   std::memcpy(blob.data(), templates.data(), maps);
-  if (fused) std::memcpy(blob.data() + plan->b_scale_in_at, p.b_scale.ptr.data(), G * sizeof(void*));
   PACKMOE_CUDA_CHECK(cudaMalloc(&plan->memory, bytes));
   PACKMOE_CUDA_CHECK(cudaMemcpy(plan->memory, blob.data(), bytes, cudaMemcpyHostToDevice));
   return plan;
@@ -1061,7 +860,6 @@ Status grouped_gemm_sm90_device(CudaBackend& be, const Sm90DevicePlan& plan, con
   uint8_t* mem = plan.memory;
   auto* templates = reinterpret_cast<const CUtensorMap*>(mem);
   auto* maps = reinterpret_cast<CUtensorMap*>(mem + plan.maps_at);
-  auto* scale_rows = reinterpret_cast<const uint8_t**>(mem + plan.scale_rows_at);
 
   ScheduleParams s{};
   s.m = m_device;
@@ -1073,22 +871,17 @@ Status grouped_gemm_sm90_device(CudaBackend& be, const Sm90DevicePlan& plan, con
   s.bn = tiles.bn;
   s.cluster = tiles.cluster;
   s.n_tiles = static_cast<int32_t>(n_tiles);
-  s.fused = p.mxfp8_e4m3;
   s.table = reinterpret_cast<GroupTiles*>(mem + plan.table_at);
   s.work = reinterpret_cast<Sm90Work*>(mem + plan.work_at);
   // Token axis contiguous: A K-major with tokens as the reduction (wgrad), B K-major likewise;
   // the output's token axis (fprop / dgrad rows) is always the outer one.
   const Sm90DeviceOperand* ops[3] = {&p.a, &p.b, &p.out};
   const bool contiguous[3] = {p.tokens_reduce && p.a_k_major, p.tokens_reduce && p.b_k_major, false};
-  const int32_t elem[3] = {p.mxfp8_e4m3 ? 1 : 2, p.mxfp8_e4m3 ? 1 : 2, p.out_bf16 ? 2 : 4};
+  const int32_t elem[3] = {2, 2, p.out_bf16 ? 2 : 4};
   for (int i = 0; i < 3; ++i)
     s.maps[i] = ScheduleMap{templates + i * G, maps + i * G,
                             reinterpret_cast<uint64_t>(ops[i]->base), ops[i]->token_bytes, elem[i],
                             token_dim(ops[i]->token_bytes != 0, contiguous[i])};
-  s.scales[0] = ScheduleScale{nullptr, static_cast<const uint8_t*>(p.a_scale.base),
-                              p.a_scale.token_bytes, scale_rows};
-  s.scales[1] = ScheduleScale{reinterpret_cast<const uint8_t* const*>(mem + plan.b_scale_in_at),
-                              nullptr, 0, scale_rows + G};
   sm90_schedule_kernel<<<schedule_ctas(p.groups), kScheduleThreads, 0, be.stream()>>>(s);
   PACKMOE_CUDA_CHECK_LAUNCH();
 
@@ -1103,11 +896,7 @@ Status grouped_gemm_sm90_device(CudaBackend& be, const Sm90DevicePlan& plan, con
   k.out_mode = p.out_bf16 ? 1 : p.accumulate ? 2 : 0;
   k.alpha_lhs = p.alpha_lhs;
   k.alpha_rhs = p.alpha_rhs;
-  if (p.mxfp8_e4m3) {
-    k.a_scale = scale_rows;
-    k.b_scale = scale_rows + G;
-  }
-  launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, p.mxfp8_e4m3, -1);
+  launch_tiles(be, k, tiles, p.a_k_major, p.b_k_major, -1);
   return Status::ok();
 }
 

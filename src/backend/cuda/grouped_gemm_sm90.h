@@ -4,11 +4,10 @@
 // MN-major, with TMA loads into 128-byte swizzled shared memory (multicast within 2-CTA
 // clusters), a producer warp and two wgmma consumer warpgroups, and a TMA-store epilogue that
 // writes FP32 or BF16, optionally scaled by alpha_g = alpha_lhs[g] * alpha_rhs[g] (NVFP4) and
-// added to the FP32 output (wgrad into main_grad). The result depends on shapes and values only: tiles, their summation order and the
-// tile shape are functions of (mk, kred, nk), never of pointers. grouped_gemm_cublas.cu prepares
-// the operands (quantized ones dequantized exactly to BF16, misaligned ones staged) and calls this;
-// MXFP8 E4M3 K-major operands may instead come as FP8 bytes and scales (mxfp8_e4m3), dequantized
-// in the kernel to the same BF16 values, and quantized operands may be dequantized into their BF16
+// added to the FP32 output (wgrad into main_grad). The result depends on shapes and values only:
+// tiles, their summation order and the tile shape are functions of (mk, kred, nk), never of
+// pointers. grouped_gemm_cuda.cu prepares the operands (quantized ones dequantized exactly to BF16,
+// misaligned ones staged) and calls this; quantized operands may be dequantized into their BF16
 // storage by the kernel itself while it runs (a_dequant / b_dequant: the pre-pass's work, in-launch).
 #pragma once
 
@@ -35,11 +34,6 @@ struct Sm90Gemm {
                                    // FP32 once, then added: one more rounding)
   const float* alpha_lhs = nullptr;  // (G,) on the device, or null for alpha = 1
   const float* alpha_rhs = nullptr;
-  // Fused MXFP8 operands (fprop): A and B are the rowwise E4M3 copies, (mk_g, kred_g) and
-  // (nk, kred_g) FP8 bytes with (rows, kred_g / 32) E8M0 scales in a_scale / b_scale, dequantized
-  // in the kernel to exactly the BF16 values of the dequantize pre-pass (no BF16 copy in memory).
-  bool mxfp8_e4m3 = false;
-  std::vector<const void*> a_scale, b_scale;
   // Streaming dequantize: per group, the quantized copy (grouped_gemm_dequant_job.h; no elements:
   // that operand is BF16 already) that the kernel itself converts into a[g] / b[g] before any
   // tile of the group reads them; empty vectors: nothing to convert.
@@ -50,7 +44,7 @@ struct Sm90Gemm {
 bool sm90_gemm_device_ok(CudaBackend& be);
 
 // Every row length is a multiple of 8 elements (16 bytes: TMA strides, vector stores) and every
-// dimension below 2^31; fused MXFP8: both operands K-major, reductions multiples of 32. Shapes only.
+// dimension below 2^31. Shapes only.
 bool sm90_gemm_shape_ok(const Sm90Gemm& p);
 
 // Queues the GEMM on be.stream(); no host synchronisation.
@@ -79,8 +73,7 @@ struct Sm90DeviceGemm {
   bool out_bf16 = false, accumulate = false;
   const float* alpha_lhs = nullptr;  // (G,) on the device, or null
   const float* alpha_rhs = nullptr;
-  bool mxfp8_e4m3 = false;  // fused MXFP8 (fprop): A and B are the E4M3 bytes, scales below
-  Sm90DeviceOperand a, b, out, a_scale, b_scale;
+  Sm90DeviceOperand a, b, out;
   Sm90Tiles tiles;  // from sm90_device_tiles
 };
 
@@ -92,7 +85,7 @@ constexpr int64_t kSm90MaxDeviceGroups = 1024;
 Sm90Gemm sm90_device_geometry(const Sm90DeviceGemm& p, const std::vector<int64_t>& m);
 
 // The tile shape for `p` without its counts: the heuristic on an even split of the capacity
-// (sm90_uniform_split), then the PACKMOE_GEMM_SM90_TILE_N / _CLUSTER overrides. Same bytes as
+// (sm90_uniform_split), unless GemmPolicy (kernel_policy.h) forces tile_n / cluster. Same bytes as
 // any other tile shape (the summation order does not depend on it).
 Sm90Tiles sm90_device_tiles(CudaBackend& be, const Sm90DeviceGemm& p);
 

@@ -1,9 +1,9 @@
-// The exact FP8 -> BF16 conversion of the grouped GEMM, shared by the dequantize pre-pass
-// (grouped_gemm_cublas.cu) and the fused MXFP8 loader of the sm_90a kernel
-// (grouped_gemm_sm90.cu), so both write the same BF16 bits for every code and scale: the FP8 code
+// The exact FP8 -> BF16 conversion of the grouped GEMM (grouped_gemm_dequant.cuh: the dequantize
+// pre-pass and the sm_90a kernel's streaming converter) and of the MXFP8 quantizer's BF16 values,
+// so all of them write the same BF16 bits for every code and scale: the FP8 code
 // converted exactly to F16 (hardware cvt), widened to FP32, multiplied by the FP32 scale (one
 // rounding at most, only below FP32's normal range) and rounded once to BF16 (RNE, no FTZ).
-// Both files are compiled with --fmad=false and without FTZ.
+// Every user is compiled with --fmad=false and without FTZ.
 #pragma once
 
 #include <cstdint>

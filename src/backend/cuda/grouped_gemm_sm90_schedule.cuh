@@ -1,9 +1,8 @@
 // The work table of the sm_90a grouped GEMM (grouped_gemm_sm90.cu) and the one-CTA "schedule"
 // kernel that writes it on the device when the token counts live there (GroupedGemmArgs::m_device):
 // it reads the G counts, checks them, and writes what the host builds from host counts: the table
-// of active groups (unit_begin prefix), the work counts, per-row scale pointers (fused MXFP8) and
-// the per-row TMA maps, copied from host-encoded templates with the token dimension patched by
-// tensormap.replace. Several CTAs: each computes the (cheap) prefix sums itself and writes its
+// of active groups (unit_begin prefix), the work counts and the per-row TMA maps, copied from
+// host-encoded templates with the token dimension patched by tensormap.replace. Several CTAs: each computes the (cheap) prefix sums itself and writes its
 // share of the maps; CTA 0 checks the counts and writes the table. Invariant: the table and maps
 // equal the host-built ones for the same counts, so both paths run the same tiles in the same
 // summation order (the same bytes).
@@ -52,15 +51,6 @@ struct ScheduleMap {
   TokenDim dim;
 };
 
-// Scale pointers of the fused MXFP8 route per table row: per_group[g] (weight side) or base +
-// off_g * token_bytes (token side).
-struct ScheduleScale {
-  const uint8_t* const* per_group;
-  const uint8_t* base;
-  int64_t token_bytes;
-  const uint8_t** out;  // (G,)
-};
-
 constexpr int kScheduleThreads = 256;
 constexpr int kMaxScheduleGroups = 1024;
 // CTAs of the schedule launch for G groups: about one (row, map) item per warp, at most 3 G.
@@ -77,11 +67,9 @@ struct ScheduleParams {
   bool tokens_reduce;  // wgrad: kred_g = m_g, mk_g = fixed; else mk_g = m_g, kred_g = fixed
   int32_t fixed;
   int32_t bn, cluster, n_tiles;
-  bool fused;        // write the scale pointers
   GroupTiles* table;  // (G,)
   Sm90Work* work;
   ScheduleMap maps[3];  // A, B, C
-  ScheduleScale scales[2];
 };
 
 // A count the host never saw is wrong: one line on the device's printf, then a trap (the CUDA
@@ -138,7 +126,7 @@ __global__ void __launch_bounds__(kScheduleThreads)
   __syncthreads();
   const int rows = rows_s;
 
-  // The table and the scale pointers, a row per thread of CTA 0.
+  // The table, a row per thread of CTA 0.
   for (int r = tid; first && r < rows; r += kScheduleThreads) {
     const int g = group_of_row[r];
     const int64_t mg = m_s[g];
@@ -146,9 +134,6 @@ __global__ void __launch_bounds__(kScheduleThreads)
     const int64_t m_tiles = (mk + kSm90TileM - 1) / kSm90TileM;
     p.table[r] = GroupTiles{static_cast<int32_t>(mk), static_cast<int32_t>(kred), units_s[g],
                             static_cast<int32_t>(m_tiles), sm90_band(p.bn, kred, p.n_tiles), g};
-    if (p.fused)
-      for (const ScheduleScale& s : p.scales)
-        s.out[r] = s.per_group != nullptr ? s.per_group[g] : s.base + off_s[g] * s.token_bytes;
   }
 
   // The maps: warp w of the grid takes (row, map) items w, w + warps, ...; lanes 0-7 copy the

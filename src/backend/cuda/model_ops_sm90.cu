@@ -12,6 +12,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels_common.cuh"
+#include "backend/cuda/reduce_order.cuh"
 #include "backend/model_ops.h"
 
 namespace packmoe {
@@ -21,20 +22,9 @@ struct Config {
   static constexpr int kThreads = 256;  // row kernels: 8 warps, one row each
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kColThreads = 1024;  // RMSNorm dweight: 32 R32 lanes x 32 columns
-  static_assert(kMoeReduceLanes == 32, "R32 is one warp");
 };
 
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 using cuda::blocks_for;
-
-// R32 second stage on one warp (lane l adds lane l ^ off, off = 16 .. 1): lanes below off form
-// moe_ops.h's tree, the others the same sums with swapped operands, so every lane ends with the
-// tree's value.
-__device__ __forceinline__ float r32_butterfly(float acc) {
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, off);
-  return acc;
-}
 
 // ---- id / target range check --------------------------------------------------------------------
 

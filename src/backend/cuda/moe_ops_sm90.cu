@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/reduce_order.cuh"
 #include "backend/moe_ops.h"
 #include "core/codecs.h"
 
@@ -22,10 +23,7 @@ struct Config {
   static constexpr int kAuxExperts = 8;              // experts per CTA in the pbar column sums
   static constexpr int kAuxSmemBins = 8 * 1024;  // k * E counters privatised in shared memory
   static_assert(kThreads == kAuxExperts * 32, "pbar CTA: 8 experts x 32 R32 lanes");
-  static_assert(kMoeReduceLanes == 32, "R32 is one warp");
 };
-
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 unsigned grid_for(int64_t n, int64_t per) {
   const int64_t b = (n + per - 1) / per;
@@ -130,15 +128,6 @@ __device__ __forceinline__ bool chunk_pos(int64_t rows, int64_t cols, ChunkPos& 
   const int64_t left = cols - pos.col;
   pos.valid = left < Config::kChunk ? static_cast<int>(left) : Config::kChunk;
   return true;
-}
-
-// R32 second stage on one warp: lane l adds lane l ^ off for off = 16 .. 1. For l < off that is
-// lane[l] + lane[l + off], moe_ops.h's tree; the upper lanes form the same sums with the operands
-// swapped, which IEEE addition makes bit-identical, so every lane ends with lane 0's value.
-__device__ __forceinline__ float r32_butterfly(float acc) {
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) acc = acc + __shfl_xor_sync(kFullMask, acc, off);
-  return acc;
 }
 
 // ---- router top-k --------------------------------------------------------------------------------

@@ -10,10 +10,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <vector>
 
 #include "backend/cuda/grouped_gemm_dequant.cuh"  // convert8: the GEMM's own BF16 values
+#include "backend/cuda/kernel_policy.h"
 #include "backend/cuda/kernels_common.cuh"
 #include "core/philox.h"
 #include "formats/mxfp8_math.h"  // amax_update (via the encoders)
@@ -787,10 +787,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
   }
 }
 
-// Test knob: PACKMOE_NVFP4_CTAS caps both grids, so a few CTAs walk many tiles and groups.
+// Both grids hold every resident CTA unless QuantizePolicy::nvfp4_max_ctas caps them (tests: a few
+// CTAs walk many tiles and groups).
 uint64_t grid_cap(uint64_t resident) {
-  const char* v = std::getenv("PACKMOE_NVFP4_CTAS");
-  const long long n = v != nullptr ? std::atoll(v) : 0;
+  const int n = kernel_policy().quantize.nvfp4_max_ctas;
   return n > 0 ? std::min<uint64_t>(resident, static_cast<uint64_t>(n)) : resident;
 }
 

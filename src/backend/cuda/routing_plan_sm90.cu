@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/reduce_order.cuh"  // kFullMask
 #include "backend/moe_ops.h"
 
 namespace packmoe {
@@ -22,7 +23,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kChunkSlots = 4096;  // (t, j) pairs per CTA in count and scatter
 constexpr int64_t kMaxExperts = 1024;  // scatter keeps (1 + kWarps) E int32 in shared memory
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 __global__ void __launch_bounds__(kThreads)
     plan_count_kernel(const int32_t* idx, int64_t slots, int64_t experts, int32_t* hist) {

@@ -1,4 +1,4 @@
-// GEMM-ready scale swizzle (formats/swizzle.h, reference A.6): compact (rows, cols) scales, or
+// GEMM-ready scale swizzle (formats/swizzle.h, docs/formats.md): compact (rows, cols) scales, or
 // their transpose, into padded 128x4 tiles. One thread writes one 4-byte word of the output, so
 // the whole padded buffer (zeros in the padding) is written and compares bytewise with the CPU.
 // Invariant: output positions come from swizzled_scale_index, the function the CPU uses.
