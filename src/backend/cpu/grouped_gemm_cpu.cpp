@@ -38,13 +38,10 @@ static_assert(kPanelRows % kMxfp8Block == 0 && kPanelRows % kNvfp4Block == 0,
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kTileCols = 128;
 
-// OpenBLAS runs single-threaded from here on (once per process; the parallelism is ours).
+// OpenBLAS runs single-threaded (the parallelism is ours), whatever OPENBLAS_NUM_THREADS or a
+// caller set; checked at every GEMM so a later openblas_set_num_threads changes nothing.
 void blas_single_threaded() {
-  static const bool once = [] {
-    openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)once;
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
 }
 
 // C (rows, cols) = alpha * op(A) (rows, red) . op(B) (red, cols) + beta * C, row-major, in fixed
