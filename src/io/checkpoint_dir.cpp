@@ -395,10 +395,15 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
     done.warnings.push_back(steps.status().message());
     return done;
   }
+  // Only checkpoints that verify count as kept (the one just committed does): a damaged newer one
+  // must not cost a good older one its place. A damaged one is never deleted either.
   int kept = 0;
   for (const auto& [step, dir] : steps.value()) {
     if (step > step_ || !read_marker(dir)) continue;  // newer runs' and foreign dirs stay
-    if (++kept <= keep_last_) continue;
+    if (kept < keep_last_) {
+      if (step == step_ || verify_checkpoint(dir)) ++kept;
+      continue;
+    }
     const std::string doomed = (fs::path(root_) / tmp_name(step, "old")).string();
     if (::rename(dir.c_str(), doomed.c_str()) != 0) {
       done.warnings.push_back(dir + ": cannot remove: " + errno_text(errno));
@@ -476,6 +481,27 @@ Result<CheckpointInfo> verify_checkpoint(const std::string& dir) {
     }
   }
   return read;
+}
+
+Result<std::vector<std::string>> checkpoint_dirs(const std::string& root) {
+  std::error_code ec;
+  if (!fs::exists(fs::status(root, ec))) return std::vector<std::string>{};
+  Result<std::vector<std::pair<int64_t, std::string>>> steps = list_steps(root);
+  if (!steps) return steps.status();
+  std::vector<std::string> out;
+  for (auto& [step, dir] : steps.value()) out.push_back(std::move(dir));
+  return out;
+}
+
+Status remove_checkpoints(const std::string& root) {
+  Result<std::vector<std::string>> dirs = checkpoint_dirs(root);
+  if (!dirs) return dirs.status();
+  for (const std::string& d : dirs.value()) {
+    std::error_code ec;
+    fs::remove_all(d, ec);
+    if (ec) return Status::error(d + ": cannot remove: " + ec.message());
+  }
+  return Status::ok();
 }
 
 Result<LatestCheckpoint> latest_checkpoint(const std::string& root) {
