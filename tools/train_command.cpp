@@ -85,6 +85,10 @@ struct Placement {
 // a GPU is visible.
 Result<Placement> place_job(const TrainArgs& args) {
   const std::string& device = args.device;
+  if (args.cmd->count("--comm-timeout") &&
+      (!(args.comm_timeout_s >= 0) || args.comm_timeout_s > 1e9))
+    return Status::error("--comm-timeout = " + text(args.comm_timeout_s) +
+                         " must be seconds in [0, 1e9] (0: no watchdog)");
   Placement p;
   if (!launched_by_mpirun()) {
     Result<Backend*> b = backend_from_flag(device);
@@ -100,12 +104,7 @@ Result<Placement> place_job(const TrainArgs& args) {
   }
   Result<CommOptions> options = comm_options_from_env();
   if (!options) return options.status();
-  if (args.cmd->count("--comm-timeout")) {
-    if (!(args.comm_timeout_s >= 0) || args.comm_timeout_s > 1e9)
-      return Status::error("--comm-timeout = " + text(args.comm_timeout_s) +
-                           " must be seconds in [0, 1e9] (0: no watchdog)");
-    options.value().timeout_s = args.comm_timeout_s;
-  }
+  if (args.cmd->count("--comm-timeout")) options.value().timeout_s = args.comm_timeout_s;
   Result<std::unique_ptr<Communicator>> c =
       make_communicator(cuda ? CommKind::kNccl : CommKind::kMpi, options.value());
   if (!c) return c.status();
@@ -386,6 +385,13 @@ Result<SetUp> set_up(const TrainArgs& args, Backend* backend, bool data_parallel
   if (!start) return start.status();
   set.start = std::move(start.value());
   const std::optional<train::TrainerCheckpoint>& checkpoint = set.start.checkpoint;
+  if (checkpoint) {  // counts from trainer_state.json, in range before anything uses them
+    const std::string state = (fs::path(checkpoint->dir) / "trainer_state.json").string() + ": ";
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"step", checkpoint->step},
+                                      {"optimizer_steps", checkpoint->optimizer_steps}})
+      if (Status s = train::check_step_count(name, value); !s)
+        return Status::error(state + s.message());
+  }
 
   train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
   std::optional<ModelConfig> model;  // given explicitly: a config file's model keys or --preset

@@ -20,6 +20,7 @@
 #include <set>
 #include <utility>
 
+#include "core/json_limits.h"
 #include "io/atomic_file.h"
 #include "io/state_file.h"
 
@@ -164,7 +165,7 @@ Result<CheckpointInfo> parse_marker(const Json& m, const std::string& marker_pat
   }
   const Json version = m.value("version", Json());
   if (!version.is_number_integer() || version.get<int64_t>() != kMarkerVersion) {
-    return bad("unsupported \"version\" " + version.dump() + " (this build reads " +
+    return bad("unsupported \"version\" " + json_brief(version) + " (this build reads " +
                std::to_string(kMarkerVersion) + ")");
   }
   const Json step = m.value("step", Json());
@@ -396,7 +397,7 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
     return done;
   }
   // Only checkpoints that verify count as kept (the one just committed does): a damaged newer one
-  // must not cost a good older one its place. A damaged one is never deleted either.
+  // must not cost a good older one its place. One among the kept stays (evidence of the damage).
   int kept = 0;
   for (const auto& [step, dir] : steps.value()) {
     if (step > step_ || !read_marker(dir)) continue;  // newer runs' and foreign dirs stay

@@ -43,7 +43,7 @@ class CheckpointWriter {
  public:
   // keep_last >= 1: after a commit at step s, the newest keep_last checkpoints with a step <= s
   // that verify (verify_checkpoint; the new one included) stay and older complete ones are
-  // deleted; newer ones and damaged ones are never touched.
+  // deleted; newer ones, and damaged ones among the kept, are not touched.
   static Result<CheckpointWriter> begin(const std::string& root, int64_t step, int keep_last);
 
   CheckpointWriter(CheckpointWriter&& other) noexcept;

@@ -344,8 +344,13 @@ Result<ModelConfig> parse_model_config(const std::string& text) {
 
 Result<ModelConfig> load_model_config(const std::string& path) {
   Result<std::string> text = io::read_regular_file(path, io::kMaxJsonFileBytes);
-  if (!text) return Status::error("cannot read model config: " + text.status().message());
+  if (!text) return Status::error("cannot open model config: " + text.status().message());
   Result<ModelConfig> config = parse_model_config(text.value());
+  // A config that describes a model this machine cannot hold is refused here, before a reader
+  // (a checkpoint, Hugging Face weights) allocates its tensors.
+  if (config) {
+    if (Status s = check_model_fits(config.value(), host_memory_bytes()); !s) config = s;
+  }
   if (!config) return Status::error(path + ": " + config.status().message());
   return config;
 }

@@ -21,11 +21,12 @@ Status at_least(const char* name, int64_t v, int64_t lo) {
                        std::to_string(lo));
 }
 
-// [lo, hi], hi a power of two written as 2^bits.
+// [lo, 2^bits].
 Status in_int_range(const char* name, int64_t v, int64_t lo, int bits) {
-  if (v >= lo && v <= (int64_t{1} << bits)) return Status::ok();
-  return Status::error(std::string(name) + " = " + std::to_string(v) + " must be in [" +
-                       std::to_string(lo) + ", 2^" + std::to_string(bits) + "]");
+  PACKMOE_RETURN_IF_ERROR(at_least(name, v, lo));
+  if (v <= (int64_t{1} << bits)) return Status::ok();
+  return Status::error(std::string(name) + " = " + std::to_string(v) + " must be at most 2^" +
+                       std::to_string(bits));
 }
 
 Status in_range(const char* name, double v, double lo, double hi, const char* range) {
@@ -113,6 +114,10 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
                            " (its stochastic rounding numbers the micro-batches of a step)");
   }
   return Status::ok();
+}
+
+Status check_step_count(const std::string& name, int64_t value) {
+  return in_int_range(name.c_str(), value, 0, kMaxStepsBits);
 }
 
 Status check_run_fits(const TrainConfig& c, const ModelConfig& m, int64_t bytes_available) {
