@@ -58,6 +58,8 @@ struct TrainArgs {
   int64_t save_interval = 0;
   int keep_last = 2;
   bool save_primary = false;
+  bool overwrite = false;       // --overwrite: a new run may replace a save root's checkpoints
+  double comm_timeout_s = 0;    // --comm-timeout, when given (CommOptions::timeout_s)
   train::TrainConfig flags;
   std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
       apply_flags;

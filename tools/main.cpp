@@ -5,6 +5,8 @@
 // --help on every subcommand explains the flags.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "tools/commands.h"
 
@@ -30,7 +32,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::Success& e) {  // --help
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "packmoe: error: %s (see --help)\n", e.what());
+    // Under mpirun every rank parses the same command line: the error is printed once, by rank 0.
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (rank == nullptr || std::string(rank) == "0")
+      std::fprintf(stderr, "packmoe: error: %s (see --help)\n", e.what());
     return 1;
   }
   packmoe::Status status;

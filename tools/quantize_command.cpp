@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "io/quantized_checkpoint.h"
+#include "core/json_limits.h"
 #include "tools/commands.h"
 
 namespace packmoe::tools {
@@ -19,8 +20,8 @@ Result<Backend*> backend_from_flag(const std::string& device) {
 namespace {
 io::Progress progress_printer(bool quiet) {
   if (quiet) return {};
-  return [](size_t i, size_t n, const std::string& name) {
-    std::fprintf(stderr, "[%zu/%zu] %s\n", i, n, name.c_str());
+  return [](size_t i, size_t n, const std::string& name) {  // a name from the file: escaped
+    std::fprintf(stderr, "[%zu/%zu] %s\n", i, n, printable_text(name).c_str());
   };
 }
 }  // namespace

@@ -8,17 +8,22 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/checked_math.h"
+#include "core/json_limits.h"
 #include "dist/communicator.h"
 #include "dist/dist_optimizer.h"
+#include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
+#include "io/output_dir.h"
+#include "io/read_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
 #include "tools/commands.h"
+#include "tools/exact_integer.h"
 #include "train/checkpoint.h"
 #include "train/plot.h"
 #include "train/rank_agreement.h"
@@ -44,7 +49,9 @@ template <typename T>
 void add_train_flag(CLI::App* cmd, TrainArgs& args, const std::string& name,
                     T train::TrainConfig::*field, const std::string& help) {
   const train::TrainConfig defaults;
-  cmd->add_option(name, args.flags.*field, help + " (default: " + text(defaults.*field) + ")");
+  CLI::Option* o =
+      cmd->add_option(name, args.flags.*field, help + " (default: " + text(defaults.*field) + ")");
+  if constexpr (std::is_integral_v<T>) o->check(exact_integer<T>());
   args.apply_flags.push_back(
       [name, field](const CLI::App& c, const train::TrainConfig& from, train::TrainConfig& to) {
         if (c.count(name)) to.*field = from.*field;
@@ -52,15 +59,9 @@ void add_train_flag(CLI::App* cmd, TrainArgs& args, const std::string& name,
 }
 
 Result<json> read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(path + ": cannot open the config file");
-  std::ostringstream s;
-  s << in.rdbuf();
-  try {
-    return json::parse(s.str());
-  } catch (const json::parse_error& e) {
-    return Status::error(path + ": not valid JSON: " + e.what());
-  }
+  Result<std::string> text = io::read_regular_file(path, io::kMaxJsonFileBytes);
+  if (!text) return Status::error("--config: " + text.status().message());
+  return parse_json_text(text.value(), path);
 }
 
 struct Source {
@@ -82,7 +83,12 @@ struct Placement {
 // Under mpirun the communicator comes first: on CUDA it selects this rank's GPU
 // (OMPI_COMM_WORLD_LOCAL_RANK) before anything creates the CUDA backend; `auto` means CUDA when
 // a GPU is visible.
-Result<Placement> place_job(const std::string& device) {
+Result<Placement> place_job(const TrainArgs& args) {
+  const std::string& device = args.device;
+  if (args.cmd->count("--comm-timeout") &&
+      (!(args.comm_timeout_s >= 0) || args.comm_timeout_s > 1e9))
+    return Status::error("--comm-timeout = " + text(args.comm_timeout_s) +
+                         " must be seconds in [0, 1e9] (0: no watchdog)");
   Placement p;
   if (!launched_by_mpirun()) {
     Result<Backend*> b = backend_from_flag(device);
@@ -98,6 +104,7 @@ Result<Placement> place_job(const std::string& device) {
   }
   Result<CommOptions> options = comm_options_from_env();
   if (!options) return options.status();
+  if (args.cmd->count("--comm-timeout")) options.value().timeout_s = args.comm_timeout_s;
   Result<std::unique_ptr<Communicator>> c =
       make_communicator(cuda ? CommKind::kNccl : CommKind::kMpi, options.value());
   if (!c) return c.status();
@@ -199,7 +206,8 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
   add_train_flag(cmd, args, "--warmup", &train::TrainConfig::warmup_steps,
                  "linear warmup steps from 0 to --lr");
   cmd->add_option("--decay-steps", args.decay_steps,
-                  "step at which the cosine reaches --min-lr, constant after (default: --steps)");
+                  "step at which the cosine reaches --min-lr, constant after (default: --steps)")
+      ->check(exact_integer<int64_t>());
   add_train_flag(cmd, args, "--weight-decay", &train::TrainConfig::weight_decay,
                  "AdamW decoupled weight decay, not applied to norms");
   add_train_flag(cmd, args, "--beta1", &train::TrainConfig::beta1, "AdamW beta1");
@@ -233,10 +241,20 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                   "checkpoint root: writes ROOT/step-XXXXXXXX atomically (temporary directory, "
                   "CRC-32C marker, rename) every --save-interval steps and after the last step");
   cmd->add_option("--save-interval", args.save_interval,
-                  "steps between checkpoints; 0: only after the last step (default: 0)");
+                  "steps between checkpoints; 0: only after the last step (default: 0)")
+      ->check(exact_integer<int64_t>());
   cmd->add_option("--keep-last", args.keep_last,
-                  "complete checkpoints kept under --save-dir, older ones are deleted (default: " +
-                      std::to_string(args.keep_last) + ")");
+                  "checkpoints that verify kept under --save-dir, older ones are deleted "
+                  "(default: " +
+                      std::to_string(args.keep_last) + ")")
+      ->check(exact_integer<int>());
+  cmd->add_flag("--overwrite", args.overwrite,
+                "start a new run in a --save-dir that holds checkpoints (another run's): delete "
+                "them first. Without it such a run is refused (continue one with --resume)");
+  cmd->add_option("--comm-timeout", args.comm_timeout_s,
+                  "under mpirun: seconds a rank waits in a collective for the others before the "
+                  "job is aborted as stalled (0: never; default: PACKMOE_COMM_TIMEOUT_S, else " +
+                      text(CommOptions{}.timeout_s) + ")");
   cmd->add_flag("--save-primary", args.save_primary,
                 "also write each checkpoint's low-precision primary weights (data + scales, the "
                 "names of `packmoe quantize`) as primary.safetensors, for export");
@@ -262,21 +280,25 @@ struct Start {
   std::vector<std::string> notes;                      // printed once the run starts
 };
 
-// With data parallelism: the ranks agree on one status (train::agree_on_status), and an error is
-// printed once, here, by rank 0 (main's "packmoe: error:" line), before a barrier: a rank that
-// exits non-zero makes mpirun kill the others, which could otherwise take rank 0's line with it.
-// Then every rank silences stderr, so main's own line goes nowhere. Collective.
+// With data parallelism: the ranks agree on one status (train::agree), and an error is printed
+// once, here, by the lowest failing rank (main's "packmoe: error:" line), naming that rank unless
+// every rank failed, before a barrier: a rank that exits non-zero makes mpirun kill the others,
+// which could otherwise take the line with it. Then every rank silences stderr, so main's own line
+// goes nowhere. Collective.
 Status agreed(Communicator* comm, Status status) {
   if (!comm) return status;
-  status = train::agree_on_status(*comm, status);
-  if (status.is_ok()) return status;
-  if (comm->rank() == 0) {
-    std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
+  const train::Agreement a = train::agree(*comm, status);
+  if (a.failures == 0) return Status::ok();
+  const Status agreed = Status::error(
+      a.failures == comm->size() ? a.message
+                                 : "rank " + std::to_string(a.first_failed) + ": " + a.message);
+  if (comm->rank() == a.first_failed) {
+    std::fprintf(stderr, "packmoe: error: %s\n", agreed.message().c_str());
     std::fflush(stderr);
   }
   comm->barrier();
   [[maybe_unused]] std::FILE* silenced = std::freopen("/dev/null", "w", stderr);
-  return status;
+  return agreed;
 }
 
 Result<Start> resolve_start(const TrainArgs& args) {
@@ -317,27 +339,60 @@ Result<Start> resolve_start(const TrainArgs& args) {
   return start;
 }
 
-}  // namespace
 
-Status run_train(const TrainArgs& args) {
-  // ---- settings: defaults (or the checkpoint's), then the config file, then flags ----
-  Result<Placement> placed = place_job(args.device);
-  if (!placed) return placed.status();
-  Backend* const backend = placed.value().backend;
-  std::unique_ptr<Communicator> comm = std::move(placed.value().comm);
-  const bool rank0 = !comm || comm->rank() == 0;
-  if (!rank0 && !std::freopen("/dev/null", "w", stdout))
-    return Status::error("cannot silence stdout on rank " + std::to_string(comm->rank()));
+// Everything one rank sets up before its first collective: flags, settings, checkpoint, output
+// directories and the data. No collective inside, so a rank that fails here reaches the agreement
+// right after it instead of leaving the others waiting.
+struct SetUp {
+  Start start;
+  train::TrainConfig config;
+  std::optional<ModelConfig> model;
+  std::string description;  // of the training data
+  int64_t train_tokens = 0, valid_tokens = 0;
+  train::TrainData data;
+  std::optional<ModelWeights> hf_weights;
+};
+
+Result<SetUp> set_up(const TrainArgs& args) {
+  SetUp set;
   if (args.save_interval < 0)
     return Status::error("--save-interval = " + std::to_string(args.save_interval) +
                          " must be >= 0");
   if (args.keep_last < 1)
     return Status::error("--keep-last = " + std::to_string(args.keep_last) + " must be >= 1");
-  if (args.save_dir.empty() && (args.cmd->count("--save-interval") || args.save_primary))
-    return Status::error("--save-interval and --save-primary need --save-dir");
+  if (args.save_dir.empty() &&
+      (args.cmd->count("--save-interval") || args.save_primary || args.overwrite))
+    return Status::error("--save-interval, --save-primary and --overwrite need --save-dir");
+  if (args.overwrite && !args.resume.empty())
+    return Status::error("--overwrite starts a new run; --resume continues one: use one");
+  // Outputs are writable, found out now rather than at the first write after the run.
+  PACKMOE_RETURN_IF_ERROR(io::check_writable_dir(args.out, "--out"));
+  if (!args.save_dir.empty()) {
+    PACKMOE_RETURN_IF_ERROR(io::check_writable_dir(args.save_dir, "--save-dir"));
+    // A new run must not mix its checkpoints with another run's (--resume auto would continue
+    // the other run's newest one).
+    if (args.resume.empty() && !args.overwrite) {
+      Result<std::vector<std::string>> found = io::checkpoint_dirs(args.save_dir);
+      if (!found) return Status::error("--save-dir: " + found.status().message());
+      if (!found.value().empty())
+        return Status::error("--save-dir " + args.save_dir + " holds " +
+                             std::to_string(found.value().size()) + " checkpoint(s) (newest " +
+                             found.value().front() +
+                             "): continue that run with --resume auto, or start a new one "
+                             "there with --overwrite (deletes them), or use another --save-dir");
+    }
+  }
   Result<Start> start = resolve_start(args);  // every rank reads and checks the checkpoint
-  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), start ? Status::ok() : start.status()));
-  const std::optional<train::TrainerCheckpoint>& checkpoint = start.value().checkpoint;
+  if (!start) return start.status();
+  set.start = std::move(start.value());
+  const std::optional<train::TrainerCheckpoint>& checkpoint = set.start.checkpoint;
+  if (checkpoint) {  // counts from trainer_state.json, in range before anything uses them
+    const std::string state = (fs::path(checkpoint->dir) / "trainer_state.json").string() + ": ";
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"step", checkpoint->step},
+                                      {"optimizer_steps", checkpoint->optimizer_steps}})
+      if (Status s = train::check_step_count(name, value); !s)
+        return Status::error(state + s.message());
+  }
 
   train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
   std::optional<ModelConfig> model;  // given explicitly: a config file's model keys or --preset
@@ -368,7 +423,7 @@ Status run_train(const TrainArgs& args) {
   }
   // A checkpoint or HF directory brings its own model; one given explicitly must be the same.
   const std::optional<ModelConfig> stored =
-      checkpoint ? std::optional<ModelConfig>(checkpoint->model) : start.value().hf_model;
+      checkpoint ? std::optional<ModelConfig>(checkpoint->model) : set.start.hf_model;
   if (stored) {
     const std::string where =
         (fs::path(checkpoint ? checkpoint->dir : args.init_from_hf) / train::kConfigFile).string();
@@ -403,12 +458,14 @@ Status run_train(const TrainArgs& args) {
     config.gather_mode = m.value();
   }
   PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
+  // Sizes against the machine before anything large is allocated (weights, data, activations).
+  PACKMOE_RETURN_IF_ERROR(train::check_run_fits(config, *model, host_memory_bytes()));
   if (checkpoint && checkpoint->step >= config.steps)
     return Status::error("--resume: " + checkpoint->dir + " is at step " +
                          std::to_string(checkpoint->step) + ", not before steps = " +
                          std::to_string(config.steps) + ": nothing left to train (raise --steps)");
   std::optional<ModelWeights> hf_weights;
-  if (start.value().hf_model) {
+  if (set.start.hf_model) {
     Result<ModelWeights> w = io::load_hf_weights(args.init_from_hf, *model);
     if (!w) return Status::error("--init-from-hf: " + w.status().message());
     hf_weights = std::move(w.value());
@@ -435,16 +492,51 @@ Status run_train(const TrainArgs& args) {
   const int64_t train_tokens = static_cast<int64_t>(data.train.tokens.size());
   const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
 
-  // A resumed optimizer takes the checkpoint's state re-split for this job's world size.
-  const ModelWeights* init = hf_weights ? &*hf_weights : nullptr;
+  set.data = std::move(data);
+  set.hf_weights = std::move(hf_weights);
+  set.config = config;
+  set.model = model;
+  set.description = source.value().description;
+  set.train_tokens = train_tokens;
+  set.valid_tokens = valid_tokens;
+  return set;
+}
+
+}  // namespace
+
+Status run_train(const TrainArgs& args) {
+  Result<Placement> placed = place_job(args);
+  if (!placed) return placed.status();
+  Backend* const backend = placed.value().backend;
+  std::unique_ptr<Communicator> comm = std::move(placed.value().comm);
+  const bool rank0 = !comm || comm->rank() == 0;
+  if (!rank0 && !std::freopen("/dev/null", "w", stdout))
+    return Status::error("cannot silence stdout on rank " + std::to_string(comm->rank()));
+  // Every rank's set-up reaches this one agreement before any other collective.
+  Result<SetUp> made = set_up(args);
+  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), made ? Status::ok() : made.status()));
+  SetUp& set = made.value();
+  const int64_t train_tokens = set.train_tokens, valid_tokens = set.valid_tokens;
+  // The trainer shards the optimizer over the ranks (collectives); a resumed optimizer takes the
+  // checkpoint's state re-split for this job's world size.
+  const ModelWeights* init = set.hf_weights ? &*set.hf_weights : nullptr;
   train::TrainerParallelism parallel;
   parallel.comm = comm.get();
   Result<std::unique_ptr<train::Trainer>> trainer =
-      checkpoint ? train::Trainer::resume(*backend, *checkpoint, config, std::move(data), parallel)
-                 : train::Trainer::create(*backend, *model, config, std::move(data), init, parallel);
+      set.start.checkpoint
+          ? train::Trainer::resume(*backend, *set.start.checkpoint, set.config,
+                                   std::move(set.data), parallel)
+          : train::Trainer::create(*backend, *set.model, set.config, std::move(set.data), init,
+                                   parallel);
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer ? Status::ok() : trainer.status()));
 
   // ---- outputs ----
+  const Start& start = set.start;
+  const std::optional<train::TrainerCheckpoint>& checkpoint = start.checkpoint;
+  const train::TrainConfig& config = set.config;
+  const std::optional<ModelConfig> model = set.model;
+  if (rank0 && args.overwrite && !checkpoint)
+    PACKMOE_RETURN_IF_ERROR(io::remove_checkpoints(args.save_dir));
   std::error_code ec;
   fs::create_directories(args.out, ec);
   if (ec) return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
@@ -460,7 +552,7 @@ Status run_train(const TrainArgs& args) {
   std::printf("  experts: recipe %s, primary %s, layout %s | data: %s, %lld train / %lld "
               "validation tokens\n",
               recipe_name(config.precision.recipe.recipe), train::primary_name(config.precision.primary),
-              train::layout_name(config.precision.layout), source.value().description.c_str(),
+              train::layout_name(config.precision.layout), set.description.c_str(),
               static_cast<long long>(train_tokens), static_cast<long long>(valid_tokens));
   std::printf("  %lld steps x %lld micro-batches x %lld rows x %lld tokens, lr %g -> %g\n",
               static_cast<long long>(config.steps), static_cast<long long>(config.grad_accum_steps),
@@ -477,12 +569,12 @@ Status run_train(const TrainArgs& args) {
                 static_cast<double>(t.all_gather_bytes) / 1e6, t.bytes_per_element(),
                 static_cast<double>(t.reduce_scatter_bytes) / 1e6);
   }
-  for (const std::string& note : start.value().notes) std::printf("  %s\n", note.c_str());
+  for (const std::string& note : start.notes) std::printf("  %s\n", note.c_str());
   if (checkpoint)
     std::printf("  resumed from %s at step %lld (saved by %lld rank(s), continued by %d)\n",
                 checkpoint->dir.c_str(), static_cast<long long>(checkpoint->step),
                 static_cast<long long>(checkpoint->world_size), comm ? comm->size() : 1);
-  if (hf_weights)
+  if (start.hf_model)
     std::printf("  initialised from Hugging Face weights in %s\n", args.init_from_hf.c_str());
   std::fflush(stdout);
 

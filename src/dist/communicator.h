@@ -38,11 +38,15 @@ struct CommOptions {
   // hanging or exchanging wrong bytes. Costs one small host all-gather per call.
   bool verify_calls = true;
   // A call whose host part (or, on NCCL, queued device part) has not completed after this many
-  // seconds aborts the job; 0 disables the watchdog. Long enough for a rank to write a checkpoint
-  // while the others wait in the next collective.
-  double timeout_s = 600.0;
+  // seconds aborts the job; 0 disables the watchdog. Two minutes suit an interactive job: a
+  // stopped or stuck rank is reported while the user still waits for it, and the longest
+  // legitimate wait, a peer writing its checkpoint files or loading its data while the others
+  // wait in the next collective, is well below it at disk speed for the presets (10 GB at
+  // 100 MB/s). Larger runs raise it (train --comm-timeout).
+  double timeout_s = 120.0;
 };
-// Defaults overridden by PACKMOE_COMM_VERIFY (0 or 1) and PACKMOE_COMM_TIMEOUT_S (seconds >= 0).
+// Defaults overridden by PACKMOE_COMM_VERIFY (0 or 1) and PACKMOE_COMM_TIMEOUT_S (seconds >= 0);
+// `packmoe train --comm-timeout` overrides both.
 Result<CommOptions> comm_options_from_env();
 
 // Collectives over buffers in backend() memory. Every call is collective: all ranks call it with

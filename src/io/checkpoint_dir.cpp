@@ -20,6 +20,7 @@
 #include <set>
 #include <utility>
 
+#include "core/json_limits.h"
 #include "io/atomic_file.h"
 #include "io/state_file.h"
 
@@ -164,7 +165,7 @@ Result<CheckpointInfo> parse_marker(const Json& m, const std::string& marker_pat
   }
   const Json version = m.value("version", Json());
   if (!version.is_number_integer() || version.get<int64_t>() != kMarkerVersion) {
-    return bad("unsupported \"version\" " + version.dump() + " (this build reads " +
+    return bad("unsupported \"version\" " + json_brief(version) + " (this build reads " +
                std::to_string(kMarkerVersion) + ")");
   }
   const Json step = m.value("step", Json());
@@ -395,10 +396,15 @@ Result<CheckpointWriter::Committed> CheckpointWriter::commit() {
     done.warnings.push_back(steps.status().message());
     return done;
   }
+  // Only checkpoints that verify count as kept (the one just committed does): a damaged newer one
+  // must not cost a good older one its place. One among the kept stays (evidence of the damage).
   int kept = 0;
   for (const auto& [step, dir] : steps.value()) {
     if (step > step_ || !read_marker(dir)) continue;  // newer runs' and foreign dirs stay
-    if (++kept <= keep_last_) continue;
+    if (kept < keep_last_) {
+      if (step == step_ || verify_checkpoint(dir)) ++kept;
+      continue;
+    }
     const std::string doomed = (fs::path(root_) / tmp_name(step, "old")).string();
     if (::rename(dir.c_str(), doomed.c_str()) != 0) {
       done.warnings.push_back(dir + ": cannot remove: " + errno_text(errno));
@@ -476,6 +482,27 @@ Result<CheckpointInfo> verify_checkpoint(const std::string& dir) {
     }
   }
   return read;
+}
+
+Result<std::vector<std::string>> checkpoint_dirs(const std::string& root) {
+  std::error_code ec;
+  if (!fs::exists(fs::status(root, ec))) return std::vector<std::string>{};
+  Result<std::vector<std::pair<int64_t, std::string>>> steps = list_steps(root);
+  if (!steps) return steps.status();
+  std::vector<std::string> out;
+  for (auto& [step, dir] : steps.value()) out.push_back(std::move(dir));
+  return out;
+}
+
+Status remove_checkpoints(const std::string& root) {
+  Result<std::vector<std::string>> dirs = checkpoint_dirs(root);
+  if (!dirs) return dirs.status();
+  for (const std::string& d : dirs.value()) {
+    std::error_code ec;
+    fs::remove_all(d, ec);
+    if (ec) return Status::error(d + ": cannot remove: " + ec.message());
+  }
+  return Status::ok();
 }
 
 Result<LatestCheckpoint> latest_checkpoint(const std::string& root) {

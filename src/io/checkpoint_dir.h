@@ -41,8 +41,9 @@ struct CheckpointInfo {
 // uncommitted writer removes its temporary directory.
 class CheckpointWriter {
  public:
-  // keep_last >= 1: after a commit at step s, the newest keep_last complete checkpoints with a
-  // step <= s stay (the new one included) and older ones are deleted; newer ones are never touched.
+  // keep_last >= 1: after a commit at step s, the newest keep_last checkpoints with a step <= s
+  // that verify (verify_checkpoint; the new one included) stay and older complete ones are
+  // deleted; newer ones, and damaged ones among the kept, are not touched.
   static Result<CheckpointWriter> begin(const std::string& root, int64_t step, int keep_last);
 
   CheckpointWriter(CheckpointWriter&& other) noexcept;
@@ -89,5 +90,11 @@ struct LatestCheckpoint {
 // The newest step-* directory under ROOT that passes verify_checkpoint (so its files are read
 // once here). An error only when ROOT exists but cannot be listed.
 Result<LatestCheckpoint> latest_checkpoint(const std::string& root);
+
+// The step-* checkpoint directories under `root`, complete or not, newest first (none when
+// `root` does not exist): a new run refuses a root that holds some (another run's).
+Result<std::vector<std::string>> checkpoint_dirs(const std::string& root);
+// Deletes every directory checkpoint_dirs(root) lists (train --overwrite).
+Status remove_checkpoints(const std::string& root);
 
 }  // namespace packmoe::io

@@ -6,6 +6,8 @@
 
 #include "backend/device_buffer.h"
 #include "formats/nvfp4_math.h"
+#include "core/checked_math.h"
+#include "core/json_limits.h"
 #include "io/safetensors.h"
 
 namespace packmoe::io {
@@ -15,8 +17,9 @@ bool is_float_dtype(const std::string& d) {
   return d == "F32" || d == "BF16" || d == "F16" || d == "F64";
 }
 
+// Tensor names come from the file: printed with control bytes escaped.
 std::string where(const std::string& path, const std::string& tensor) {
-  return path + ": tensor '" + tensor + "': ";
+  return path + ": tensor '" + printable_text(tensor) + "': ";
 }
 
 Status quantize_tensor(const SafetensorsEntry& e, const std::string& path,
@@ -93,7 +96,15 @@ Status dequantize_tensor(const SafetensorsEntry& x, const SafetensorsFile& file,
     return Status::error(where(path, x.name) + "quantized tensors are 2-D, got shape " +
                          shape_text(x.shape));
   const int64_t rows = x.shape[0];
-  const size_t out_elem = out_dtype == DType::kF32 ? 4 : 2;
+  const int64_t out_elem = out_dtype == DType::kF32 ? 4 : 2;
+  // A zero-row tensor holds no bytes whatever its width, so its sizes are checked here, not by
+  // the file's length: the logical width (NVFP4: two values a byte) and the output must fit.
+  const bool nvfp4 = x.dtype == "U8";
+  const std::optional<int64_t> logical_cols = checked_mul(x.shape[1], nvfp4 ? 2 : 1);
+  PACKMOE_RETURN_IF_ERROR(check_fits(
+      logical_cols ? checked_product({rows, *logical_cols, out_elem}) : std::nullopt,
+      host_memory_bytes(),
+      where(path, x.name) + "the dequantized " + shape_text(x.shape) + " " + x.dtype + " tensor"));
   const std::string out_name = out_dtype == DType::kF32 ? "F32" : "BF16";
   DeviceBuffer data(backend, x.bytes.size());
   data.upload(x.bytes);
@@ -121,7 +132,7 @@ Status dequantize_tensor(const SafetensorsEntry& x, const SafetensorsFile& file,
     return Status::ok();
   }
   if (x.dtype == "U8") {
-    const int64_t cols = x.shape[1] * 2;  // two E2M1 values per byte
+    const int64_t cols = *logical_cols;  // two E2M1 values per byte
     if (scale->dtype != "F8_E4M3" || cols % kNvfp4Block ||
         !shape_is(*scale, {rows, cols / kNvfp4Block}))
       return Status::error(where(path, x.name) + "NVFP4 data " + shape_text(x.shape) +
@@ -161,6 +172,20 @@ Status quantize_file(const std::string& in_path, const std::string& out_path,
   const auto& entries = file.value().entries();
   std::set<std::string> names;
   for (const auto& e : entries) names.insert(e.name);
+  // A quantized file (ours or any X with X_scale) is not quantized again, in either format: its
+  // bytes are no floats, so it would be copied through and labelled with the new format.
+  if (auto it = file.value().metadata().find("packmoe.format"); it != file.value().metadata().end())
+    return Status::error(in_path + ": the file is quantized already (packmoe.format = " +
+                         printable_text(it->second, true) + "); dequantize it first");
+  size_t quantizable = 0;
+  for (const auto& e : entries) {
+    if (names.count(e.name + "_scale"))
+      return Status::error(where(in_path, e.name) + "has a '_scale' companion: the file is " +
+                           "quantized already; dequantize it first");
+    quantizable += e.shape.size() == 2 && is_float_dtype(e.dtype);
+  }
+  if (quantizable == 0)
+    return Status::error(in_path + ": no 2-D floating-point tensor to quantize");
 
   SafetensorsWriter out;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -174,7 +199,7 @@ Status quantize_file(const std::string& in_path, const std::string& out_path,
     for (const char* suffix : {"_scale", "_scale_2"})
       if (names.count(e.name + suffix))
         return Status::error(where(in_path, e.name) + "the input already has a tensor named '" +
-                             e.name + suffix + "'; is it quantized already?");
+                             printable_text(e.name + suffix) + "'; is it quantized already?");
     PACKMOE_RETURN_IF_ERROR(quantize_tensor(e, in_path, options, backend, out));
   }
   for (const auto& [k, v] : file.value().metadata()) out.set_metadata(k, v);
@@ -213,7 +238,7 @@ Status dequantize_file(const std::string& in_path, const std::string& out_path, 
     if (!base.empty()) {
       if (!f.find(base))
         return Status::error(where(in_path, e.name) + "is a scale without its data tensor '" +
-                             base + "'");
+                             printable_text(base) + "'");
       continue;
     }
     if (!f.find(e.name + "_scale")) {

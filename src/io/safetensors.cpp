@@ -19,7 +19,9 @@
 #include <system_error>
 #include <utility>
 
+#include "core/json_limits.h"
 #include "io/atomic_file.h"
+#include "io/read_file.h"
 
 namespace packmoe::io {
 namespace {
@@ -141,37 +143,10 @@ int64_t SafetensorsEntry::numel() const {
 // ---- reading ------------------------------------------------------------------------------------
 
 Result<SafetensorsFile> SafetensorsFile::read(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::error(path + ": cannot open: " + errno_text(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    return Status::error(path + ": cannot stat: " + errno_text(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Status::error(path + ": not a regular file");
-  }
-  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size));
-  size_t got = 0;
-  while (got < bytes.size()) {
-    const size_t want = std::min<size_t>(bytes.size() - got, size_t{1} << 30);
-    ssize_t r = ::read(fd, bytes.data() + got, want);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      int err = errno;
-      ::close(fd);
-      return Status::error(path + ": read failed: " + errno_text(err));
-    }
-    if (r == 0) {
-      ::close(fd);
-      return Status::error(path + ": file shrank while being read (" + std::to_string(got) +
-                           " of " + std::to_string(bytes.size()) + " bytes)");
-    }
-    got += static_cast<size_t>(r);
-  }
-  ::close(fd);
+  Result<RegularFile> f = RegularFile::open(path);  // never a FIFO or a device
+  if (!f) return f.status();
+  std::vector<uint8_t> bytes(static_cast<size_t>(f.value().size()));
+  PACKMOE_RETURN_IF_ERROR(f.value().read_at(path, 0, bytes.data(), bytes.size()));
   return parse(std::move(bytes), path);
 }
 
@@ -227,9 +202,14 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
     }
     return true;
   };
+  const char* text = reinterpret_cast<const char*>(bytes.data() + 8);
+  // The reference reader (serde_json) refuses a byte-order mark, which nlohmann would skip, and
+  // any NUL, where nlohmann would stop reading; nesting is bounded (core/json_limits.h).
+  if (n >= 3 && std::string_view(text, 3) == "\xEF\xBB\xBF")
+    return fail("header starts with a UTF-8 byte-order mark (not allowed in safetensors)");
+  if (Status s = check_json_text(std::string_view(text, n), "header"); !s) return fail(s.message());
   Json header;
   try {
-    const char* text = reinterpret_cast<const char*>(bytes.data() + 8);
     header = Json::parse(text, text + n, on_event);
   } catch (const Json::exception& e) {
     return fail("header is not valid JSON: " + json_error_text(e));
@@ -283,7 +263,7 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
       if (d.is_number_integer() && !d.is_number_unsigned()) {
         return tfail("shape dimension " + std::to_string(d.get<int64_t>()) + " is negative");
       }
-      if (!d.is_number_unsigned()) return tfail("\"shape\" holds a non-integer " + d.dump());
+      if (!d.is_number_unsigned()) return tfail("\"shape\" holds a non-integer " + json_brief(d));
       uint64_t u = d.get<uint64_t>();
       if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
         return tfail("shape dimension " + std::to_string(u) + " overflows int64");
@@ -293,7 +273,7 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
 
     if (!offsets_it->is_array() || offsets_it->size() != 2 ||
         !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned()) {
-      return tfail("\"data_offsets\" must be two non-negative integers, got " + offsets_it->dump());
+      return tfail("\"data_offsets\" must be two non-negative integers, got " + json_brief(*offsets_it));
     }
     p.begin = (*offsets_it)[0].get<uint64_t>();
     p.end = (*offsets_it)[1].get<uint64_t>();

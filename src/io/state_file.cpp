@@ -4,14 +4,15 @@
 #include "io/state_file.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "backend/backend.h"
+#include "core/json_limits.h"
 #include "io/atomic_file.h"
+#include "io/read_file.h"
 #include "io/safetensors.h"
 
 namespace packmoe::io {
@@ -77,6 +78,15 @@ Result<StateTensors> read_state_tensors(const std::string& path,
     }
     Tensor t = Tensor::empty(cpu_backend(), s.dtype, s.shape);
     if (t.nbytes()) std::memcpy(t.data(), e->bytes.data(), t.nbytes());
+    // Optimizer moments are finite (a NaN would surface steps later, after outputs were written).
+    if (s.dtype == DType::kF32) {
+      const float* v = t.data_as<float>();
+      for (int64_t i = 0; i < t.numel(); ++i)
+        if (!std::isfinite(v[i]))
+          return Status::error(path + ": tensor " + quoted(s.name) + " holds " +
+                               (std::isnan(v[i]) ? "NaN" : "an infinity") + " at element " +
+                               std::to_string(i));
+    }
     out.emplace(s.name, std::move(t));
   }
   return out;
@@ -89,16 +99,9 @@ Status write_json_file(const std::string& path, const Json& doc) {
 }
 
 Result<Json> read_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error(path + ": cannot open");
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::error(path + ": read failed");
-  try {
-    return Json::parse(text.str());
-  } catch (const Json::parse_error& e) {
-    return Status::error(path + ": not valid JSON at byte " + std::to_string(e.byte));
-  }
+  Result<std::string> text = read_regular_file(path, kMaxJsonFileBytes);
+  if (!text) return text.status();
+  return parse_json_text(text.value(), path);
 }
 
 }  // namespace packmoe::io

@@ -31,7 +31,8 @@ Result<StateTensors> read_state_tensors(const std::string& path,
 
 // Pretty-printed JSON with a final newline, written atomically.
 Status write_json_file(const std::string& path, const nlohmann::json& doc);
-// The error names the path ("cannot open", "not valid JSON at byte N").
+// A regular file of at most kMaxJsonFileBytes, parsed with core/json_limits.h's limits; the
+// error names the path ("cannot open", "not a regular file", "not valid JSON: ...").
 Result<nlohmann::json> read_json_file(const std::string& path);
 
 }  // namespace packmoe::io

@@ -6,9 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <system_error>
+
+#include "core/checked_math.h"
+#include "io/read_file.h"
 
 namespace packmoe::io {
 namespace {
@@ -25,13 +26,13 @@ bool is_blank(std::string_view s) {
   });
 }
 
+// A regular file only (a FIFO would block, /dev/zero never end: io/read_file.h), of at most an
+// eighth of host memory: each byte is held as text, as a document copy and as a 4-byte token.
 Status read_text(const std::string& path, std::string* out) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return Status::error(path + ": cannot open for reading");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return Status::error(path + ": read failed");
-  *out = std::move(ss).str();
+  const uint64_t limit = static_cast<uint64_t>(host_memory_bytes() / 8);
+  Result<std::string> text = read_regular_file(path, limit);
+  if (!text) return text.status();
+  *out = std::move(text).value();
   return Status::ok();
 }
 

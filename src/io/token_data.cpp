@@ -5,6 +5,7 @@
 #include "io/token_data.h"
 
 #include "io/atomic_file.h"
+#include "io/read_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -48,14 +49,14 @@ struct OpenFile {
   }
 };
 
-// Opens a regular file and reports its size, so callers can check sizes before reading.
+// Opens a regular file (never a FIFO or a device: io/read_file.h) and reports its size, so
+// callers can check sizes before reading.
 Status open_file(const std::string& path, OpenFile* f) {
-  f->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  Result<RegularFile> r = RegularFile::open(path);
+  if (!r) return r.status();
+  f->size = r.value().size();
+  f->fd = ::dup(r.value().fd());
   if (f->fd < 0) return Status::error(path + ": cannot open: " + errno_text(errno));
-  struct stat st {};
-  if (::fstat(f->fd, &st) != 0) return Status::error(path + ": cannot stat: " + errno_text(errno));
-  if (!S_ISREG(st.st_mode)) return Status::error(path + ": not a regular file");
-  f->size = static_cast<uint64_t>(st.st_size);
   return Status::ok();
 }
 

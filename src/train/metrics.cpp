@@ -12,6 +12,7 @@
 #include <span>
 #include <utility>
 
+#include "core/json_limits.h"
 #include "io/atomic_file.h"
 
 namespace packmoe::train {
@@ -102,6 +103,7 @@ Status read_required(const json& j, const char* key, double& out) {
 }  // namespace
 
 Result<MetricsRecord> parse_metrics_line(const std::string& line) {
+  if (!check_json_text(line, "the line")) return Status::error("not valid JSON");
   json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Status::error("not valid JSON");
   if (!j.is_object()) return Status::error("not a JSON object");

@@ -4,10 +4,13 @@
 #include "train/model_config.h"
 
 #include <algorithm>
-#include <fstream>
+#include <climits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/checked_math.h"
+#include "core/json_limits.h"
+#include "io/read_file.h"
 #include "train/metrics.h"  // write_file_atomically
 
 namespace packmoe::train {
@@ -56,11 +59,40 @@ Status positive(const char* name, double v) {
   return Status::error(std::string(name) + " = " + str(v) + " must be positive");
 }
 
+// An upper bound of every weight's element count, and of the parameter count in bytes of FP32 master, gradient and two
+// AdamW moments, fit in int64 (so parameter_count and every allocation size are exact); whether
+// the machine holds them is check_model_fits's question.
+Status check_sizes(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, hd = c.head_dim;
+  const int64_t F = std::max(c.intermediate_size, c.moe_intermediate_size);
+  const std::optional<int64_t> per_layer = checked_add(
+      checked_product({4, H + 1, std::max(c.num_attention_heads, c.num_key_value_heads), hd + 1})
+          .value_or(-1),
+      checked_product({4, std::max<int64_t>(c.num_experts, 1), F, H}).value_or(-1));
+  const std::optional<int64_t> total = checked_add(
+      checked_product({2, c.vocab_size, H + 1}).value_or(-1),
+      per_layer ? checked_mul(*per_layer, c.num_hidden_layers).value_or(-1) : -1);
+  if (!total || !checked_mul(*total, 16))
+    return Status::error("the model is too large: its parameter count (vocab_size = " +
+                         std::to_string(c.vocab_size) + ", hidden_size = " + std::to_string(H) +
+                         ", " + std::to_string(c.num_hidden_layers) + " layers of " +
+                         std::to_string(c.num_experts) + " experts) overflows a 64-bit byte count");
+  return Status::ok();
+}
+
 }  // namespace
+
+Status check_model_fits(const ModelConfig& c, int64_t bytes_available) {
+  const ParameterCount n = parameter_count(c);  // exact: validate() bounded it
+  return check_fits(checked_mul(n.total, kBytesPerParameter), bytes_available,
+                    "the model's " + std::to_string(n.total) + " parameters (" +
+                        std::to_string(kBytesPerParameter) +
+                        " bytes each: FP32 master, gradient and two AdamW moments)");
+}
 
 Status validate(const ModelConfig& c) {
   if (c.model_type != "qwen3_moe")
-    return Status::error("model_type = \"" + c.model_type +
+    return Status::error("model_type = \"" + printable_text(c.model_type, true) +
                          "\" is not supported (expected \"qwen3_moe\")");
   PACKMOE_RETURN_IF_ERROR(positive("vocab_size", c.vocab_size));
   PACKMOE_RETURN_IF_ERROR(positive("hidden_size", c.hidden_size));
@@ -99,7 +131,7 @@ Status validate(const ModelConfig& c) {
       return Status::error("mlp_only_layers entry " + std::to_string(layer) +
                            " is not a layer index in [0, " + std::to_string(c.num_hidden_layers) +
                            ")");
-  return Status::ok();
+  return check_sizes(c);
 }
 
 std::vector<std::string> model_config_preset_names() {
@@ -206,18 +238,17 @@ json model_config_to_json(const ModelConfig& c, DType weights_dtype) {
 
 namespace {
 
-std::string describe(const json& v) {
-  std::string text = v.dump();
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return std::string(v.type_name()) + " " + text;
-}
+// Never a recursive dump of an untrusted value (core/json_limits.h).
+std::string describe(const json& v) { return json_brief(v); }
 
 // Absent and null both leave the default: HF writes null for unset optional fields.
 Status read_int(const json& j, const char* key, int64_t& out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::ok();
-  if (!it->is_number_integer())
-    return Status::error(std::string(key) + " must be an integer (got " + describe(*it) + ")");
+  if (!it->is_number_integer() ||
+      (it->is_number_unsigned() && it->get<uint64_t>() > uint64_t{INT64_MAX}))
+    return Status::error(std::string(key) + " must be an integer of at most 2^63 - 1 (got " +
+                         describe(*it) + ")");
   out = it->get<int64_t>();
   return Status::ok();
 }
@@ -284,7 +315,8 @@ Result<ModelConfig> model_config_from_json(const json& j) {
       return Status::error("mlp_only_layers must be an array of integers (got " + describe(layers) +
                            ")");
     for (const json& v : layers) {
-      if (!v.is_number_integer())
+      if (!v.is_number_integer() ||
+          (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}))
         return Status::error("mlp_only_layers must be an array of integers (got an entry " +
                              describe(v) + ")");
       c.mlp_only_layers.push_back(v.get<int64_t>());
@@ -305,21 +337,20 @@ Result<ModelConfig> model_config_from_json(const json& j) {
 }
 
 Result<ModelConfig> parse_model_config(const std::string& text) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    return Status::error(std::string("config.json is not valid JSON: ") + e.what());
-  }
-  return model_config_from_json(j);
+  Result<json> j = parse_json_text(text, "config.json");
+  if (!j) return j.status();
+  return model_config_from_json(j.value());
 }
 
 Result<ModelConfig> load_model_config(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error("cannot open model config '" + path + "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  Result<ModelConfig> config = parse_model_config(text.str());
+  Result<std::string> text = io::read_regular_file(path, io::kMaxJsonFileBytes);
+  if (!text) return Status::error("cannot open model config: " + text.status().message());
+  Result<ModelConfig> config = parse_model_config(text.value());
+  // A config that describes a model this machine cannot hold is refused here, before a reader
+  // (a checkpoint, Hugging Face weights) allocates its tensors.
+  if (config) {
+    if (Status s = check_model_fits(config.value(), host_memory_bytes()); !s) config = s;
+  }
   if (!config) return Status::error(path + ": " + config.status().message());
   return config;
 }

@@ -33,6 +33,12 @@ ParameterCount parameter_count(const ModelConfig& config);
 // "num_key_value_heads = 3 must divide num_attention_heads = 32".
 Status validate(const ModelConfig& config);
 
+// Host bytes a training run holds per parameter at least: FP32 master, gradient, two moments.
+inline constexpr int64_t kBytesPerParameter = 16;
+// An error unless the model's parameters (kBytesPerParameter each) fit in `bytes_available`
+// (e.g. host_memory_bytes()): a model too large for the machine is refused before allocation.
+Status check_model_fits(const ModelConfig& config, int64_t bytes_available);
+
 // Presets: "tiny" (byte-level, trains on 2 CPU cores in about a minute), "small" (about 100M
 // parameters), "qwen3_30b_a3b_layers" (the layer shapes of Qwen3-30B-A3B with 4 layers).
 std::vector<std::string> model_config_preset_names();

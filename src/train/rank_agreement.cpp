@@ -17,7 +17,7 @@ DeviceBuffer to_device(Backend& b, const void* host, size_t bytes) {
 
 }  // namespace
 
-Status agree_on_status(Communicator& comm, const Status& mine) {
+Agreement agree(Communicator& comm, const Status& mine) {
   const int world = comm.size();
   // failed[r] = 1 where rank r failed: a sum of one-hot vectors.
   std::vector<int64_t> failed(world, 0);
@@ -27,12 +27,23 @@ Status agree_on_status(Communicator& comm, const Status& mine) {
                   ReduceOp::kSum);
   const std::vector<uint8_t> bytes = flags.download();
   std::memcpy(failed.data(), bytes.data(), bytes.size());
+  Agreement a;
+  for (int r = 0; r < world; ++r) a.failures += failed[r] != 0;
   for (int r = 0; r < world; ++r) {
     if (!failed[r]) continue;
-    const std::string message = broadcast_string(comm, mine.message(), r);
-    return Status::error(r == 0 ? message : "rank " + std::to_string(r) + ": " + message);
+    a.first_failed = r;
+    a.message = broadcast_string(comm, mine.message(), r);
+    break;
   }
-  return Status::ok();
+  return a;
+}
+
+Status agree_on_status(Communicator& comm, const Status& mine) {
+  const Agreement a = agree(comm, mine);
+  if (a.failures == 0) return Status::ok();
+  return Status::error(a.first_failed == 0 ? a.message
+                                           : "rank " + std::to_string(a.first_failed) + ": " +
+                                                 a.message);
 }
 
 std::string broadcast_string(Communicator& comm, const std::string& value, int root) {

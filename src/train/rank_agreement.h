@@ -14,6 +14,14 @@
 
 namespace packmoe::train {
 
+// What every rank learns of all ranks' statuses.
+struct Agreement {
+  int failures = 0;       // how many ranks failed
+  int first_failed = -1;  // the lowest failing rank; -1 when none did
+  std::string message;    // its message, as it wrote it
+};
+Agreement agree(Communicator& comm, const Status& mine);
+
 // Every rank gets the same result: ok when every rank's `mine` is ok, else the error of the lowest
 // failing rank ("rank r: " + its message when r > 0).
 Status agree_on_status(Communicator& comm, const Status& mine);

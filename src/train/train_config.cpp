@@ -1,9 +1,14 @@
 // TrainConfig checks, precision names and the "train" JSON object.
 #include "train/train_config.h"
 
+#include <climits>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "core/checked_math.h"
+#include "core/json_limits.h"
+#include "train/model_config.h"
 
 namespace packmoe::train {
 namespace {
@@ -16,6 +21,14 @@ Status at_least(const char* name, int64_t v, int64_t lo) {
                        std::to_string(lo));
 }
 
+// [lo, 2^bits].
+Status in_int_range(const char* name, int64_t v, int64_t lo, int bits) {
+  PACKMOE_RETURN_IF_ERROR(at_least(name, v, lo));
+  if (v <= (int64_t{1} << bits)) return Status::ok();
+  return Status::error(std::string(name) + " = " + std::to_string(v) + " must be at most 2^" +
+                       std::to_string(bits));
+}
+
 Status in_range(const char* name, double v, double lo, double hi, const char* range) {
   if (v >= lo && v <= hi) return Status::ok();  // NaN fails
   std::ostringstream e;
@@ -24,11 +37,12 @@ Status in_range(const char* name, double v, double lo, double hi, const char* ra
 }
 
 Status type_error(const std::string& key, const char* want, const json& v) {
-  return Status::error("train." + key + " must be " + want + " (got " + v.dump() + ")");
+  return Status::error("train." + key + " must be " + want + " (got " + json_brief(v) + ")");
 }
 
 Status read(const std::string& key, const json& v, int64_t* out) {
-  if (!v.is_number_integer()) return type_error(key, "an integer", v);
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}))
+    return type_error(key, "an integer of at most 2^63 - 1", v);
   *out = v.get<int64_t>();
   return Status::ok();
 }
@@ -55,14 +69,28 @@ Status read_name(const std::string& key, const json& v, std::string* out) {
 }  // namespace
 
 Status validate(const TrainConfig& c, const ModelConfig& model) {
-  PACKMOE_RETURN_IF_ERROR(at_least("steps", c.steps, 1));
-  PACKMOE_RETURN_IF_ERROR(at_least("micro_batch_size", c.micro_batch_size, 1));
+  PACKMOE_RETURN_IF_ERROR(in_int_range("steps", c.steps, 1, kMaxStepsBits));
+  PACKMOE_RETURN_IF_ERROR(in_int_range("micro_batch_size", c.micro_batch_size, 1, kMaxRowsBits));
   PACKMOE_RETURN_IF_ERROR(at_least("seq_len", c.seq_len, 1));
   if (c.seq_len > model.max_position_embeddings)
     return Status::error("seq_len = " + std::to_string(c.seq_len) +
                          " exceeds the model's max_position_embeddings = " +
                          std::to_string(model.max_position_embeddings));
-  PACKMOE_RETURN_IF_ERROR(at_least("grad_accum_steps", c.grad_accum_steps, 1));
+  PACKMOE_RETURN_IF_ERROR(in_int_range("grad_accum_steps", c.grad_accum_steps, 1, kMaxAccumBits));
+  // Token counts are exact: a micro-batch, a step and the whole run (the data position) in int64.
+  const std::optional<int64_t> rows_tokens = checked_mul(c.micro_batch_size, c.seq_len);
+  if (!rows_tokens || *rows_tokens > (int64_t{1} << kMaxRowsBits))
+    return Status::error("micro_batch_size x seq_len = " + std::to_string(c.micro_batch_size) +
+                         " x " + std::to_string(c.seq_len) + " tokens must be at most 2^" +
+                         std::to_string(kMaxRowsBits) + " per micro-batch");
+  if (!checked_product({*rows_tokens, c.grad_accum_steps, c.steps, kMaxRanks}))
+    return Status::error("steps x grad_accum_steps x micro_batch_size x seq_len = " +
+                         std::to_string(c.steps) + " x " + std::to_string(c.grad_accum_steps) +
+                         " x " + std::to_string(*rows_tokens) +
+                         " tokens overflows the run's 64-bit token count");
+  PACKMOE_RETURN_IF_ERROR(in_int_range("warmup_steps", c.warmup_steps, 0, kMaxStepsBits));
+  if (c.decay_steps)
+    PACKMOE_RETURN_IF_ERROR(in_int_range("decay_steps", *c.decay_steps, 1, kMaxStepsBits));
   PACKMOE_RETURN_IF_ERROR(validate(lr_schedule(c)));
   PACKMOE_RETURN_IF_ERROR(in_range("weight_decay", c.weight_decay, 0, 1e9, "[0, 1e9]"));
   PACKMOE_RETURN_IF_ERROR(in_range("beta1", c.beta1, 0, std::nextafter(1.0, 0.0), "[0, 1)"));
@@ -70,9 +98,10 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
   PACKMOE_RETURN_IF_ERROR(in_range("eps", c.eps, 1e-30, 1.0, "[1e-30, 1]"));
   if (!std::isfinite(c.grad_clip))
     return Status::error("grad_clip must be a finite number (<= 0 disables clipping)");
-  PACKMOE_RETURN_IF_ERROR(at_least("eval_interval", c.eval_interval, 0));
-  if (c.eval_interval > 0) PACKMOE_RETURN_IF_ERROR(at_least("eval_batches", c.eval_batches, 1));
-  PACKMOE_RETURN_IF_ERROR(at_least("log_interval", c.log_interval, 1));
+  PACKMOE_RETURN_IF_ERROR(in_int_range("eval_interval", c.eval_interval, 0, kMaxStepsBits));
+  if (c.eval_interval > 0)
+    PACKMOE_RETURN_IF_ERROR(in_int_range("eval_batches", c.eval_batches, 1, kMaxAccumBits));
+  PACKMOE_RETURN_IF_ERROR(in_int_range("log_interval", c.log_interval, 1, kMaxStepsBits));
   // NVFP4 gradient SR numbers each micro-batch's draws by its step and place in the step
   // (nvfp4_grad_sr_offset).
   if (c.precision.recipe.recipe == Recipe::kNvfp4) {
@@ -85,6 +114,28 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
                            " (its stochastic rounding numbers the micro-batches of a step)");
   }
   return Status::ok();
+}
+
+Status check_step_count(const std::string& name, int64_t value) {
+  return in_int_range(name.c_str(), value, 0, kMaxStepsBits);
+}
+
+Status check_run_fits(const TrainConfig& c, const ModelConfig& m, int64_t bytes_available) {
+  PACKMOE_RETURN_IF_ERROR(check_model_fits(m, bytes_available));
+  // A micro-batch's activations, at least: FP32 logits and their gradient (2 V per token) and one
+  // hidden state per layer and token.
+  const std::optional<int64_t> per_token = checked_add(
+      checked_mul(2, m.vocab_size).value_or(-1),
+      checked_mul(m.num_hidden_layers, m.hidden_size).value_or(-1));
+  const std::optional<int64_t> activations =
+      per_token ? checked_product({c.micro_batch_size, c.seq_len, *per_token, 4}) : std::nullopt;
+  const std::optional<int64_t> total =
+      activations ? checked_add(*activations,
+                                checked_mul(parameter_count(m).total, kBytesPerParameter).value_or(-1))
+                  : std::nullopt;
+  return check_fits(total, bytes_available,
+                    "a micro-batch of " + std::to_string(c.micro_batch_size) + " x " +
+                        std::to_string(c.seq_len) + " tokens (activations, with the model)");
 }
 
 LrSchedule lr_schedule(const TrainConfig& c) {
@@ -144,7 +195,8 @@ json train_config_to_json(const TrainConfig& c) {
 }
 
 Status apply_train_json(const json& j, TrainConfig* c) {
-  if (!j.is_object()) return Status::error("\"train\" must be a JSON object (got " + j.dump() + ")");
+  if (!j.is_object())
+    return Status::error("\"train\" must be a JSON object (got " + json_brief(j) + ")");
   for (const auto& [key, v] : j.items()) {
     if (key == "steps") {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->steps));

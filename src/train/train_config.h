@@ -41,9 +41,27 @@ struct TrainConfig {
   GatherMode gather_mode = GatherMode::kBf16;
 };
 
-// One error per bad value, naming the field, e.g. "micro_batch_size = 0 must be >= 1"; also
-// seq_len <= the model's max_position_embeddings.
+// Upper bounds of the integer settings, as powers of two: far above any real run, low enough that
+// every count derived from them (tokens of a step and of the run, SR offsets) is exact in int64.
+inline constexpr int kMaxStepsBits = 40;  // steps, warmup, decay, eval / log intervals
+inline constexpr int kMaxAccumBits = 20;  // grad_accum_steps, eval_batches
+inline constexpr int kMaxRowsBits = 31;   // micro_batch_size, and its tokens B x S
+inline constexpr int64_t kMaxRanks = int64_t{1} << 20;  // data-parallel ranks, for token counts
+
+// One error per bad value, naming the field, e.g. "micro_batch_size = 0 must be >= 1";
+// also seq_len <= the model's max_position_embeddings, and the token counts of a micro-batch, a
+// step and the run fit in int64.
 Status validate(const TrainConfig& config, const ModelConfig& model);
+
+// An error unless `value` (a step count read from a file, e.g. trainer_state.json's
+// optimizer_steps) is in [0, 2^kMaxStepsBits].
+Status check_step_count(const std::string& name, int64_t value);
+
+// An error unless the model (check_model_fits) and a micro-batch's activations fit in
+// `bytes_available` (e.g. host_memory_bytes()): checked before anything is allocated. A lower
+// bound of what a run holds, so a run it passes may still be too large; one it refuses is.
+Status check_run_fits(const TrainConfig& config, const ModelConfig& model,
+                      int64_t bytes_available);
 LrSchedule lr_schedule(const TrainConfig& config);
 
 // Names used by flags and JSON: recipe bf16|mxfp8|nvfp4, layout single|discrete, primary low|high.

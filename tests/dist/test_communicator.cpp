@@ -26,7 +26,7 @@ TEST(CommOptions, FromEnvironment) {
   unsetenv("PACKMOE_COMM_TIMEOUT_S");
   ASSERT_TRUE(comm_options_from_env().is_ok());
   EXPECT_TRUE(comm_options_from_env().value().verify_calls);
-  EXPECT_EQ(comm_options_from_env().value().timeout_s, 600.0);
+  EXPECT_EQ(comm_options_from_env().value().timeout_s, 120.0);
   setenv("PACKMOE_COMM_VERIFY", "0", 1);
   setenv("PACKMOE_COMM_TIMEOUT_S", "2.5", 1);
   ASSERT_TRUE(comm_options_from_env().is_ok());

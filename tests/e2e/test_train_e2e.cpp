@@ -1,10 +1,12 @@
 // End-to-end training of the tiny preset on the CPU, on the fortunes byte corpus: the loss falls
 // by a stated margin within 30 steps in every recipe; single and discrete layouts give bitwise the
 // same run; train -> eval -> train is bitwise train-only; a run is bitwise reproducible, also with
-// another OpenMP thread count. "Bitwise" compares bytes: losses, grad norms, FP32 masters, AdamW
+// other OpenMP and OpenBLAS thread counts. "Bitwise" compares bytes: losses, grad norms, FP32 masters, AdamW
 // moments.
 #include <gtest/gtest.h>
 #include <omp.h>
+
+extern "C" void openblas_set_num_threads(int num_threads);  // OpenBLAS's cblas.h
 
 #include <cmath>
 #include <cstring>
@@ -83,9 +85,12 @@ TEST(TrainE2E, SameSeedSameBitsForAnyThreadCount) {
   for (Recipe recipe : kRecipes) {
     SCOPED_TRACE(recipe_name(recipe));
     const TrainConfig c = small_run(recipe, Layout::kSingle);
+    // OpenBLAS's own threads too: a multi-threaded sgemm splits its output by the thread count.
     omp_set_num_threads(1);
+    openblas_set_num_threads(1);
     const Trace one = run(c, 4);
     omp_set_num_threads(std::max(2, threads));
+    openblas_set_num_threads(std::max(2, threads));
     const Trace many = run(c, 4);
     const Trace again = run(c, 4);
     omp_set_num_threads(threads);

@@ -1,9 +1,11 @@
 // CPU reference of the grouped GEMM (backend/grouped_gemm.h). Every operand is dequantized
 // exactly to FP32 in its LOGICAL layout (X (m, K), dY (m, N), W (N, K)), whatever copy is stored,
-// one token panel at a time, and multiplied with OpenBLAS sgemm (FP32 accumulation). Invariant: a
-// group's arithmetic depends only on (op, format, m_g, N, K) and its values, never on where its
-// pointers live, so packed (E, N, K) and per-expert buffers give the same bytes. Token counts in
-// "device" memory (host memory here) are checked and run as host counts on per-group pointers.
+// one token panel at a time, and multiplied with OpenBLAS sgemm (FP32 accumulation) in fixed
+// output tiles, one single-threaded sgemm each, OpenMP over the tiles. Invariant: a group's
+// arithmetic depends only on (op, format, m_g, N, K) and its values, never on where its pointers
+// live nor on the OpenMP / OpenBLAS thread counts, so packed (E, N, K) and per-expert buffers, and
+// every thread setting, give the same bytes. Token counts in "device" memory (host memory here)
+// are checked and run as host counts on per-group pointers.
 #include <cblas.h>
 
 #include <algorithm>
@@ -28,6 +30,40 @@ namespace {
 constexpr int64_t kPanelRows = 256;
 static_assert(kPanelRows % kMxfp8Block == 0 && kPanelRows % kNvfp4Block == 0,
               "a panel must hold whole MXFP8 and NVFP4 blocks along the tokens");
+
+// Output tile of one sgemm call. A multi-threaded OpenBLAS call splits its output by the thread
+// count and picks kernels by the split's size, so the bits would follow OPENBLAS_NUM_THREADS;
+// fixed tiles, each computed whole (its full reduction) by one single-threaded call, make every
+// element's arithmetic a function of the shapes alone, whichever OpenMP thread runs the tile.
+constexpr int64_t kTileRows = 64;
+constexpr int64_t kTileCols = 128;
+
+// OpenBLAS runs single-threaded (the parallelism is ours), whatever OPENBLAS_NUM_THREADS or a
+// caller set; checked at every GEMM so a later openblas_set_num_threads changes nothing.
+void blas_single_threaded() {
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+// C (rows, cols) = alpha * op(A) (rows, red) . op(B) (red, cols) + beta * C, row-major, in fixed
+// (kTileRows, kTileCols) tiles. A is stored (rows, red) or, trans_a, (red, rows); B (red, cols)
+// or, trans_b, (cols, red).
+void tiled_sgemm(bool trans_a, bool trans_b, int64_t rows, int64_t cols, int64_t red, float alpha,
+                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                 int64_t ldc) {
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < row_tiles * col_tiles; ++t) {
+    const int64_t i0 = (t / col_tiles) * kTileRows, j0 = (t % col_tiles) * kTileCols;
+    const int64_t tr = std::min(kTileRows, rows - i0), tc = std::min(kTileCols, cols - j0);
+    const float* at = trans_a ? a + i0 : a + i0 * lda;
+    const float* bt = trans_b ? b + j0 * ldb : b + j0;
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(tr), static_cast<int>(tc),
+                static_cast<int>(red), alpha, at, static_cast<int>(lda), bt,
+                static_cast<int>(ldb), beta, c + i0 * ldc + j0, static_cast<int>(ldc));
+  }
+}
 
 // Where a stored matrix's block scales run.
 enum class ScaleAxis {
@@ -158,6 +194,7 @@ Status grouped_gemm_cpu(const GroupedGemmArgs& args) {
   PACKMOE_RETURN_IF_ERROR(validate_grouped_gemm(args, m));
   PACKMOE_RETURN_IF_ERROR(check_cpu_limits(args));
 
+  blas_single_threaded();
   const int64_t n = args.n, k = args.k;
   const bool nvfp4 = args.lhs.format == OperandFormat::kNvfp4;
   const float* dec_lhs = nvfp4 ? static_cast<const float*>(args.lhs.decode_scale) : nullptr;  // (G,)
@@ -192,10 +229,8 @@ Status grouped_gemm_cpu(const GroupedGemmArgs& args) {
         dequantize_rows(dy, t0, t1, a_panel.data());
         dequantize_rows(x, t0, t1, b_panel.data());
         // acc (N, K) (+)= dY_p^T (N, p) . X_p (p, K)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(n),
-                    static_cast<int>(k), static_cast<int>(p), 1.0f, a_panel.data(),
-                    static_cast<int>(n), b_panel.data(), static_cast<int>(k),
-                    t0 == 0 ? 0.0f : 1.0f, acc.data(), static_cast<int>(k));
+        tiled_sgemm(/*trans_a=*/true, /*trans_b=*/false, n, k, p, 1.0f, a_panel.data(), n,
+                    b_panel.data(), k, t0 == 0 ? 0.0f : 1.0f, acc.data(), k);
       }
       if (args.out_dtype == DType::kF32) {
         float* out = static_cast<float*>(args.out[g]);  // (N, K)
@@ -234,10 +269,8 @@ Status grouped_gemm_cpu(const GroupedGemmArgs& args) {
         c_panel.resize(p * out_cols);
         c = c_panel.data();
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, fprop ? CblasTrans : CblasNoTrans,
-                  static_cast<int>(p), static_cast<int>(out_cols), static_cast<int>(red), alpha,
-                  a_panel.data(), static_cast<int>(red), w.data(), static_cast<int>(k), 0.0f, c,
-                  static_cast<int>(out_cols));
+      tiled_sgemm(/*trans_a=*/false, /*trans_b=*/fprop, p, out_cols, red, alpha, a_panel.data(),
+                  red, w.data(), k, 0.0f, c, out_cols);
       if (args.out_dtype == DType::kBF16)
         round_to_bf16(c, p * out_cols, static_cast<uint16_t*>(args.out[g]) + t0 * out_cols);
     }
