@@ -1,4 +1,4 @@
-// Causal GQA attention core (backend/model_ops.h), forward and backward, on the presets' shapes:
+// Causal GQA attention core (backend/ops/model.h), forward and backward, on the presets' shapes:
 // one line per shape with the median ms of each and the nominal TFLOP/s. FLOPs count the causal
 // pairs only: forward 4 D per pair (Q K^T and P V), backward 10 D per pair (Q K^T recomputed,
 // dO V^T, P^T dO, dS^T Q, dS K), the FlashAttention convention. The exact non-FMA FP32 kernels do
@@ -14,7 +14,7 @@
 
 #include "backend/backend.h"
 #include "backend/device_buffer.h"
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -100,8 +100,8 @@ void run_shape(Backend& be, const Shape& s, const Options& o) {
                          f(q), f(k), f(v), f(o_), f(rmax), f(rsum)};
   const AttentionBackwardArgs ba{s.B,  s.S,   s.Hq,    s.Hkv,   s.D,     scale, f(q),  f(k),
                                  f(v), f(o_), f(rmax), f(rsum), f(dout), f(dq), f(dk), f(dv)};
-  check_ok(be.attention(fa));
-  check_ok(be.attention_backward(ba));
+  check_ok(ops::attention(be, fa));
+  check_ok(ops::attention_backward(be, ba));
   be.synchronize();
 
   std::string verdict = "-";
@@ -125,8 +125,8 @@ void run_shape(Backend& be, const Shape& s, const Options& o) {
     }
   }
 
-  const double fwd_ms = be.time_ms([&] { check_ok(be.attention(fa)); }, o.warmup, o.iters);
-  const double bwd_ms = be.time_ms([&] { check_ok(be.attention_backward(ba)); }, o.warmup, o.iters);
+  const double fwd_ms = be.time_ms([&] { check_ok(ops::attention(be, fa)); }, o.warmup, o.iters);
+  const double bwd_ms = be.time_ms([&] { check_ok(ops::attention_backward(be, ba)); }, o.warmup, o.iters);
   const double d = static_cast<double>(s.D);
   char shape[96];
   std::snprintf(shape, sizeof shape, "%s B%lld S%lld Hq%lld Hkv%lld D%lld", s.name,

@@ -23,7 +23,7 @@
 
 #include "backend/backend.h"
 #include "backend/device_buffer.h"
-#include "backend/grouped_gemm.h"
+#include "backend/ops/gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -244,7 +244,7 @@ class ShapeCase {
       in.data = cv(carve_rows(src, rows, cols * 2));
       Mxfp8Outputs o{carve_rows(q.rd, rows, cols), carve_rows(q.rs, rows, cols / 32),
                      carve_rows(q.cd, rows, cols), carve_rows(q.cs, rows, cols / 32), {}, {}};
-      check(be_.quantize_mxfp8(in, cfg, o));
+      check(ops::quantize_mxfp8(be_, in, cfg, o));
       q.o = o;
     };
     one(x_, M, K, s_.splits, mx_x_);
@@ -277,7 +277,7 @@ class ShapeCase {
       o.col_scale = carve_rows(q.cs, rows, cols / 16);
       o.row_amax = ra;
       o.col_amax = ca;
-      check(be_.quantize_nvfp4(in, cfg, o));
+      check(ops::quantize_nvfp4(be_, in, cfg, o));
       q.o = o;
       // Decode scales from the amaxes (host round trip, outside any timing).
       for (int which = 0; which < 2; ++which) {
@@ -464,8 +464,8 @@ int run(const Options& o) {
         double ms[2] = {0, 0};  // sm90, cublas
         for (int impl = 0; impl < (o.no_cublas ? 1 : 2); ++impl) {
           setenv("PACKMOE_GEMM_IMPL", impl == 0 ? "sm90" : "cublas", 1);
-          check(be.grouped_gemm(a));  // argument errors surface before timing
-          ms[impl] = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
+          check(ops::grouped_gemm(be, a));  // argument errors surface before timing
+          ms[impl] = timed_ms(be, o, [&] { check(ops::grouped_gemm(be, a)); });
         }
         unsetenv("PACKMOE_GEMM_IMPL");
         const double torch_ms = op == GemmOp::kFprop ? s.gmm_fprop
@@ -487,8 +487,8 @@ int run(const Options& o) {
         if (f == OperandFormat::kBF16) {
           const GroupedGemmArgs d = sc.with_device_counts(a);
           setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
-          check(be.grouped_gemm(d));
-          const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(d)); });
+          check(ops::grouped_gemm(be, d));
+          const double t = timed_ms(be, o, [&] { check(ops::grouped_gemm(be, d)); });
           unsetenv("PACKMOE_GEMM_IMPL");
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                       acc ? "wgrad+acc" : op_text(op), "bf16:d", t, flops / (t * 1e-3) / 1e12, "-",
@@ -501,8 +501,8 @@ int run(const Options& o) {
           setenv("PACKMOE_GEMM_IMPL", "sm90", 1);
           setenv(fused ? "PACKMOE_GEMM_SM90_FUSED" : "PACKMOE_GEMM_SM90_DEQUANT",
                  fused ? "1" : "prepass", 1);
-          check(be.grouped_gemm(a));
-          const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
+          check(ops::grouped_gemm(be, a));
+          const double t = timed_ms(be, o, [&] { check(ops::grouped_gemm(be, a)); });
           unsetenv("PACKMOE_GEMM_SM90_FUSED");
           unsetenv("PACKMOE_GEMM_SM90_DEQUANT");
           unsetenv("PACKMOE_GEMM_IMPL");

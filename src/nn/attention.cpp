@@ -19,7 +19,7 @@ void rotate_in_place(Backend& b, const RopeTable& rope, const Tensor& x, int64_t
   r.sin = rope.sin.data_as<const float>();
   r.in = x.data_as<const float>();
   r.out = x.data_as<float>();
-  check_op(inverse ? b.rope_backward(r) : b.rope(r), inverse ? "rope_backward" : "rope");
+  check_op(inverse ? ops::rope_backward(b, r) : ops::rope(b, r), inverse ? "rope_backward" : "rope");
 }
 
 }  // namespace
@@ -72,7 +72,7 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Rop
   a.o = attn_.data_as<float>();
   a.row_max = row_max_.data_as<float>();
   a.row_sum = row_sum_.data_as<float>();
-  check_op(b.attention(a), "attention");
+  check_op(ops::attention(b, a), "attention");
   return o_proj_.forward(to_bf16(b, attn_), {T});  // (T, H)
 }
 
@@ -103,7 +103,7 @@ Tensor Attention::backward(const Tensor& dy) {
   a.dq = dq.data_as<float>();
   a.dk = dk.data_as<float>();
   a.dv = dv.data_as<float>();
-  check_op(b.attention_backward(a), "attention_backward");
+  check_op(ops::attention_backward(b, a), "attention_backward");
 
   rotate_in_place(b, rope_, dq, Hq, D, true);  // the inverse rotation
   rotate_in_place(b, rope_, dk, Hkv, D, true);

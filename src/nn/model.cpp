@@ -239,7 +239,7 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   e.ids = m.ids.data_as<const int32_t>();
   e.table = f32_weight(m.embedding());
   e.out = x.data_as<float>();
-  check_op(b.embedding(e), "embedding");
+  check_op(ops::embedding(b, e), "embedding");
 
   ForwardLosses losses;
   losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
@@ -262,7 +262,7 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   ce.valid = valid.data_as<int64_t>();
   ce.row_max = m.ce_max.data_as<float>();
   ce.row_sum = m.ce_sum.data_as<float>();
-  check_op(b.cross_entropy(ce), "cross_entropy");
+  check_op(ops::cross_entropy(b, ce), "cross_entropy");
   b.copy(&losses.lm_loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   b.copy(&losses.target_tokens, valid.data(), sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
   state_ = ModelState::kForwardDone;
@@ -287,7 +287,7 @@ void Model::backward(float loss_scale) {
   ce.row_max = m.ce_max.data_as<const float>();
   ce.row_sum = m.ce_sum.data_as<const float>();
   ce.dlogits = dlogits.data_as<float>();
-  check_op(b.cross_entropy_backward(ce), "cross_entropy_backward");
+  check_op(ops::cross_entropy_backward(b, ce), "cross_entropy_backward");
   m.logits = m.ce_max = m.ce_sum = Tensor{};
 
   Tensor dlm = m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate);  // (T, H)
@@ -312,14 +312,14 @@ void Model::backward(float loss_scale) {
   eb.ids = m.ids.data_as<const int32_t>();
   eb.dout = dx.data_as<const float>();
   eb.dtable = dtable.data_as<float>();
-  check_op(b.embedding_backward(eb), "embedding_backward");
+  check_op(ops::embedding_backward(b, eb), "embedding_backward");
   Segments<float> grad;
   grad.ptr.push_back(f32_grad(m.embedding()));
   grad.n = V * H;
   Segments<const float> sum;
   sum.ptr.push_back(dtable.data_as<const float>());
   sum.n = V * H;
-  check_op(b.add_f32(grad, sum), "embedding gradient accumulation");
+  check_op(ops::add_f32(b, grad, sum), "embedding gradient accumulation");
   grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;
 }

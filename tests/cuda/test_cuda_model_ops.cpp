@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/elementwise.h"
-#include "backend/model_ops.h"
+#include "backend/ops/elementwise.h"
+#include "backend/ops/model.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -153,7 +153,7 @@ TEST(CudaModelOps, Embedding) {
     Twin<float> table(*gpu, rand_floats(c.V * c.H, rng, 1.0f));  // (V, H)
     Twin<float> out(*gpu, c.T * c.H);                            // (T, H)
     expect_ok(embedding_cpu({c.T, c.V, c.H, ids.h(), table.h(), out.h()}));
-    expect_ok(gpu->embedding({c.T, c.V, c.H, ids.d(), table.d(), out.d()}));
+    expect_ok(ops::embedding(*gpu, {c.T, c.V, c.H, ids.d(), table.d(), out.d()}));
     tally.mismatches += out.mismatches("out");
     ++tally.cases;
   }
@@ -167,7 +167,7 @@ TEST(CudaModelOps, EmbeddingBackward) {
     Twin<float> dout(*gpu, rand_floats(c.T * c.H, rng, 1.0f));    // (T, H)
     Twin<float> dtable(*gpu, rand_floats(c.V * c.H, rng, 1.0f));  // (V, H) accumulated into
     expect_ok(embedding_backward_cpu({c.T, c.V, c.H, ids.h(), dout.h(), dtable.h()}));
-    expect_ok(gpu->embedding_backward({c.T, c.V, c.H, ids.d(), dout.d(), dtable.d()}));
+    expect_ok(ops::embedding_backward(*gpu, {c.T, c.V, c.H, ids.d(), dout.d(), dtable.d()}));
     tally.mismatches += dtable.mismatches("dtable");
     ++tally.cases;
   }
@@ -199,7 +199,7 @@ TEST(CudaModelOps, RmsNorm) {
     Twin<float> w(*gpu, rand_floats(c.D, rng, 1.0f));  // (D)
     Twin<float> y(*gpu, c.N * c.D), rstd(*gpu, c.N);   // (N, D), (N)
     expect_ok(rms_norm_cpu({c.N, c.D, c.eps, x.h(), w.h(), y.h(), rstd.h()}));
-    expect_ok(gpu->rms_norm({c.N, c.D, c.eps, x.d(), w.d(), y.d(), rstd.d()}));
+    expect_ok(ops::rms_norm(*gpu, {c.N, c.D, c.eps, x.d(), w.d(), y.d(), rstd.d()}));
     tally.mismatches += y.mismatches("y") + rstd.mismatches("rstd");
     ++tally.cases;
   }
@@ -216,7 +216,7 @@ TEST(CudaModelOps, RmsNormBackward) {
     Twin<float> dy(*gpu, rand_floats(c.N * c.D, rng, 1.0f));  // (N, D)
     Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);           // (N, D), (D)
     expect_ok(rms_norm_backward_cpu({c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()}));
-    expect_ok(gpu->rms_norm_backward({c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
+    expect_ok(ops::rms_norm_backward(*gpu, {c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
     tally.mismatches += dx.mismatches("dx") + dw.mismatches("dweight");
     ++tally.cases;
   }
@@ -241,7 +241,7 @@ TEST(CudaModelOps, RopeForwardAndBackward) {
     for (bool inverse : {false, true}) {
       Tally& tally = inverse ? bwd : fwd;
       auto run = [&](Backend& be, RopeArgs a) {
-        return inverse ? be.rope_backward(a) : be.rope(a);
+        return inverse ? ops::rope_backward(be, a) : ops::rope(be, a);
       };
       Twin<float> in(*gpu, xv), out(*gpu, xv.size());  // (T, heads, D)
       const auto cpu_fn = inverse ? rope_backward_cpu : rope_cpu;
@@ -289,7 +289,7 @@ TEST(CudaModelOps, Attention) {
     const float scale = attn_scale(c.D);
     expect_ok(attention_cpu(
         {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.h(), k.h(), v.h(), o.h(), rmax.h(), rsum.h()}));
-    expect_ok(gpu->attention(
+    expect_ok(ops::attention(*gpu, 
         {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(), rmax.d(), rsum.d()}));
     tally.mismatches += o.mismatches("o") + rmax.mismatches("row_max") + rsum.mismatches("row_sum");
     ++tally.cases;
@@ -315,7 +315,7 @@ TEST(CudaModelOps, AttentionBackward) {
     expect_ok(attention_backward_cpu({c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.h(), k.h(), v.h(), o.h(),
                                       rmax.h(), rsum.h(), dout.h(), dq.h(), dk.h(), dv.h()}));
     expect_ok(
-        gpu->attention_backward({c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(),
+        ops::attention_backward(*gpu, {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(),
                                  rmax.d(), rsum.d(), dout.d(), dq.d(), dk.d(), dv.d()}));
     tally.mismatches += dq.mismatches("dq") + dk.mismatches("dk") + dv.mismatches("dv");
     ++tally.cases;
@@ -379,7 +379,7 @@ TEST(CudaModelOps, CrossEntropy) {
       return a;
     };
     expect_ok(cross_entropy_cpu(args(false)));
-    expect_ok(gpu->cross_entropy(args(true)));
+    expect_ok(ops::cross_entropy(*gpu, args(true)));
     tally.mismatches += loss.mismatches("loss") + valid.mismatches("valid") +
                         rmax.mismatches("row_max") + rsum.mismatches("row_sum");
     ++tally.cases;
@@ -403,7 +403,7 @@ TEST(CudaModelOps, CrossEntropyBackward) {
     const float dloss = nd(rng);
     expect_ok(cross_entropy_backward_cpu(
         {c.T, c.V, c.ignore_index, dloss, z.h(), tg.h(), rmax.h(), rsum.h(), dz.h()}));
-    expect_ok(gpu->cross_entropy_backward(
+    expect_ok(ops::cross_entropy_backward(*gpu, 
         {c.T, c.V, c.ignore_index, dloss, z.d(), tg.d(), rmax.d(), rsum.d(), dz.d()}));
     tally.mismatches += dz.mismatches("dlogits");
     ++tally.cases;
@@ -438,7 +438,7 @@ TEST(CudaModelOps, SumSquares) {
       ds.ptr.push_back(x.d() + g * c.n);
     }
     expect_ok(sum_squares_cpu(hs, out.h()));
-    expect_ok(gpu->sum_squares(ds, out.d()));
+    expect_ok(ops::sum_squares(*gpu, ds, out.d()));
     tally.mismatches += out.mismatches("sum");
     ++tally.cases;
   }
@@ -465,11 +465,11 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
     Twin<int32_t> ids(*gpu, idv);
     Twin<float> table(*gpu, rand_floats(V * H, rng, 1.0f)), out(*gpu, T * H);
     expect_same_error(embedding_cpu({T, V, H, ids.h(), table.h(), out.h()}),
-                      gpu->embedding({T, V, H, ids.d(), table.d(), out.d()}));
+                      ops::embedding(*gpu, {T, V, H, ids.d(), table.d(), out.d()}));
     Twin<float> dout(*gpu, rand_floats(T * H, rng, 1.0f));
     Twin<float> dtable(*gpu, rand_floats(V * H, rng, 1.0f));
     expect_same_error(embedding_backward_cpu({T, V, H, ids.h(), dout.h(), dtable.h()}),
-                      gpu->embedding_backward({T, V, H, ids.d(), dout.d(), dtable.d()}));
+                      ops::embedding_backward(*gpu, {T, V, H, ids.d(), dout.d(), dtable.d()}));
     tally.mismatches += out.mismatches("embedding out") + dtable.mismatches("dtable");
 
     // Targets: -100 is the default ignore index (fine); with ignore_index -7 it is an error.
@@ -480,11 +480,11 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
       Twin<int64_t> valid(*gpu, 1);
       expect_same_error(cross_entropy_cpu({T, V, ignore, z.h(), ids.h(), loss.h(), valid.h(),
                                            rmax.h(), rsum.h()}),
-                        gpu->cross_entropy({T, V, ignore, z.d(), ids.d(), loss.d(), valid.d(),
+                        ops::cross_entropy(*gpu, {T, V, ignore, z.d(), ids.d(), loss.d(), valid.d(),
                                             rmax.d(), rsum.d()}));
       expect_same_error(cross_entropy_backward_cpu(
                             {T, V, ignore, 1.0f, z.h(), ids.h(), rmax.h(), rsum.h(), dz.h()}),
-                        gpu->cross_entropy_backward(
+                        ops::cross_entropy_backward(*gpu, 
                             {T, V, ignore, 1.0f, z.d(), ids.d(), rmax.d(), rsum.d(), dz.d()}));
       tally.mismatches += loss.mismatches("loss") + valid.mismatches("valid") +
                           rmax.mismatches("row_max") + rsum.mismatches("row_sum") +
@@ -497,7 +497,7 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
   // Beyond the kernel's head_dim limit the CUDA backend refuses (the CPU computes it).
   const int64_t D = 514;
   Twin<float> q(*gpu, rand_floats(D, rng, 1.0f)), o(*gpu, D), m(*gpu, 1), s(*gpu, 1);
-  const Status st = gpu->attention({1, 1, 1, 1, D, 0.5f, q.d(), q.d(), q.d(), o.d(), m.d(), s.d()});
+  const Status st = ops::attention(*gpu, {1, 1, 1, 1, D, 0.5f, q.d(), q.d(), q.d(), o.d(), m.d(), s.d()});
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("head_dim"), std::string::npos) << st.message();
   tally.mismatches += o.mismatches("attention o");
@@ -506,7 +506,7 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
   neg.n = -1;
   double h = 0.0;
   Twin<double> out(*gpu, 1);
-  expect_same_error(sum_squares_cpu(neg, &h), gpu->sum_squares(neg, out.d()));
+  expect_same_error(sum_squares_cpu(neg, &h), ops::sum_squares(*gpu, neg, out.d()));
   tally.mismatches += out.mismatches("sum_squares out");
   tally.cases += 2;
 }

@@ -407,9 +407,9 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
     if (csc) oh.col_scale = csc->host_ptrs(), od.col_scale = csc->dev_ptrs();
     if (rv) oh.row_bf16 = rv->host_ptrs(), od.row_bf16 = rv->dev_ptrs();
     if (cv) oh.col_bf16 = cv->host_ptrs(), od.col_bf16 = cv->dev_ptrs();
-    const Status sc = cpu.quantize_mxfp8(gin_h, cfg, oh);
+    const Status sc = ops::quantize_mxfp8(cpu, gin_h, cfg, oh);
     ASSERT_TRUE(sc.is_ok()) << sc.message();
-    const Status sg = gpu->quantize_mxfp8(gin_d, cfg, od);
+    const Status sg = ops::quantize_mxfp8(*gpu, gin_d, cfg, od);
     ASSERT_TRUE(sg.is_ok()) << sg.message();
     ++q.tensors;
     if (rd) rd->compare("row_data", q), rs->compare("row_scale", q);
@@ -438,9 +438,9 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
                      L.rows,
                      const_ptrs(data->dev_ptrs()),
                      const_ptrs(scale->dev_ptrs())};
-        const Status a = cpu.dequantize_mxfp8(qh, od_t, out.host_ptrs());
+        const Status a = ops::dequantize_mxfp8(cpu, qh, od_t, out.host_ptrs());
         ASSERT_TRUE(a.is_ok()) << a.message();
-        const Status b = gpu->dequantize_mxfp8(qd, od_t, out.dev_ptrs());
+        const Status b = ops::dequantize_mxfp8(*gpu, qd, od_t, out.dev_ptrs());
         ASSERT_TRUE(b.is_ok()) << b.message();
         out.compare(copy == 0 ? "dequant row" : "dequant col", dq);
       }
@@ -459,9 +459,9 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
         const bool tr = copy == 1;
         Mirror out(*gpu, {static_cast<size_t>(swizzled_scale_bytes(tr ? scc : sr, tr ? sr : scc))},
                    Placement::kPacked, 0);
-        const Status a = cpu.swizzle_scales(scale->host(g), sr, scc, tr, out.host(0));
+        const Status a = ops::swizzle_scales(cpu, scale->host(g), sr, scc, tr, out.host(0));
         ASSERT_TRUE(a.is_ok()) << a.message();
-        const Status b = gpu->swizzle_scales(scale->dev(g), sr, scc, tr, out.dev(0));
+        const Status b = ops::swizzle_scales(*gpu, scale->dev(g), sr, scc, tr, out.dev(0));
         ASSERT_TRUE(b.is_ok()) << b.message();
         out.compare(tr ? "swizzle col^T" : "swizzle row", sw);
       }
@@ -573,12 +573,12 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
       oh.col_amax = ca->host(0), od.col_amax = ca->dev(0);
     }
     if (rb) oh.row_bf16 = rb->host_ptrs(), od.row_bf16 = rb->dev_ptrs();
-    const Status sc = cpu.quantize_nvfp4(gin_h, cfg, oh);
+    const Status sc = ops::quantize_nvfp4(cpu, gin_h, cfg, oh);
     ASSERT_TRUE(sc.is_ok()) << sc.message();
     // Tensors 1 and 2 (mod 3) run on a grid of 1 or 3 CTAs, so a CTA walks many tiles and crosses
     // groups, empty ones included (the whole GPU's grid holds every tile of these shapes at once).
     if (t % 3 != 0) setenv("PACKMOE_NVFP4_CTAS", t % 3 == 1 ? "1" : "3", 1);
-    const Status sg = gpu->quantize_nvfp4(gin_d, cfg, od);
+    const Status sg = ops::quantize_nvfp4(*gpu, gin_d, cfg, od);
     unsetenv("PACKMOE_NVFP4_CTAS");
     ASSERT_TRUE(sg.is_ok()) << sg.message();
     ++q.tensors;
@@ -612,9 +612,9 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
                        dec.host(0)};
           Nvfp4Copy qd{K, L.rows, const_ptrs(data->dev_ptrs()), const_ptrs(scale->dev_ptrs()),
                        dec.dev(0)};
-          const Status a = cpu.dequantize_nvfp4(qh, od_t, out.host_ptrs());
+          const Status a = ops::dequantize_nvfp4(cpu, qh, od_t, out.host_ptrs());
           ASSERT_TRUE(a.is_ok()) << a.message();
-          const Status b = gpu->dequantize_nvfp4(qd, od_t, out.dev_ptrs());
+          const Status b = ops::dequantize_nvfp4(*gpu, qd, od_t, out.dev_ptrs());
           ASSERT_TRUE(b.is_ok()) << b.message();
         } else {
           for (size_t g = 0; g < G; ++g) {
@@ -623,9 +623,9 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
             const float* dd = static_cast<const float*>(dec.dev(0)) + g;
             Nvfp4Copy qh{L.rows[g], {K}, {data->host(g)}, {scale->host(g)}, dh};
             Nvfp4Copy qd{L.rows[g], {K}, {data->dev(g)}, {scale->dev(g)}, dd};
-            const Status a = cpu.dequantize_nvfp4(qh, od_t, {out.host(g)});
+            const Status a = ops::dequantize_nvfp4(cpu, qh, od_t, {out.host(g)});
             ASSERT_TRUE(a.is_ok()) << a.message();
-            const Status b = gpu->dequantize_nvfp4(qd, od_t, {out.dev(g)});
+            const Status b = ops::dequantize_nvfp4(*gpu, qd, od_t, {out.dev(g)});
             ASSERT_TRUE(b.is_ok()) << b.message();
           }
         }
@@ -643,9 +643,9 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
         const int64_t scc = copy == 0 ? K / 16 : L.rows[g] / 16;
         Mirror out(*gpu, {static_cast<size_t>(swizzled_scale_bytes(sr, scc))}, Placement::kPacked,
                    0);
-        const Status a = cpu.swizzle_scales(scale->host(g), sr, scc, false, out.host(0));
+        const Status a = ops::swizzle_scales(cpu, scale->host(g), sr, scc, false, out.host(0));
         ASSERT_TRUE(a.is_ok()) << a.message();
-        const Status b = gpu->swizzle_scales(scale->dev(g), sr, scc, false, out.dev(0));
+        const Status b = ops::swizzle_scales(*gpu, scale->dev(g), sr, scc, false, out.dev(0));
         ASSERT_TRUE(b.is_ok()) << b.message();
         out.compare(copy == 0 ? "swizzle row" : "swizzle col", sw);
       }

@@ -1,4 +1,4 @@
-// Backward of every dense decoder CPU op (backend/model_ops.h) against FP64 central finite
+// Backward of every dense decoder CPU op (backend/ops/model.h) against FP64 central finite
 // differences of an FP64 forward written in THIS file (embedding, RMSNorm, rotate-half RoPE,
 // causal GQA attention, cross-entropy with ignored targets), for a scalar loss L = <r, output> with
 // random r (cross-entropy: L = the loss itself). Tolerance: max |analytic - FD| <= kTol * max |FD|
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 #include "common/finite_difference.h"
 
 namespace packmoe {

@@ -1,4 +1,4 @@
-// Forward of the dense decoder CPU ops (backend/model_ops.h) against hand-derived values:
+// Forward of the dense decoder CPU ops (backend/ops/model.h) against hand-derived values:
 // model_log_f32 against libm, RMSNorm of known vectors, RoPE (position 0 = identity, a 90-degree
 // table, inverse = backward), attention (S = 1 returns v, causal mask, equal keys average v),
 // cross-entropy (uniform logits = ln V, ignore index), thread-count independence and argument
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 #include "core/codecs.h"
 
 namespace packmoe {

@@ -1,17 +1,17 @@
-// CPU reference of the dense decoder ops (backend/model_ops.h). OpenMP splits work by row, head,
-// column or KV position only; every reduction runs inside one iteration in the order model_ops.h
+// CPU reference of the dense decoder ops (backend/ops/model.h). OpenMP splits work by row, head,
+// column or KV position only; every reduction runs inside one iteration in the order backend/ops/model.h
 // defines, so the bits never depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 
 namespace packmoe {
 namespace {
 
-// The R32 order of moe_ops.h: strided lane partials, then the butterfly tree into lane 0.
+// The R32 order of backend/ops/moe.h: strided lane partials, then the butterfly tree into lane 0.
 template <typename Term>
 float sum_r32(int64_t n, Term term) {
   float lane[kMoeReduceLanes] = {};
@@ -84,7 +84,6 @@ Result<int64_t> count_targets(const char* op, const int32_t* targets, int64_t to
 }  // namespace
 
 Status embedding_cpu(const EmbeddingArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_embedding(a));
   PACKMOE_RETURN_IF_ERROR(check_ids("embedding", a.ids, a.tokens, a.vocab));
   const int64_t H = a.hidden;
 #pragma omp parallel for schedule(static)
@@ -97,7 +96,6 @@ Status embedding_cpu(const EmbeddingArgs& a) {
 }
 
 Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_embedding_backward(a));
   PACKMOE_RETURN_IF_ERROR(check_ids("embedding_backward", a.ids, a.tokens, a.vocab));
   const int64_t H = a.hidden;
   constexpr int64_t kBlock = 64;  // columns per thread task: t stays ascending inside each column
@@ -115,7 +113,6 @@ Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
 }
 
 Status rms_norm_cpu(const RmsNormArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_rms_norm(a));
   const int64_t D = a.dim;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -130,7 +127,6 @@ Status rms_norm_cpu(const RmsNormArgs& a) {
 }
 
 Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_rms_norm_backward(a));
   const int64_t D = a.dim;
 #pragma omp parallel
   {
@@ -161,7 +157,6 @@ Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
 namespace {
 // Rotate every (token, head) pair by +angle (sign = 1) or -angle (sign = -1, the backward).
 Status rope_apply(const RopeArgs& a, bool inverse) {
-  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
   const int64_t D = a.head_dim, half = D / 2, NH = a.heads;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < a.tokens; ++t) {
@@ -190,7 +185,6 @@ Status rope_cpu(const RopeArgs& a) { return rope_apply(a, false); }
 Status rope_backward_cpu(const RopeArgs& a) { return rope_apply(a, true); }
 
 Status attention_cpu(const AttentionArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_attention(a));
   const AttnLayout L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
   const int64_t S = a.seq, D = a.head_dim, rows = a.batch * a.q_heads * S;
 #pragma omp parallel
@@ -220,7 +214,6 @@ Status attention_cpu(const AttentionArgs& a) {
 }
 
 Status attention_backward_cpu(const AttentionBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
   const AttnLayout L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
   const int64_t B = a.batch, S = a.seq, D = a.head_dim, Hq = a.q_heads, rows = B * Hq * S;
 
@@ -288,7 +281,6 @@ Status attention_backward_cpu(const AttentionBackwardArgs& a) {
 }
 
 Status cross_entropy_cpu(const CrossEntropyArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy(a));
   const Result<int64_t> n = count_targets("cross_entropy", a.targets, a.tokens, a.vocab,
                                           a.ignore_index);
   if (!n.is_ok()) return n.status();
@@ -312,7 +304,6 @@ Status cross_entropy_cpu(const CrossEntropyArgs& a) {
 }
 
 Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
   const Result<int64_t> n = count_targets("cross_entropy_backward", a.targets, a.tokens, a.vocab,
                                           a.ignore_index);
   if (!n.is_ok()) return n.status();

@@ -1,9 +1,9 @@
-// CUDA causal GQA attention core (backend/model_ops.h), forward and backward, writing the CPU
+// CUDA causal GQA attention core (backend/ops/model.h), forward and backward, writing the CPU
 // reference's bytes. head_dim <= 128: the tiled kernels of attention_sm90_kernels.cuh (register
 // blocked exact R32 dots, lane-by-lane passes over keys); larger head_dim (<= 512): one warp per
 // output row with 32 partial vectors in shared memory. Both are exact; on an H200 the tiled ones
 // run the forward 17-20x and the backward 6-8x faster (bench/attention.cpp, D = 128). Invariant:
-// --fmad=false, no atomics, every reduction in model_ops.h's order.
+// --fmad=false, no atomics, every reduction in backend/ops/model.h's order.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -13,7 +13,7 @@
 #include "backend/cuda/attention_sm90_kernels.cuh"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels_common.cuh"
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 
 namespace packmoe {
 namespace {
@@ -35,7 +35,7 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 using cuda::blocks_for;
 
 // R32 second stage on one warp (lane l adds lane l ^ off, off = 16 .. 1): lanes below off form
-// moe_ops.h's tree, the others the same sums with swapped operands, so every lane ends with the
+// backend/ops/moe.h's tree, the others the same sums with swapped operands, so every lane ends with the
 // tree's value.
 __device__ __forceinline__ float r32_butterfly(float acc) {
 #pragma unroll
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(Config::kThreads)
   if (lane == 0) dl[w] = acc;
 }
 
-// P_ij and dS_ij (model_ops.h) from the lane partials of q_i . k_j and do_i . v_j.
+// P_ij and dS_ij (backend/ops/model.h) from the lane partials of q_i . k_j and do_i . v_j.
 struct PairTerms {
   float P, dS;
 };
@@ -387,7 +387,6 @@ bool tiled(int64_t D) { return D <= attn::kMaxHeadDim; }
 }  // namespace
 
 Status attention_sm90(CudaBackend& be, const AttentionArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_attention(a));
   PACKMOE_RETURN_IF_ERROR(check_head_dim("attention", a.head_dim));
   if (tiled(a.head_dim)) {
     attn::FwdParams p{};
@@ -408,7 +407,6 @@ Status attention_sm90(CudaBackend& be, const AttentionArgs& a) {
 }
 
 Status attention_backward_sm90(CudaBackend& be, const AttentionBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
   PACKMOE_RETURN_IF_ERROR(check_head_dim("attention_backward", a.head_dim));
   const int64_t rows = a.batch * a.q_heads * a.seq;
   auto* dl =

@@ -1,4 +1,4 @@
-// Tiled attention kernels that keep model_ops.h's exact FP32 orders (device code only; included by
+// Tiled attention kernels that keep backend/ops/model.h's exact FP32 orders (device code only; included by
 // attention_sm90.cu). Invariant: every value is the CPU reference's bits. Two facts make tiling
 // legal: (1) an R32 dot over d needs no warp: one thread computes lane partials in the bit-reversed
 // leaf order and merges them as a binary counter, which IS the butterfly tree; (2) an R32 sum over
@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 
 namespace packmoe::attn {
 

@@ -1,20 +1,20 @@
 // Dense decoder ops of Qwen3-MoE, forward and backward: embedding lookup, RMSNorm, rotate-half
 // RoPE, causal GQA attention core and shifted-label cross-entropy, their argument checks and the
-// host RoPE table. Invariant: as in moe_ops.h, every result is the exact FP32 arithmetic written
+// host RoPE table. Invariant: as in backend/ops/moe.h, every result is the exact FP32 arithmetic written
 // here (fixed reduction orders, moe_exp_f32 / model_log_f32, no FMA, no libm on a device path), so
 // any backend can reproduce the CPU reference's bits whatever its thread count. All tensors FP32.
 #pragma once
 
 #include <cstdint>
 
-#include "backend/moe_ops.h"  // moe_exp_f32, kMoeReduceLanes, the R32 order
+#include "backend/ops/moe.h"  // moe_exp_f32, kMoeReduceLanes, the R32 order
 #include "core/codecs.h"
 #include "core/hd.h"
 #include "core/status.h"
 
 namespace packmoe {
 
-// ---- exact arithmetic (see moe_ops.h for "sequential" and "R32" sums) --------------------------
+// ---- exact arithmetic (see backend/ops/moe.h for "sequential" and "R32" sums) --------------------------
 
 // ln x in FP32 from exactly-rounded operations only (libm's logf and CUDA's differ in the last
 // bit). x = 2^e * m with m in (sqrt(1/2), sqrt(2)] (subnormals pre-scaled by 2^23), f = (m - 1) /
@@ -252,7 +252,7 @@ Status validate_attention_backward(const AttentionBackwardArgs& a);
 Status validate_cross_entropy(const CrossEntropyArgs& a);
 Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a);
 
-// The host RoPE table (backend/model_ops.cpp): validates, then errors for a position outside
+// The host RoPE table (backend/ops/model.cpp): validates, then errors for a position outside
 // [0, 2^24).
 Status rope_table(const RopeTableArgs& a);
 
@@ -269,5 +269,35 @@ Status attention_cpu(const AttentionArgs& a);
 Status attention_backward_cpu(const AttentionBackwardArgs& a);
 Status cross_entropy_cpu(const CrossEntropyArgs& a);
 Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a);
+
+// ---- entries: validate once, then run the backend's implementation (backend/ops/model.cpp) --------
+class Backend;
+namespace ops {
+Status embedding(Backend& b, const EmbeddingArgs& a);
+Status embedding_backward(Backend& b, const EmbeddingBackwardArgs& a);
+Status rms_norm(Backend& b, const RmsNormArgs& a);
+Status rms_norm_backward(Backend& b, const RmsNormBackwardArgs& a);
+Status rope(Backend& b, const RopeArgs& a);
+Status rope_backward(Backend& b, const RopeArgs& a);
+Status attention(Backend& b, const AttentionArgs& a);
+Status attention_backward(Backend& b, const AttentionBackwardArgs& a);
+Status cross_entropy(Backend& b, const CrossEntropyArgs& a);
+Status cross_entropy_backward(Backend& b, const CrossEntropyBackwardArgs& a);
+}  // namespace ops
+
+// One device's implementation of the family; every pointer is set (backend/cpu/cpu_kernels.cpp,
+// backend/cuda/cuda_kernels.cu). Arguments arrive validated.
+struct ModelKernels {
+  Status (*embedding)(Backend&, const EmbeddingArgs&);
+  Status (*embedding_backward)(Backend&, const EmbeddingBackwardArgs&);
+  Status (*rms_norm)(Backend&, const RmsNormArgs&);
+  Status (*rms_norm_backward)(Backend&, const RmsNormBackwardArgs&);
+  Status (*rope)(Backend&, const RopeArgs&);
+  Status (*rope_backward)(Backend&, const RopeArgs&);
+  Status (*attention)(Backend&, const AttentionArgs&);
+  Status (*attention_backward)(Backend&, const AttentionBackwardArgs&);
+  Status (*cross_entropy)(Backend&, const CrossEntropyArgs&);
+  Status (*cross_entropy_backward)(Backend&, const CrossEntropyBackwardArgs&);
+};
 
 }  // namespace packmoe
