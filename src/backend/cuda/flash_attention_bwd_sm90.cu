@@ -1,0 +1,394 @@
+// Flash attention backward for sm_90a, D = 64 or 128 (docs/attention-sm90.md). A preprocessing
+// kernel writes Dl = rowsum(dO * O) and lse log2(e); then one CTA per 128-key tile of one KV head:
+// a producer warpgroup loads K, V once and, per (query tile, query head of the group), Q, dO, lse,
+// Dl and the document starts (two stages, TMA on mbarriers); two consumer warpgroups of 64 keys
+// each compute S^T = K Q^T and dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO and
+// dK += dS^T Q (wgmma, A from registers) over every head of the group, and dQ = dS K from dS in
+// shared memory. Invariant (deterministic, batch invariant): dK / dV sum in a fixed loop order in
+// registers; the dQ tile of (b, h, query tile m) is summed in global memory in descending KV-tile
+// order, each CTA waiting on a per-tile counter for its turn (the first writes, the rest add).
+#include "backend/cuda/flash_attention_sm90.h"
+#include "backend/cuda/flash_attention_sm90_device.cuh"
+#include "backend/cuda/flash_attention_sm90_simple.h"
+
+namespace packmoe::cuda {
+namespace {
+
+using namespace flash;
+
+// D = 128: 64 queries per step, each consumer warpgroup computes dQ for half of D; D = 64: 128
+// queries per step, each consumer warpgroup computes dQ for half of the queries.
+template <int D>
+struct BwdLayout {
+  static constexpr int kBN = 128, kBM = D == 128 ? 64 : 128, kBoxes = D / 64, kStages = 3;
+  static constexpr int kKvBytes = kBN * D * 2;   // K or V: D / 64 boxes of (128, 64)
+  static constexpr int kQBytes = kBM * D * 2;    // Q or dO of one stage: D / 64 boxes of (kBM, 64)
+  static constexpr int kDsBytes = kBN * kBM * 2;  // dS^T (128 keys, kBM queries): kBM / 64 chunks
+  static constexpr int kK = 0, kV = kKvBytes, kQ = 2 * kKvBytes;
+  static constexpr int kDo = kQ + kStages * kQBytes;
+  static constexpr int kDs = kDo + kStages * kQBytes;  // two buffers
+  static constexpr int kRowF = kDs + 2 * kDsBytes;  // per stage: lse2, Dl, doc (kBM words each)
+  static constexpr int kRowBytes = 3 * kBM * 4;
+  static constexpr int kBars = kRowF + kStages * kRowBytes;  // full_kv, full[kStages]
+  static constexpr int kSmem = kBars + (1 + kStages) * 8 + 1024;
+  static constexpr uint32_t kStageTx = 2 * kQBytes + kRowBytes;
+};
+
+struct BwdParams {
+  int S, S_pad, Hq, group, n_tiles, m_tiles, batch_kv;
+  float scale, scale_log2;
+  bool has_doc;
+  const float* dl;        // (B, Hq, S_pad)
+  const float* lse2;      // (B, Hq, S_pad)
+  const int32_t* doc;     // (B, S_pad)
+  uint32_t* counters;     // (B, Hq, m_tiles, 2), zero at launch
+  float* dq;              // (B, S, Hq, D)
+  float* dk;              // (B, S, Hkv, D)
+  float* dv;
+};
+
+// Step `it` of a CTA: query tile m_first + it / group, query head g group + it % group.
+struct StepLoad {
+  const CUtensorMap* tq;
+  const CUtensorMap* tdo;
+  int m_first, b, g;
+};
+
+// Thread 0 loads the Q, dO, lse2, Dl and doc rows of step `it` into stage it % kStages.
+template <int D>
+__device__ __forceinline__ void load_step(const BwdParams& p, const StepLoad& sl, uint8_t* smem,
+                                          uint64_t* full, int it) {
+  using L = BwdLayout<D>;
+  const int m = sl.m_first + it / p.group, h = sl.g * p.group + it % p.group;
+  const int s = it % L::kStages;
+  mbar_arrive_expect_tx(&full[s], L::kStageTx);
+  for (int x = 0; x < L::kBoxes; ++x) {
+    tma_load_4d(smem + L::kQ + s * L::kQBytes + x * L::kBM * 128, sl.tq, &full[s], 64 * x, h,
+                m * L::kBM, sl.b);
+    tma_load_4d(smem + L::kDo + s * L::kQBytes + x * L::kBM * 128, sl.tdo, &full[s], 64 * x, h,
+                m * L::kBM, sl.b);
+  }
+  const int64_t row = (static_cast<int64_t>(sl.b) * p.Hq + h) * p.S_pad + m * L::kBM;
+  uint8_t* rows = smem + L::kRowF + s * L::kRowBytes;
+  bulk_load(rows, p.lse2 + row, L::kBM * 4, &full[s]);
+  bulk_load(rows + L::kBM * 4, p.dl + row, L::kBM * 4, &full[s]);
+  bulk_load(rows + 2 * L::kBM * 4, p.doc + static_cast<int64_t>(sl.b) * p.S_pad + m * L::kBM,
+            L::kBM * 4, &full[s]);
+}
+
+// Two warpgroups, no producer warpgroup: ptxas keeps a wgmma kernel within the launch bound's
+// registers (docs/gemm-sm90.md), and dK, dV, S^T and dP^T need ~200 live; 256 threads allow 255.
+// Thread 0 issues every load, three stages deep: step it + 2 once both warpgroups have passed
+// step it's dS barrier (so step it - 1, the stage's last user, is complete in both).
+template <int D>
+__global__ void __launch_bounds__(256, 1)
+    flash_bwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                     const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tdo,
+                     const BwdParams p) {
+  using L = BwdLayout<D>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_1024(smem_raw);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
+  uint64_t* full_kv = bars;
+  uint64_t* full = bars + 1;  // [kStages]
+
+  // Highest KV tile first: a CTA waits only on CTAs of the next KV tile, which start earlier.
+  const int j = p.n_tiles - 1 - static_cast<int>(blockIdx.x) / p.batch_kv;
+  const int bg = static_cast<int>(blockIdx.x) % p.batch_kv;
+  const int Hkv = p.Hq / p.group;
+  const int b = bg / Hkv, g = bg % Hkv;
+  const int key0 = j * L::kBN;
+  // Query tiles with a key of this tile visible: [m_first, m_last] (doc starts are nondecreasing).
+  const int m_first = key0 / L::kBM;
+  int m_last = p.m_tiles - 1;
+  if (p.has_doc) {
+    const int32_t* doc = p.doc + static_cast<int64_t>(b) * p.S_pad;
+    m_last = m_first;
+    while (m_last + 1 < p.m_tiles && doc[(m_last + 1) * L::kBM] <= key0 + L::kBN - 1) ++m_last;
+  }
+  const int steps = (m_last - m_first + 1) * p.group;
+  const StepLoad sl{&tq, &tdo, m_first, b, g};
+
+  if (threadIdx.x == 0) {
+    mbar_init(full_kv, 1);
+    for (int s = 0; s < L::kStages; ++s) mbar_init(&full[s], 1);
+    mbar_init_fence();
+    mbar_arrive_expect_tx(full_kv, 2 * L::kKvBytes);
+    for (int x = 0; x < L::kBoxes; ++x) {
+      tma_load_4d(smem + L::kK + x * L::kBN * 128, &tk, full_kv, 64 * x, g, key0, b);
+      tma_load_4d(smem + L::kV + x * L::kBN * 128, &tv, full_kv, 64 * x, g, key0, b);
+    }
+    for (int it = 0; it < min(steps, 2); ++it) load_step<D>(p, sl, smem, full, it);
+  }
+  __syncthreads();
+
+  const int c = threadIdx.x / 128;  // keys [64 c, 64 c + 64) of the tile
+  const int t = threadIdx.x % 128, w = t / 32, l = t % 32;
+  const uint32_t base = smem_addr(smem);
+  int keys[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) keys[i] = key0 + 64 * c + 16 * w + 8 * i + l / 4;
+
+  float dk[D / 2], dv[D / 2];  // (64 keys, D)
+#pragma unroll
+  for (int e = 0; e < D / 2; ++e) dk[e] = dv[e] = 0.0f;
+
+  mbar_wait(full_kv, 0);
+  for (int it = 0; it < steps; ++it) {
+    const int m = m_first + it / p.group, h = g * p.group + it % p.group, s = it % L::kStages;
+    const int q0 = m * L::kBM;
+    mbar_wait(&full[s], (it / L::kStages) & 1);
+    const uint32_t sq = base + L::kQ + s * L::kQBytes, sdo = base + L::kDo + s * L::kQBytes;
+    const float* lse2 = reinterpret_cast<const float*>(smem + L::kRowF + s * L::kRowBytes);
+    const float* dl = lse2 + L::kBM;
+    const int32_t* doc = reinterpret_cast<const int32_t*>(dl + L::kBM);
+
+    // S^T = K Q^T and dP^T = V dO^T: (64 keys, kBM queries).
+    float st[L::kBM / 2], dpt[L::kBM / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t koff = (kk / 4) * L::kBN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t qoff = (kk / 4) * L::kBM * 128 + (kk % 4) * 32;
+      const uint64_t da = wgmma_desc(base + L::kK + koff, 16, 1024);
+      const uint64_t db = wgmma_desc(sq + qoff, 16, 1024);
+      if constexpr (L::kBM == 128)
+        wgmma_m64n128k16<0, 0>(st, da, db, kk > 0 ? 1u : 0u);
+      else
+        wgmma_ss_n64<0, 0>(st, da, db, kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t koff = (kk / 4) * L::kBN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const uint32_t qoff = (kk / 4) * L::kBM * 128 + (kk % 4) * 32;
+      const uint64_t da = wgmma_desc(base + L::kV + koff, 16, 1024);
+      const uint64_t db = wgmma_desc(sdo + qoff, 16, 1024);
+      if constexpr (L::kBM == 128)
+        wgmma_m64n128k16<0, 0>(dpt, da, db, kk > 0 ? 1u : 0u);
+      else
+        wgmma_ss_n64<0, 0>(dpt, da, db, kk > 0 ? 1u : 0u);
+    }
+    wgmma_commit();
+
+    // P^T = 2^(s scale log2e - lse log2e), masked unless every pair of the tile is visible.
+    wgmma_wait<1>();
+    const bool full_tile = key0 + L::kBN - 1 <= q0 && doc[L::kBM - 1] <= key0;
+#pragma unroll
+    for (int jj = 0; jj < L::kBM / 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * jj + 2 * (l % 4) + e, query = q0 + col;
+        const float l2 = lse2[col];
+        const int ds = doc[col];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float& x = st[4 * jj + 2 * i + e];
+          x = exp2_approx(__fmaf_rn(x, p.scale_log2, -l2));
+          if (!full_tile && (keys[i] > query || keys[i] < ds)) x = 0.0f;
+        }
+      }
+    // dS^T = P^T (dP^T - Dl).
+    wgmma_wait<0>();
+#pragma unroll
+    for (int jj = 0; jj < L::kBM / 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float d = dl[8 * jj + 2 * (l % 4) + e];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int x = 4 * jj + 2 * i + e;
+          dpt[x] = st[x] * (dpt[x] - d);
+        }
+      }
+
+    // dV += P^T dO, dK += dS^T Q: K = kBM queries, B operands MN-major. The A fragments are
+    // converted first: registers an in-flight wgmma reads must stay untouched.
+    uint32_t pa[L::kBM / 16][4], dsa[L::kBM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < L::kBM / 16; ++kk) {
+      to_a_fragment<L::kBM>(st, kk, pa[kk]);
+      to_a_fragment<L::kBM>(dpt, kk, dsa[kk]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < L::kBM / 16; ++kk) {
+      const uint64_t db = wgmma_desc(sdo + kk * 2048, L::kBM * 128, 1024);
+      if constexpr (D == 128)
+        wgmma_rs_n128<1>(dv, pa[kk], db, 1u);
+      else
+        wgmma_rs_n64<1>(dv, pa[kk], db, 1u);
+    }
+#pragma unroll
+    for (int kk = 0; kk < L::kBM / 16; ++kk) {
+      const uint64_t db = wgmma_desc(sq + kk * 2048, L::kBM * 128, 1024);
+      if constexpr (D == 128)
+        wgmma_rs_n128<1>(dk, dsa[kk], db, 1u);
+      else
+        wgmma_rs_n64<1>(dk, dsa[kk], db, 1u);
+    }
+    wgmma_commit();
+
+    // dS^T (BF16) to shared memory: chunks of 64 queries x 128 keys, one 128-byte swizzled row per
+    // key, the MN-major A operand of dQ = dS K. dsa[kk][r] holds row 8 (r % 2), columns 8 (r / 2).
+    const uint32_t sds = base + L::kDs + (it & 1) * L::kDsBytes;
+#pragma unroll
+    for (int kk = 0; kk < L::kBM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = r % 2, key = 64 * c + 16 * w + 8 * i + l / 4;
+        const int col = 16 * kk + 8 * (r / 2) + 2 * (l % 4), chunk = col / 64, qq = col % 64;
+        const uint32_t addr = sds + chunk * (L::kBN * 128) + key * 128 +
+                              ((((qq * 2) / 16) ^ (key % 8)) * 16) + (qq * 2) % 16;
+        st_shared_b32(addr, dsa[kk][r]);
+      }
+    fence_async_shared();
+    named_barrier_sync(1, 256);  // both halves of dS^T are written; step it - 1 is complete
+    if (threadIdx.x == 0 && it + 2 < steps) load_step<D>(p, sl, smem, full, it + 2);
+
+    // dQ part of this warpgroup (64 queries x 64 dims) = dS (64, 128 keys) K (128 keys, 64).
+    constexpr bool kSplitD = L::kBM == 64;
+    const uint32_t sa = sds + (kSplitD ? 0 : c * L::kBN * 128);
+    const uint32_t sb = base + L::kK + (kSplitD ? c * L::kBN * 128 : 0);
+    float dqa[32];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < L::kBN / 16; ++kk)
+      wgmma_ss_n64<1, 1>(dqa, wgmma_desc(sa + kk * 2048, 8192, 1024),
+                         wgmma_desc(sb + kk * 2048, 8192, 1024), kk > 0 ? 1u : 0u);
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    // Ordered sum into dq: KV tiles in descending order, from n_hi(m), the highest one that
+    // reaches tile m (it writes; the others add).
+    const int n_hi = (min(q0 + L::kBM, p.S) - 1) / L::kBN;
+    const uint32_t turn = static_cast<uint32_t>(n_hi - j);
+    uint32_t* counter = p.counters + ((static_cast<int64_t>(b) * p.Hq + h) * p.m_tiles + m) * 2 + c;
+    if (t == 0) wait_counter(counter, turn);
+    named_barrier_sync(2 + c, 128);
+    const int qrow0 = q0 + (kSplitD ? 0 : 64 * c), dcol0 = kSplitD ? 64 * c : 0;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int query = qrow0 + 16 * w + 8 * i + l / 4;
+      if (query >= p.S) continue;
+      float* row = p.dq + ((static_cast<int64_t>(b) * p.S + query) * p.Hq + h) * D + dcol0;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        float2* ptr = reinterpret_cast<float2*>(row + 8 * jj + 2 * (l % 4));
+        float2 v = make_float2(dqa[4 * jj + 2 * i] * p.scale, dqa[4 * jj + 2 * i + 1] * p.scale);
+        if (turn != 0) {
+          const float2 old = __ldcg(ptr);
+          v.x += old.x;
+          v.y += old.y;
+        }
+        __stcg(ptr, v);
+      }
+    }
+    named_barrier_sync(2 + c, 128);
+    if (t == 0) {
+      __threadfence();
+      red_release_add(counter, 1);
+    }
+  }
+
+  // dK (scaled) and dV of this warpgroup's 64 keys.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (keys[i] >= p.S) continue;
+    const int64_t off = ((static_cast<int64_t>(b) * p.S + keys[i]) * Hkv + g) * D;
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj) {
+      const int col = 8 * jj + 2 * (l % 4);
+      *reinterpret_cast<float2*>(p.dk + off + col) =
+          make_float2(dk[4 * jj + 2 * i] * p.scale, dk[4 * jj + 2 * i + 1] * p.scale);
+      *reinterpret_cast<float2*>(p.dv + off + col) =
+          make_float2(dv[4 * jj + 2 * i], dv[4 * jj + 2 * i + 1]);
+    }
+  }
+}
+
+// Workspace: dl, lse2 (B, Hq, S_pad) FP32; doc (B, S_pad) int32; counters (B, Hq, m_tiles, 2).
+struct Workspace {
+  int64_t rows, doc, counters;  // element counts
+  size_t bytes() const { return static_cast<size_t>(2 * rows + doc + counters) * 4; }
+};
+Workspace workspace_of(const FlashAttentionShape& s) {
+  const int64_t s_pad = (s.seq + 127) / 128 * 128;
+  const int64_t m_tiles = s_pad / 64;  // enough for either query tile
+  return {s.batch * s.q_heads * s_pad, s.batch * s_pad, s.batch * s.q_heads * m_tiles * 2};
+}
+
+template <int D>
+void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uint16_t* k,
+                     const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
+                     const int32_t* doc, bool has_doc, uint32_t* counters, float* dq, float* dk,
+                     float* dv, cudaStream_t stream) {
+  using L = BwdLayout<D>;
+  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tdo = make_head_map(dout, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  BwdParams p;
+  p.S = static_cast<int>(sh.seq);
+  p.S_pad = static_cast<int>((sh.seq + 127) / 128 * 128);
+  p.Hq = static_cast<int>(sh.q_heads);
+  p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
+  p.n_tiles = static_cast<int>((sh.seq + L::kBN - 1) / L::kBN);
+  p.m_tiles = static_cast<int>((sh.seq + L::kBM - 1) / L::kBM);
+  p.batch_kv = static_cast<int>(sh.batch * sh.kv_heads);
+  p.scale = sh.scale;
+  p.scale_log2 = sh.scale * kLog2e;
+  p.has_doc = has_doc;
+  p.dl = dl;
+  p.lse2 = lse2;
+  p.doc = doc;
+  p.counters = counters;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  static bool configured = [] {
+    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(flash_bwd_kernel<D>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(static_cast<unsigned>(p.n_tiles * p.batch_kv));
+  flash_bwd_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, p);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t flash_attention_backward_workspace_bytes(const FlashAttentionShape& shape) {
+  return workspace_of(shape).bytes();
+}
+
+Status flash_attention_backward_sm90(const FlashAttentionShape& shape, const uint16_t* q,
+                                     const uint16_t* k, const uint16_t* v, const uint16_t* o,
+                                     const uint16_t* dout, const float* lse,
+                                     const int32_t* doc_start, float* dq, float* dk, float* dv,
+                                     void* workspace, cudaStream_t stream) {
+  PACKMOE_RETURN_IF_ERROR(flash_check_shape(shape));
+  if (shape.batch * shape.seq == 0) return Status::ok();
+  const Workspace ws = workspace_of(shape);
+  float* dl = static_cast<float*>(workspace);
+  float* lse2 = dl + ws.rows;
+  int32_t* doc = reinterpret_cast<int32_t*>(lse2 + ws.rows);
+  uint32_t* counters = reinterpret_cast<uint32_t*>(doc + ws.doc);
+  flash_backward_preprocess(shape, o, dout, lse, doc_start, dl, lse2, doc, stream);
+  const bool has_doc = doc_start != nullptr;
+  if (shape.head_dim == 128 || shape.head_dim == 64) {
+    PACKMOE_CUDA_CHECK(cudaMemsetAsync(counters, 0, static_cast<size_t>(ws.counters) * 4, stream));
+    if (shape.head_dim == 128)
+      launch_backward<128>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk, dv,
+                           stream);
+    else
+      launch_backward<64>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk, dv,
+                          stream);
+  } else {
+    flash_simple_backward(shape, q, k, v, dout, dl, lse2, doc, dq, dk, dv, stream);
+  }
+  return Status::ok();
+}
+
+}  // namespace packmoe::cuda
