@@ -4,9 +4,10 @@
 // Dl and the document starts (two stages, TMA on mbarriers); two consumer warpgroups of 64 keys
 // each compute S^T = K Q^T and dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO and
 // dK += dS^T Q (wgmma, A from registers) over every head of the group, and dQ = dS K from dS in
-// shared memory. Invariant (deterministic, batch invariant): dK / dV sum in a fixed loop order in
-// registers; the dQ tile of (b, h, query tile m) is summed in global memory in descending KV-tile
-// order, each CTA waiting on a per-tile counter for its turn (the first writes, the rest add).
+// shared memory, staged in shared memory and added to dq by TMA (reduce-add in L2). Invariant
+// (deterministic, batch invariant): dK / dV sum in a fixed loop order in registers; each dQ part
+// of (b, h, query tile m) is summed in global memory in descending KV-tile order, on a per-part
+// counter: a CTA adds its part on its turn (the first stores) and counts it done one step later.
 #include "backend/cuda/flash_attention_sm90.h"
 #include "backend/cuda/flash_attention_sm90_device.cuh"
 #include "backend/cuda/flash_attention_sm90_simple.h"
@@ -20,17 +21,23 @@ using namespace flash;
 // queries per step, each consumer warpgroup computes dQ for half of the queries.
 template <int D>
 struct BwdLayout {
-  static constexpr int kBN = 128, kBM = D == 128 ? 64 : 128, kBoxes = D / 64, kStages = 3;
+  static constexpr int kBN = 128, kBM = D == 128 ? 64 : 128, kBoxes = D / 64;
+  static constexpr int kStages = D == 128 ? 3 : 2;  // what fits beside the rest
   static constexpr int kKvBytes = kBN * D * 2;   // K or V: D / 64 boxes of (128, 64)
   static constexpr int kQBytes = kBM * D * 2;    // Q or dO of one stage: D / 64 boxes of (kBM, 64)
   static constexpr int kDsBytes = kBN * kBM * 2;  // dS^T (128 keys, kBM queries): kBM / 64 chunks
   static constexpr int kK = 0, kV = kKvBytes, kQ = 2 * kKvBytes;
   static constexpr int kDo = kQ + kStages * kQBytes;
   static constexpr int kDs = kDo + kStages * kQBytes;  // two buffers
-  static constexpr int kRowF = kDs + 2 * kDsBytes;  // per stage: lse2, Dl, doc (kBM words each)
+  static constexpr int kDq = kDs + 2 * kDsBytes;  // dQ (FP32): 2 parts of 64 x 64, 2 boxes each
+  static constexpr int kDqBytes = 2 * 64 * 64 * 4;
+  static constexpr int kRowF = kDq + kDqBytes;  // per stage: lse2, Dl, doc (kBM words each)
   static constexpr int kRowBytes = 3 * kBM * 4;
   static constexpr int kBars = kRowF + kStages * kRowBytes;  // full_kv, full[kStages]
-  static constexpr int kSmem = kBars + (1 + kStages) * 8 + 1024;
+  // No alignment slack (D = 128 needs all but 700 bytes of the 227 KB): the kernel checks that
+  // dynamic shared memory starts 1024-byte aligned, as it does after the 1 KB the system reserves.
+  static constexpr int kSmem = kBars + (1 + kStages) * 8;
+  static_assert(kSmem <= 232448, "shared memory");
   static constexpr uint32_t kStageTx = 2 * kQBytes + kRowBytes;
 };
 
@@ -76,18 +83,21 @@ __device__ __forceinline__ void load_step(const BwdParams& p, const StepLoad& sl
             L::kBM * 4, &full[s]);
 }
 
-// Two warpgroups, no producer warpgroup: ptxas keeps a wgmma kernel within the launch bound's
-// registers (docs/gemm-sm90.md), and dK, dV, S^T and dP^T need ~200 live; 256 threads allow 255.
-// Thread 0 issues every load, three stages deep: step it + 2 once both warpgroups have passed
-// step it's dS barrier (so step it - 1, the stage's last user, is complete in both).
+// Two warpgroups, no producer or writer warps: ptxas keeps a wgmma kernel within the launch
+// bound's registers (docs/gemm-sm90.md; 384 threads give 168, and so do 288: 3 warps on one of
+// the 4 register-file quarters), and dK, dV, S^T and dP^T need ~200 live; 256 threads allow 255.
+// Thread 0 issues every load, kStages deep: step it + kStages - 1 once both warpgroups have
+// passed step it's dS barrier (so step it - 1, the stage's last user, is complete in both).
+// Thread 0 of each warpgroup issues its dQ part's TMA add and waits for its completion only one
+// step later, so the L2 round trips of the ordered sum stay off the tensor-core path.
 template <int D>
 __global__ void __launch_bounds__(256, 1)
     flash_bwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                      const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tdo,
-                     const BwdParams p) {
+                     const __grid_constant__ CUtensorMap tdq, const BwdParams p) {
   using L = BwdLayout<D>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_1024(smem_raw);
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if ((smem_addr(smem) & 1023) != 0) __trap();
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
   uint64_t* full_kv = bars;
   uint64_t* full = bars + 1;  // [kStages]
@@ -118,11 +128,22 @@ __global__ void __launch_bounds__(256, 1)
       tma_load_4d(smem + L::kK + x * L::kBN * 128, &tk, full_kv, 64 * x, g, key0, b);
       tma_load_4d(smem + L::kV + x * L::kBN * 128, &tv, full_kv, 64 * x, g, key0, b);
     }
-    for (int it = 0; it < min(steps, 2); ++it) load_step<D>(p, sl, smem, full, it);
+    for (int it = 0; it < min(steps, L::kStages - 1); ++it) load_step<D>(p, sl, smem, full, it);
   }
   __syncthreads();
+  constexpr bool kSplitD = L::kBM == 64;  // dQ parts: halves of D (else halves of the queries)
 
   const int c = threadIdx.x / 128;  // keys [64 c, 64 c + 64) of the tile
+  // dQ part counter of step `it` (thread 0 of each warpgroup), and its turn: KV tiles n_hi(m),
+  // n_hi(m) - 1, ... (the highest one reaching query tile m goes first).
+  auto counter_of = [&](int it) {
+    const int m = m_first + it / p.group, h = g * p.group + it % p.group;
+    return p.counters + ((static_cast<int64_t>(b) * p.Hq + h) * p.m_tiles + m) * 2 + c;
+  };
+  auto turn_of = [&](int it) {
+    const int q0 = (m_first + it / p.group) * L::kBM;
+    return static_cast<uint32_t>((min(q0 + L::kBM, p.S) - 1) / L::kBN - j);
+  };
   const int t = threadIdx.x % 128, w = t / 32, l = t % 32;
   const uint32_t base = smem_addr(smem);
   int keys[2];
@@ -135,8 +156,10 @@ __global__ void __launch_bounds__(256, 1)
 
   mbar_wait(full_kv, 0);
   for (int it = 0; it < steps; ++it) {
-    const int m = m_first + it / p.group, h = g * p.group + it % p.group, s = it % L::kStages;
-    const int q0 = m * L::kBM;
+    const int q0 = (m_first + it / p.group) * L::kBM, s = it % L::kStages;
+    const bool writer = t == 0;
+    uint32_t done = 0;  // loaded early: its latency hides under this step's work
+    if (writer) done = ld_acquire(counter_of(it));
     mbar_wait(&full[s], (it / L::kStages) & 1);
     const uint32_t sq = base + L::kQ + s * L::kQBytes, sdo = base + L::kDo + s * L::kQBytes;
     const float* lse2 = reinterpret_cast<const float*>(smem + L::kRowF + s * L::kRowBytes);
@@ -243,11 +266,16 @@ __global__ void __launch_bounds__(256, 1)
         st_shared_b32(addr, dsa[kk][r]);
       }
     fence_async_shared();
+    if (writer && it > 0) {  // step it - 1's dQ part: added (its staging buffer is free); count it
+      bulk_wait_all<false>();
+      fence_async_global();
+      red_release_add(counter_of(it - 1), 1);
+    }
     named_barrier_sync(1, 256);  // both halves of dS^T are written; step it - 1 is complete
-    if (threadIdx.x == 0 && it + 2 < steps) load_step<D>(p, sl, smem, full, it + 2);
+    if (threadIdx.x == 0 && it + L::kStages - 1 < steps)
+      load_step<D>(p, sl, smem, full, it + L::kStages - 1);
 
     // dQ part of this warpgroup (64 queries x 64 dims) = dS (64, 128 keys) K (128 keys, 64).
-    constexpr bool kSplitD = L::kBM == 64;
     const uint32_t sa = sds + (kSplitD ? 0 : c * L::kBN * 128);
     const uint32_t sb = base + L::kK + (kSplitD ? c * L::kBN * 128 : 0);
     float dqa[32];
@@ -259,36 +287,43 @@ __global__ void __launch_bounds__(256, 1)
     wgmma_commit();
     wgmma_wait<0>();
 
-    // Ordered sum into dq: KV tiles in descending order, from n_hi(m), the highest one that
-    // reaches tile m (it writes; the others add).
-    const int n_hi = (min(q0 + L::kBM, p.S) - 1) / L::kBN;
-    const uint32_t turn = static_cast<uint32_t>(n_hi - j);
-    uint32_t* counter = p.counters + ((static_cast<int64_t>(b) * p.Hq + h) * p.m_tiles + m) * 2 + c;
-    if (t == 0) wait_counter(counter, turn);
-    named_barrier_sync(2 + c, 128);
-    const int qrow0 = q0 + (kSplitD ? 0 : 64 * c), dcol0 = kSplitD ? 64 * c : 0;
+    // Stage the scaled part: two boxes of (64 rows, 32 FP32), 128-byte swizzled like the TMA map.
+    const uint32_t sdq = base + L::kDq + c * 16384;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int query = qrow0 + 16 * w + 8 * i + l / 4;
-      if (query >= p.S) continue;
-      float* row = p.dq + ((static_cast<int64_t>(b) * p.S + query) * p.Hq + h) * D + dcol0;
+    for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        float2* ptr = reinterpret_cast<float2*>(row + 8 * jj + 2 * (l % 4));
-        float2 v = make_float2(dqa[4 * jj + 2 * i] * p.scale, dqa[4 * jj + 2 * i + 1] * p.scale);
-        if (turn != 0) {
-          const float2 old = __ldcg(ptr);
-          v.x += old.x;
-          v.y += old.y;
-        }
-        __stcg(ptr, v);
+      for (int i = 0; i < 2; ++i) {
+        const int row = 16 * w + 8 * i + l / 4, col = 8 * jj + 2 * (l % 4), cc = col % 32;
+        const uint32_t addr =
+            sdq + (col / 32) * 8192 + row * 128 + (((cc / 4) ^ (row % 8)) * 16) + (cc % 4) * 4;
+        st_shared_v2_f32(addr, dqa[4 * jj + 2 * i] * p.scale, dqa[4 * jj + 2 * i + 1] * p.scale);
       }
-    }
+    fence_async_shared();
     named_barrier_sync(2 + c, 128);
-    if (t == 0) {
-      __threadfence();
-      red_release_add(counter, 1);
+    if (writer) {  // on its turn: store (the first) or add the part
+      const uint32_t turn = turn_of(it);
+      uint32_t* counter = counter_of(it);
+      while (done < turn) {
+        __nanosleep(32);
+        done = ld_acquire(counter);
+      }
+      fence_async_global();
+      const int h = g * p.group + it % p.group;
+      for (int x = 0; x < 2; ++x) {
+        const uint8_t* src = smem + L::kDq + c * 16384 + x * 8192;
+        const int col = (kSplitD ? 64 * c : 0) + 32 * x, row = q0 + (kSplitD ? 0 : 64 * c);
+        if (turn == 0)
+          tma_store_4d<false>(&tdq, src, col, h, row, b);
+        else
+          tma_store_4d<true>(&tdq, src, col, h, row, b);
+      }
+      bulk_commit();
     }
+  }
+  if (t == 0 && steps > 0) {  // the last step's dQ part
+    bulk_wait_all<false>();
+    fence_async_global();
+    red_release_add(counter_of(steps - 1), 1);
   }
 
   // dK (scaled) and dV of this warpgroup's 64 keys.
@@ -324,10 +359,11 @@ void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uin
                      const int32_t* doc, bool has_doc, uint32_t* counters, float* dq, float* dk,
                      float* dv, cudaStream_t stream) {
   using L = BwdLayout<D>;
-  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tdo = make_head_map(dout, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tq = make_head_map(q, false, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tdo = make_head_map(dout, false, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tk = make_head_map(k, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tv = make_head_map(v, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tdq = make_head_map(dq, true, sh.batch, sh.seq, sh.q_heads, D, 64);
   BwdParams p;
   p.S = static_cast<int>(sh.seq);
   p.S_pad = static_cast<int>((sh.seq + 127) / 128 * 128);
@@ -353,7 +389,7 @@ void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uin
   }();
   (void)configured;
   const dim3 grid(static_cast<unsigned>(p.n_tiles * p.batch_kv));
-  flash_bwd_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, p);
+  flash_bwd_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, tdq, p);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -21,7 +21,7 @@ struct FwdLayout {
   static constexpr int kK = kQBytes;                 // K stages
   static constexpr int kV = kK + 2 * kKvBytes;       // V stages
   static constexpr int kBars = kV + 2 * kKvBytes;    // 9 mbarriers
-  static constexpr int kSmem = kBars + 9 * 8 + 1024;  // + alignment slack
+  static constexpr int kSmem = kBars + 9 * 8;
 };
 
 struct FwdParams {
@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(384, 1)
     flash_fwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                      const __grid_constant__ CUtensorMap tv, const FwdParams p) {
   using L = FwdLayout<D>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = align_1024(smem_raw);
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if ((smem_addr(smem) & 1023) != 0) __trap();  // 128-byte swizzle atoms
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
   uint64_t* full_q = bars;
   uint64_t* full_k = bars + 1;   // [2]
@@ -225,9 +225,9 @@ void launch_forward(const FlashAttentionShape& sh, const uint16_t* q, const uint
                     const uint16_t* v, const int32_t* doc_start, uint16_t* o, float* lse,
                     cudaStream_t stream) {
   using L = FwdLayout<D>;
-  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tq = make_head_map(q, false, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tk = make_head_map(k, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tv = make_head_map(v, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
   FwdParams p;
   p.S = static_cast<int>(sh.seq);
   p.Hq = static_cast<int>(sh.q_heads);
