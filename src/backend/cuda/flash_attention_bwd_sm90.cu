@@ -1,13 +1,15 @@
 // Flash attention backward for sm_90a, D = 64 or 128 (docs/attention-sm90.md). A preprocessing
-// kernel writes Dl = rowsum(dO * O) and lse log2(e); then one CTA per 128-key tile of one KV head:
-// a producer warpgroup loads K, V once and, per (query tile, query head of the group), Q, dO, lse,
-// Dl and the document starts (two stages, TMA on mbarriers); two consumer warpgroups of 64 keys
-// each compute S^T = K Q^T and dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO and
-// dK += dS^T Q (wgmma, A from registers) over every head of the group, and dQ = dS K from dS in
-// shared memory, staged in shared memory and added to dq by TMA (reduce-add in L2). Invariant
-// (deterministic, batch invariant): dK / dV sum in a fixed loop order in registers; each dQ part
-// of (b, h, query tile m) is summed in global memory in descending KV-tile order, on a per-part
-// counter: a CTA adds its part on its turn (the first stores) and counts it done one step later.
+// kernel writes Dl = rowsum(dO * O) and lse log2(e); then one CTA per (128-key tile, query head):
+// thread 0 loads K, V of the head's KV head once and, per query tile, Q, dO, lse, Dl and the
+// document starts (TMA on mbarriers); two warpgroups of 64 keys each compute S^T = K Q^T and
+// dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (wgmma, A from
+// registers), and dQ = dS K from dS in shared memory, staged in shared memory and added to dq by
+// TMA (reduce-add in L2). With GQA, dK / dV of each query head go to the workspace and a last
+// kernel sums each group's heads (per-head CTAs keep the causal work balanced over the GPU).
+// Invariant (deterministic, batch invariant): dK / dV sum in a fixed order (query tiles in
+// registers, then heads in order); each dQ part of (b, h, query tile m) is summed in global memory
+// in descending KV-tile order, on a per-part counter: a CTA adds its part on its turn (the first
+// stores) and counts it done one step later.
 #include "backend/cuda/flash_attention_sm90.h"
 #include "backend/cuda/flash_attention_sm90_device.cuh"
 #include "backend/cuda/flash_attention_sm90_simple.h"
@@ -42,7 +44,7 @@ struct BwdLayout {
 };
 
 struct BwdParams {
-  int S, S_pad, Hq, group, n_tiles, m_tiles, batch_kv;
+  int S, S_pad, Hq, group, n_tiles, m_tiles, batch_heads;
   float scale, scale_log2;
   bool has_doc;
   const float* dl;        // (B, Hq, S_pad)
@@ -50,15 +52,15 @@ struct BwdParams {
   const int32_t* doc;     // (B, S_pad)
   uint32_t* counters;     // (B, Hq, m_tiles, 2), zero at launch
   float* dq;              // (B, S, Hq, D)
-  float* dk;              // (B, S, Hkv, D)
+  float* dk;              // (B, S, Hq, D): per query head (summed over each group afterwards)
   float* dv;
 };
 
-// Step `it` of a CTA: query tile m_first + it / group, query head g group + it % group.
+// Step `it` of a CTA: query tile m_first + it of query head h.
 struct StepLoad {
   const CUtensorMap* tq;
   const CUtensorMap* tdo;
-  int m_first, b, g;
+  int m_first, b, h;
 };
 
 // Thread 0 loads the Q, dO, lse2, Dl and doc rows of step `it` into stage it % kStages.
@@ -66,8 +68,7 @@ template <int D>
 __device__ __forceinline__ void load_step(const BwdParams& p, const StepLoad& sl, uint8_t* smem,
                                           uint64_t* full, int it) {
   using L = BwdLayout<D>;
-  const int m = sl.m_first + it / p.group, h = sl.g * p.group + it % p.group;
-  const int s = it % L::kStages;
+  const int m = sl.m_first + it, h = sl.h, s = it % L::kStages;
   mbar_arrive_expect_tx(&full[s], L::kStageTx);
   for (int x = 0; x < L::kBoxes; ++x) {
     tma_load_4d(smem + L::kQ + s * L::kQBytes + x * L::kBM * 128, sl.tq, &full[s], 64 * x, h,
@@ -103,10 +104,9 @@ __global__ void __launch_bounds__(256, 1)
   uint64_t* full = bars + 1;  // [kStages]
 
   // Highest KV tile first: a CTA waits only on CTAs of the next KV tile, which start earlier.
-  const int j = p.n_tiles - 1 - static_cast<int>(blockIdx.x) / p.batch_kv;
-  const int bg = static_cast<int>(blockIdx.x) % p.batch_kv;
-  const int Hkv = p.Hq / p.group;
-  const int b = bg / Hkv, g = bg % Hkv;
+  const int j = p.n_tiles - 1 - static_cast<int>(blockIdx.x) / p.batch_heads;
+  const int bh = static_cast<int>(blockIdx.x) % p.batch_heads;
+  const int b = bh / p.Hq, h = bh % p.Hq, g = h / p.group;
   const int key0 = j * L::kBN;
   // Query tiles with a key of this tile visible: [m_first, m_last] (doc starts are nondecreasing).
   const int m_first = key0 / L::kBM;
@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(256, 1)
     m_last = m_first;
     while (m_last + 1 < p.m_tiles && doc[(m_last + 1) * L::kBM] <= key0 + L::kBN - 1) ++m_last;
   }
-  const int steps = (m_last - m_first + 1) * p.group;
-  const StepLoad sl{&tq, &tdo, m_first, b, g};
+  const int steps = m_last - m_first + 1;
+  const StepLoad sl{&tq, &tdo, m_first, b, h};
 
   if (threadIdx.x == 0) {
     mbar_init(full_kv, 1);
@@ -137,11 +137,11 @@ __global__ void __launch_bounds__(256, 1)
   // dQ part counter of step `it` (thread 0 of each warpgroup), and its turn: KV tiles n_hi(m),
   // n_hi(m) - 1, ... (the highest one reaching query tile m goes first).
   auto counter_of = [&](int it) {
-    const int m = m_first + it / p.group, h = g * p.group + it % p.group;
+    const int m = m_first + it;
     return p.counters + ((static_cast<int64_t>(b) * p.Hq + h) * p.m_tiles + m) * 2 + c;
   };
   auto turn_of = [&](int it) {
-    const int q0 = (m_first + it / p.group) * L::kBM;
+    const int q0 = (m_first + it) * L::kBM;
     return static_cast<uint32_t>((min(q0 + L::kBM, p.S) - 1) / L::kBN - j);
   };
   const int t = threadIdx.x % 128, w = t / 32, l = t % 32;
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(256, 1)
 
   mbar_wait(full_kv, 0);
   for (int it = 0; it < steps; ++it) {
-    const int q0 = (m_first + it / p.group) * L::kBM, s = it % L::kStages;
+    const int q0 = (m_first + it) * L::kBM, s = it % L::kStages;
     const bool writer = t == 0;
     uint32_t done = 0;  // loaded early: its latency hides under this step's work
     if (writer) done = ld_acquire(counter_of(it));
@@ -308,7 +308,6 @@ __global__ void __launch_bounds__(256, 1)
         done = ld_acquire(counter);
       }
       fence_async_global();
-      const int h = g * p.group + it % p.group;
       for (int x = 0; x < 2; ++x) {
         const uint8_t* src = smem + L::kDq + c * 16384 + x * 8192;
         const int col = (kSplitD ? 64 * c : 0) + 32 * x, row = q0 + (kSplitD ? 0 : 64 * c);
@@ -330,7 +329,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (keys[i] >= p.S) continue;
-    const int64_t off = ((static_cast<int64_t>(b) * p.S + keys[i]) * Hkv + g) * D;
+    const int64_t off = ((static_cast<int64_t>(b) * p.S + keys[i]) * p.Hq + h) * D;
 #pragma unroll
     for (int jj = 0; jj < D / 8; ++jj) {
       const int col = 8 * jj + 2 * (l % 4);
@@ -342,15 +341,37 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
-// Workspace: dl, lse2 (B, Hq, S_pad) FP32; doc (B, S_pad) int32; counters (B, Hq, m_tiles, 2).
+// dk[b, s, g] = sum over r < group of part[b, s, g group + r] (in order), dv likewise: one thread
+// per 4 elements.
+__global__ void sum_heads_kernel(const float4* dk_part, const float4* dv_part, float4* dk,
+                                 float4* dv, int64_t kv_vectors, int group, int d4) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= kv_vectors) return;
+  const int64_t row = i / d4, e = i % d4;  // row = (b S + s) Hkv + g
+  const float4* a = dk_part + row * group * d4 + e;
+  const float4* v = dv_part + row * group * d4 + e;
+  float4 sk = a[0], sv = v[0];
+  for (int r = 1; r < group; ++r) {
+    const float4 x = a[r * d4], y = v[r * d4];
+    sk = make_float4(sk.x + x.x, sk.y + x.y, sk.z + x.z, sk.w + x.w);
+    sv = make_float4(sv.x + y.x, sv.y + y.y, sv.z + y.z, sv.w + y.w);
+  }
+  dk[i] = sk;
+  dv[i] = sv;
+}
+
+// Workspace: dl, lse2 (B, Hq, S_pad) FP32; doc (B, S_pad) int32; counters (B, Hq, m_tiles, 2);
+// with GQA on the tensor-core path, dk and dv per query head (B, S, Hq, D) FP32.
 struct Workspace {
-  int64_t rows, doc, counters;  // element counts
-  size_t bytes() const { return static_cast<size_t>(2 * rows + doc + counters) * 4; }
+  int64_t rows, doc, counters, parts;  // element counts
+  size_t bytes() const { return static_cast<size_t>(2 * rows + doc + counters + 2 * parts) * 4; }
 };
 Workspace workspace_of(const FlashAttentionShape& s) {
   const int64_t s_pad = (s.seq + 127) / 128 * 128;
   const int64_t m_tiles = s_pad / 64;  // enough for either query tile
-  return {s.batch * s.q_heads * s_pad, s.batch * s_pad, s.batch * s.q_heads * m_tiles * 2};
+  const bool parts = s.q_heads != s.kv_heads && (s.head_dim == 64 || s.head_dim == 128);
+  return {s.batch * s.q_heads * s_pad, s.batch * s_pad, s.batch * s.q_heads * m_tiles * 2,
+          parts ? s.batch * s.seq * s.q_heads * s.head_dim : 0};
 }
 
 template <int D>
@@ -371,7 +392,7 @@ void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uin
   p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
   p.n_tiles = static_cast<int>((sh.seq + L::kBN - 1) / L::kBN);
   p.m_tiles = static_cast<int>((sh.seq + L::kBM - 1) / L::kBM);
-  p.batch_kv = static_cast<int>(sh.batch * sh.kv_heads);
+  p.batch_heads = static_cast<int>(sh.batch * sh.q_heads);
   p.scale = sh.scale;
   p.scale_log2 = sh.scale * kLog2e;
   p.has_doc = has_doc;
@@ -388,7 +409,7 @@ void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uin
     return true;
   }();
   (void)configured;
-  const dim3 grid(static_cast<unsigned>(p.n_tiles * p.batch_kv));
+  const dim3 grid(static_cast<unsigned>(p.n_tiles * p.batch_heads));
   flash_bwd_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, tdq, p);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
@@ -411,16 +432,27 @@ Status flash_attention_backward_sm90(const FlashAttentionShape& shape, const uin
   float* lse2 = dl + ws.rows;
   int32_t* doc = reinterpret_cast<int32_t*>(lse2 + ws.rows);
   uint32_t* counters = reinterpret_cast<uint32_t*>(doc + ws.doc);
+  float* dk_part = ws.parts ? reinterpret_cast<float*>(counters + ws.counters) : dk;
+  float* dv_part = ws.parts ? dk_part + ws.parts : dv;
   flash_backward_preprocess(shape, o, dout, lse, doc_start, dl, lse2, doc, stream);
   const bool has_doc = doc_start != nullptr;
   if (shape.head_dim == 128 || shape.head_dim == 64) {
     PACKMOE_CUDA_CHECK(cudaMemsetAsync(counters, 0, static_cast<size_t>(ws.counters) * 4, stream));
     if (shape.head_dim == 128)
-      launch_backward<128>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk, dv,
-                           stream);
+      launch_backward<128>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk_part,
+                           dv_part, stream);
     else
-      launch_backward<64>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk, dv,
-                          stream);
+      launch_backward<64>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk_part,
+                          dv_part, stream);
+    if (ws.parts) {
+      const int d4 = static_cast<int>(shape.head_dim / 4);
+      const int64_t n = shape.batch * shape.seq * shape.kv_heads * d4;
+      sum_heads_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+          reinterpret_cast<const float4*>(dk_part), reinterpret_cast<const float4*>(dv_part),
+          reinterpret_cast<float4*>(dk), reinterpret_cast<float4*>(dv), n,
+          static_cast<int>(shape.q_heads / shape.kv_heads), d4);
+      PACKMOE_CUDA_CHECK_LAUNCH();
+    }
   } else {
     flash_simple_backward(shape, q, k, v, dout, dl, lse2, doc, dq, dk, dv, stream);
   }
