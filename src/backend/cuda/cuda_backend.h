@@ -140,10 +140,10 @@ bool cuda_nvfp4_fast_codecs_ok(CudaBackend& be);
 // line on stderr) if not.
 bool cuda_mxfp8_fast_scale_ok(CudaBackend& be);
 
-// Dense decoder ops (model_ops_sm90.cu; attention in attention_sm90.cu), the CPU reference's
-// bytes. Embedding ids and cross-entropy targets are range-checked by a kernel whose flag is read
-// back (one stream sync per call) before any output is written. Attention supports head_dim <= 512
-// (an error Status beyond): tiled kernels up to 128, one warp per row above.
+// Dense decoder ops (model_ops_sm90.cu): the CPU reference's bytes. Embedding ids and
+// cross-entropy targets are range-checked by a kernel whose flag is read back (one stream sync per
+// call) before any output is written. Attention (attention_sm90.cu): the tensor-core kernels of
+// flash_attention_sm90.h, deterministic and batch-invariant, not the CPU's bytes.
 Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a);
 Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a);
 Status rms_norm_sm90(CudaBackend& be, const RmsNormArgs& a);

@@ -127,8 +127,7 @@ Status validate_attention(const AttentionArgs& a) {
                                {a.k, "k"},
                                {a.v, "v"},
                                {a.o, "o"},
-                               {a.row_max, "row_max"},
-                               {a.row_sum, "row_sum"}});
+                               {a.lse, "lse"}});
 }
 
 Status validate_attention_backward(const AttentionBackwardArgs& a) {
@@ -139,8 +138,7 @@ Status validate_attention_backward(const AttentionBackwardArgs& a) {
                                {a.k, "k"},
                                {a.v, "v"},
                                {a.o, "o"},
-                               {a.row_max, "row_max"},
-                               {a.row_sum, "row_sum"},
+                               {a.lse, "lse"},
                                {a.dout, "dout"},
                                {a.dq, "dq"},
                                {a.dk, "dk"},
