@@ -1,174 +1,181 @@
-// Causal GQA attention core (backend/model_ops.h), forward and backward, on the presets' shapes:
-// one line per shape with the median ms of each and the nominal TFLOP/s. FLOPs count the causal
-// pairs only: forward 4 D per pair (Q K^T and P V), backward 10 D per pair (Q K^T recomputed,
-// dO V^T, P^T dO, dS^T Q, dS K), the FlashAttention convention. The exact non-FMA FP32 kernels do
-// more (pass 1 recomputes Q K^T: 6 D forward, 14 D backward). --check compares the bytes of every
-// output with the CPU reference on the shapes cheap enough for it. Uses the Backend interface.
+// Flash attention (backend/cuda/flash_attention_sm90.h) forward and backward on the shapes of the
+// PyTorch peer (shared peers' torch_attention.py; docs/attention-sm90.md) plus one document-masked
+// case: per shape the median ms of each over CUDA-event-timed launches and the nominal TFLOP/s.
+// FLOPs count the causal pairs P = B Hq S (S + 1) / 2 (the peer's counting, also for the masked
+// case): forward 4 D P, backward 10 D P (Q K^T recomputed, dO V^T, P^T dO, dS^T Q, dS K). The
+// backward time includes its preprocessing kernel. Needs a CUDA build and a GPU.
 #include <CLI/CLI.hpp>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <string>
 #include <vector>
 
-#include "backend/backend.h"
-#include "backend/device_buffer.h"
-#include "backend/model_ops.h"
-#include "core/codecs.h"
+#if __has_include(<cuda_runtime.h>)
+#include "backend/cuda/flash_attention_sm90.h"
+#define PACKMOE_BENCH_CUDA 1
+#endif
 
 namespace packmoe {
 namespace {
 
 struct Options {
   int iters = 10;
-  int warmup = 2;
-  bool check = false;
-  double check_limit = 1.5e9;  // pairs * D above which --check skips a shape (CPU time)
-  std::string only;            // run only shapes whose name contains this
+  int warmup = 3;
 };
 
+#if defined(PACKMOE_BENCH_CUDA)
 struct Shape {
-  const char* name;
   int64_t B, S, Hq, Hkv, D;
+  int docs;  // documents per row (0: plain causal)
 };
 
-// tiny, small and the Qwen3-30B-A3B layer (plus the shape of the first measurements).
 const Shape kShapes[] = {
-    {"tiny", 8, 64, 4, 2, 16},
-    {"tiny", 8, 256, 4, 2, 16},
-    {"small", 8, 512, 8, 2, 64},
-    {"small", 16, 512, 8, 2, 64},
-    {"ref", 1, 2048, 16, 4, 128},
-    {"qwen3_30b_a3b", 1, 2048, 32, 4, 128},
-    {"qwen3_30b_a3b", 1, 4096, 32, 4, 128},
+    {16, 512, 8, 2, 64, 0}, {4, 2048, 32, 4, 128, 0}, {1, 4096, 32, 4, 128, 0},
+    {1, 8192, 32, 4, 128, 0}, {1, 8192, 32, 4, 128, 8},
 };
 
-// Uniform values in [-a, a) from a counter hash (reproducible, no zeros in practice).
-std::vector<float> random_floats(int64_t n, uint64_t seed, float a) {
-  std::vector<float> h(n);
-#pragma omp parallel for schedule(static)
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "packmoe: error: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+void check_ok(const Status& s) {
+  if (!s.is_ok()) {
+    std::fprintf(stderr, "packmoe: error: %s\n", s.message().c_str());
+    std::exit(1);
+  }
+}
+
+// BF16 bits of uniform values in [-a, a) from a counter hash.
+std::vector<uint16_t> random_bf16(int64_t n, uint64_t seed, float a) {
+  std::vector<uint16_t> h(n);
   for (int64_t i = 0; i < n; ++i) {
     uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(i + 1);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z ^= z >> 31;
-    h[i] = (static_cast<float>(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * a;
+    const float x = (static_cast<float>(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * a;
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    h[i] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   }
   return h;
 }
 
-void check_ok(const Status& s) {
-  if (!s.is_ok()) {
-    std::fprintf(stderr, "bench_attention: %s\n", s.message().c_str());
-    std::exit(1);
-  }
+template <typename T>
+T* upload(const std::vector<T>& h) {
+  T* d = nullptr;
+  check_cuda(cudaMalloc(&d, h.size() * sizeof(T)), "cudaMalloc");
+  check_cuda(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  return d;
 }
-
-DeviceBuffer upload(Backend& be, const std::vector<float>& h) {
-  DeviceBuffer d(be, h.size() * sizeof(float));
-  be.copy(d.get(), h.data(), d.size(), Backend::CopyKind::kHostToDevice);
+void* alloc(size_t bytes) {
+  void* d = nullptr;
+  check_cuda(cudaMalloc(&d, std::max<size_t>(bytes, 16)), "cudaMalloc");
   return d;
 }
 
-// Differing bytes between a device buffer and host floats.
-size_t mismatches(Backend& be, const DeviceBuffer& d, const std::vector<float>& h) {
-  std::vector<uint8_t> got = d.download();
-  const auto* want = reinterpret_cast<const uint8_t*>(h.data());
-  size_t bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) bad += got[i] != want[i];
-  return bad;
+template <typename F>
+double median_ms(F&& launch, const Options& o) {
+  for (int i = 0; i < o.warmup; ++i) launch();
+  check_cuda(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t a, b;
+  check_cuda(cudaEventCreate(&a), "event");
+  check_cuda(cudaEventCreate(&b), "event");
+  std::vector<float> ts;
+  for (int i = 0; i < o.iters; ++i) {
+    check_cuda(cudaEventRecord(a), "record");
+    launch();
+    check_cuda(cudaEventRecord(b), "record");
+    check_cuda(cudaEventSynchronize(b), "sync");
+    float ms = 0.0f;
+    check_cuda(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    ts.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
 }
 
-float* f(const DeviceBuffer& b) { return static_cast<float*>(b.get()); }
-
-void run_shape(Backend& be, const Shape& s, const Options& o) {
+void run_shape(const Shape& s, const Options& o) {
+  const cuda::FlashAttentionShape fs{s.B, s.S, s.Hq, s.Hkv, s.D,
+                                     static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)))};
   const int64_t nq = s.B * s.S * s.Hq * s.D, nkv = s.B * s.S * s.Hkv * s.D;
-  const int64_t rows = s.B * s.Hq * s.S;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(s.D));
-  const std::vector<float> hq = random_floats(nq, 1, 1.5f), hk = random_floats(nkv, 2, 1.5f),
-                           hv = random_floats(nkv, 3, 1.0f), hdo = random_floats(nq, 4, 1.0f);
-  DeviceBuffer q = upload(be, hq), k = upload(be, hk), v = upload(be, hv), dout = upload(be, hdo);
-  DeviceBuffer o_(be, nq * 4), rmax(be, rows * 4), rsum(be, rows * 4);
-  DeviceBuffer dq(be, nq * 4), dk(be, nkv * 4), dv(be, nkv * 4);
-  // Poison: a NaN pattern, so an element never written shows up in --check.
-  for (const DeviceBuffer* b : {&o_, &rmax, &rsum, &dq, &dk, &dv}) {
-    std::vector<uint8_t> p(b->size(), 0xFF);
-    be.copy(b->get(), p.data(), p.size(), Backend::CopyKind::kHostToDevice);
+  const float qa = 2.0f * std::pow(static_cast<float>(s.D), 0.25f) / std::sqrt(3.0f);
+  uint16_t* q = upload(random_bf16(nq, 1, qa));
+  uint16_t* k = upload(random_bf16(nkv, 2, qa));
+  uint16_t* v = upload(random_bf16(nkv, 3, 1.0f));
+  uint16_t* dout = upload(random_bf16(nq, 4, 1.0f));
+  int32_t* doc = nullptr;
+  if (s.docs > 0) {  // equal documents
+    std::vector<int32_t> h(s.B * s.S);
+    const int64_t len = (s.S + s.docs - 1) / s.docs;
+    for (int64_t i = 0; i < s.B * s.S; ++i) h[i] = static_cast<int32_t>((i % s.S) / len * len);
+    doc = upload(h);
   }
-  const AttentionArgs fa{s.B,  s.S,  s.Hq, s.Hkv, s.D,     scale,
-                         f(q), f(k), f(v), f(o_), f(rmax), f(rsum)};
-  const AttentionBackwardArgs ba{s.B,  s.S,   s.Hq,    s.Hkv,   s.D,     scale, f(q),  f(k),
-                                 f(v), f(o_), f(rmax), f(rsum), f(dout), f(dq), f(dk), f(dv)};
-  check_ok(be.attention(fa));
-  check_ok(be.attention_backward(ba));
-  be.synchronize();
-
-  std::string verdict = "-";
+  auto* out = static_cast<uint16_t*>(alloc(nq * 2));
+  auto* lse = static_cast<float*>(alloc(s.B * s.Hq * s.S * 4));
+  auto* dq = static_cast<float*>(alloc(nq * 4));
+  auto* dk = static_cast<float*>(alloc(nkv * 4));
+  auto* dv = static_cast<float*>(alloc(nkv * 4));
+  void* ws = alloc(cuda::flash_attention_backward_workspace_bytes(fs));
+  const double fwd = median_ms(
+      [&] { check_ok(cuda::flash_attention_forward_sm90(fs, q, k, v, doc, out, lse, nullptr)); }, o);
+  const double bwd = median_ms(
+      [&] {
+        check_ok(cuda::flash_attention_backward_sm90(fs, q, k, v, out, dout, lse, doc, dq, dk, dv,
+                                                     ws, nullptr));
+      },
+      o);
+  check_cuda(cudaGetLastError(), "kernels");
   const double pairs = static_cast<double>(s.B * s.Hq) * static_cast<double>(s.S) *
                        static_cast<double>(s.S + 1) / 2.0;
-  if (o.check) {
-    if (pairs * static_cast<double>(s.D) > o.check_limit) {
-      verdict = "skipped";
-    } else {
-      std::vector<float> co(nq), cm(rows), cs(rows), cdq(nq), cdk(nkv), cdv(nkv);
-      check_ok(attention_cpu({s.B, s.S, s.Hq, s.Hkv, s.D, scale, hq.data(), hk.data(), hv.data(),
-                              co.data(), cm.data(), cs.data()}));
-      check_ok(attention_backward_cpu({s.B, s.S, s.Hq, s.Hkv, s.D, scale, hq.data(), hk.data(),
-                                       hv.data(), co.data(), cm.data(), cs.data(), hdo.data(),
-                                       cdq.data(), cdk.data(), cdv.data()}));
-      const size_t bad_f =
-          mismatches(be, o_, co) + mismatches(be, rmax, cm) + mismatches(be, rsum, cs);
-      const size_t bad_b =
-          mismatches(be, dq, cdq) + mismatches(be, dk, cdk) + mismatches(be, dv, cdv);
-      verdict = "fwd " + std::to_string(bad_f) + " bwd " + std::to_string(bad_b) + " bytes differ";
-    }
-  }
-
-  const double fwd_ms = be.time_ms([&] { check_ok(be.attention(fa)); }, o.warmup, o.iters);
-  const double bwd_ms = be.time_ms([&] { check_ok(be.attention_backward(ba)); }, o.warmup, o.iters);
   const double d = static_cast<double>(s.D);
-  char shape[96];
-  std::snprintf(shape, sizeof shape, "%s B%lld S%lld Hq%lld Hkv%lld D%lld", s.name,
-                static_cast<long long>(s.B), static_cast<long long>(s.S),
-                static_cast<long long>(s.Hq), static_cast<long long>(s.Hkv),
-                static_cast<long long>(s.D));
-  std::printf("%-40s %9.3f %9.3f %8.2f %8.2f  %s\n", shape, fwd_ms, bwd_ms,
-              4.0 * d * pairs / (fwd_ms * 1e-3) / 1e12, 10.0 * d * pairs / (bwd_ms * 1e-3) / 1e12,
-              verdict.c_str());
+  std::printf("B%-3lld S%-5lld Hq%-3lld Hkv%-2lld D%-4lld docs %-2d %9.3f %9.3f %8.1f %8.1f\n",
+              static_cast<long long>(s.B), static_cast<long long>(s.S),
+              static_cast<long long>(s.Hq), static_cast<long long>(s.Hkv),
+              static_cast<long long>(s.D), s.docs, fwd, bwd, 4.0 * d * pairs / (fwd * 1e-3) / 1e12,
+              10.0 * d * pairs / (bwd * 1e-3) / 1e12);
   std::fflush(stdout);
+  for (void* p : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
+                  static_cast<void*>(dout), static_cast<void*>(doc), static_cast<void*>(out),
+                  static_cast<void*>(lse), static_cast<void*>(dq), static_cast<void*>(dk),
+                  static_cast<void*>(dv), ws})
+    cudaFree(p);
 }
 
 int run(const Options& o) {
-  Result<Backend*> r = get_backend(Device::kCUDA);
-  if (!r.is_ok()) {
-    std::fprintf(stderr, "bench_attention: %s\n", r.status().message().c_str());
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::fprintf(stderr, "packmoe: error: bench_attention needs a GPU\n");
     return 1;
   }
-  Backend& be = *r.value();
-  std::printf(
-      "# bench_attention on %s; median of %d iterations after %d warm-up; TFLOP/s: fwd"
-      " 4 D, bwd 10 D per causal pair\n",
-      be.name().c_str(), o.iters, o.warmup);
-  std::printf("%-40s %9s %9s %8s %8s  %s\n", "shape", "fwd_ms", "bwd_ms", "fwd_TF", "bwd_TF",
-              "check (bytes vs CPU)");
-  for (const Shape& s : kShapes)
-    if (o.only.empty() || std::string(s.name).find(o.only) != std::string::npos)
-      run_shape(be, s, o);
+  std::printf("# bench_attention: flash attention sm90, median of %d after %d warm-up; TFLOP/s:"
+              " fwd 4 D, bwd 10 D per causal pair\n", o.iters, o.warmup);
+  std::printf("%-40s %9s %9s %8s %8s\n", "shape", "fwd_ms", "bwd_ms", "fwd_TF", "bwd_TF");
+  for (const Shape& s : kShapes) run_shape(s, o);
   return 0;
 }
+#else
+int run(const Options&) {
+  std::fprintf(stderr, "packmoe: error: bench_attention needs a CUDA build\n");
+  return 1;
+}
+#endif
 
 }  // namespace
 }  // namespace packmoe
 
 int main(int argc, char** argv) {
   packmoe::Options o;
-  CLI::App app{"packmoe attention benchmark"};
+  CLI::App app{"packmoe flash attention benchmark"};
   app.add_option("--iters", o.iters, "timed iterations (median)")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed warm-up iterations")->check(CLI::NonNegativeNumber);
-  app.add_flag("--check", o.check, "compare every output's bytes with the CPU reference");
-  app.add_option("--check-limit", o.check_limit, "largest pairs * D that --check runs on the CPU");
-  app.add_option("--only", o.only, "run only the shapes whose name contains this");
   CLI11_PARSE(app, argc, argv);
   return packmoe::run(o);
 }

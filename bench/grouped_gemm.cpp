@@ -24,7 +24,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/kernel_policy.h"
 #include "backend/device_buffer.h"
-#include "backend/grouped_gemm.h"
+#include "backend/ops/gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -245,7 +245,7 @@ class ShapeCase {
       in.data = cv(carve_rows(src, rows, cols * 2));
       Mxfp8Outputs o{carve_rows(q.rd, rows, cols), carve_rows(q.rs, rows, cols / 32),
                      carve_rows(q.cd, rows, cols), carve_rows(q.cs, rows, cols / 32), {}, {}};
-      check(be_.quantize_mxfp8(in, cfg, o));
+      check(ops::quantize_mxfp8(be_, in, cfg, o));
       q.o = o;
     };
     one(x_, M, K, s_.splits, mx_x_);
@@ -278,7 +278,7 @@ class ShapeCase {
       o.col_scale = carve_rows(q.cs, rows, cols / 16);
       o.row_amax = ra;
       o.col_amax = ca;
-      check(be_.quantize_nvfp4(in, cfg, o));
+      check(ops::quantize_nvfp4(be_, in, cfg, o));
       q.o = o;
       // Decode scales from the amaxes (host round trip, outside any timing).
       for (int which = 0; which < 2; ++which) {
@@ -473,8 +473,8 @@ int run(const Options& o) {
         for (int impl = 0; impl < (o.no_cublas ? 1 : 2); ++impl) {
           const ScopedKernelPolicy use(policy(impl == 0 ? GemmImpl::kAuto : GemmImpl::kCublasLt,
                                               Sm90Dequant::kRowwiseMxfp8));
-          check(be.grouped_gemm(a));  // argument errors surface before timing
-          ms[impl] = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
+          check(ops::grouped_gemm(be, a));  // argument errors surface before timing
+          ms[impl] = timed_ms(be, o, [&] { check(ops::grouped_gemm(be, a)); });
         }
         const double torch_ms = op == GemmOp::kFprop ? s.gmm_fprop
                                 : op == GemmOp::kDgrad ? s.gmm_dgrad
@@ -494,8 +494,8 @@ int run(const Options& o) {
         if (fp) fprop_ms[s.name + "/" + rname] = ms[0];
         if (f == OperandFormat::kBF16) {
           const GroupedGemmArgs d = sc.with_device_counts(a);
-          check(be.grouped_gemm(d));  // the default policy: the sm90 kernel where it applies
-          const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(d)); });
+          check(ops::grouped_gemm(be, d));  // the default policy: the sm90 kernel where it applies
+          const double t = timed_ms(be, o, [&] { check(ops::grouped_gemm(be, d)); });
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                       acc ? "wgrad+acc" : op_text(op), "bf16:d", t, flops / (t * 1e-3) / 1e12, "-",
                       "-", ratio(torch_ms, t).c_str(), "-", "-", "-");
@@ -503,8 +503,8 @@ int run(const Options& o) {
         }
         if (fp && f == OperandFormat::kMxfp8) {  // the sm90 call forced through the pre-pass
           const ScopedKernelPolicy use(policy(GemmImpl::kAuto, Sm90Dequant::kNone));
-          check(be.grouped_gemm(a));
-          const double t = timed_ms(be, o, [&] { check(be.grouped_gemm(a)); });
+          check(ops::grouped_gemm(be, a));
+          const double t = timed_ms(be, o, [&] { check(ops::grouped_gemm(be, a)); });
           std::printf("%-16s %-9s %-6s %9.3f %8.1f %9s %8s %8s %8s %8s %8s\n", s.name.c_str(),
                       "fprop", "mx-pre", t, flops / (t * 1e-3) / 1e12, "-", "-",
                       ratio(torch_ms, t).c_str(), "-", "-", "-");

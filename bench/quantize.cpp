@@ -218,7 +218,7 @@ int run(const Options& o) {
     // ratio is also torch ms / our ms.
     const Mxfp8Outputs o_row = outputs(0, E, false);
     const double row_bytes = elems * (2 + 1 + 1.0 / 32);
-    const double ms_row = bench.time([&] { check(be.quantize_mxfp8(packed, row_only, o_row)); });
+    const double ms_row = bench.time([&] { check(ops::quantize_mxfp8(be, packed, row_only, o_row)); });
     bench.line("mxfp8 e4m3 row   weights packed", row_bytes, ms_row,
                peer.have ? ratio(peer.mxfp8_weights_ms / ms_row) : "-", "-",
                peer.have ? "same work as torch's cast" : "");
@@ -234,9 +234,9 @@ int run(const Options& o) {
       o_each.push_back(outputs(e, 1, true));
       g_each.push_back(packed_groups(at(w, e * N * K * 2), DType::kBF16, 1, N, K));
     }
-    const double ms_packed = bench.time([&] { check(be.quantize_mxfp8(packed, both, o_both)); });
+    const double ms_packed = bench.time([&] { check(ops::quantize_mxfp8(be, packed, both, o_both)); });
     const double ms_loop = o.no_loop ? 0.0 : bench.time([&] {
-      for (int64_t e = 0; e < E; ++e) check(be.quantize_mxfp8(g_each[e], both, o_each[e]));
+      for (int64_t e = 0; e < E; ++e) check(ops::quantize_mxfp8(be, g_each[e], both, o_each[e]));
     });
     bench.line("mxfp8 e4m3 row+col weights packed", both_bytes, ms_packed,
                peer.have ? ratio(peer.mxfp8_weights_ms / ms_packed) : "-",
@@ -248,10 +248,10 @@ int run(const Options& o) {
                  peer.have ? "vs_torch = torch row-only loop ms / our row+col loop ms" : "");
       int64_t next = 0;
       const double us_one = host_us_per_call(
-          be, [&] { check(be.quantize_mxfp8(g_each[next % E], both, o_each[next % E])), ++next; },
+          be, [&] { check(ops::quantize_mxfp8(be, g_each[next % E], both, o_each[next % E])), ++next; },
           static_cast<int>(E));
       const double us_pack =
-          host_us_per_call(be, [&] { check(be.quantize_mxfp8(packed, both, o_both)); }, 20);
+          host_us_per_call(be, [&] { check(ops::quantize_mxfp8(be, packed, both, o_both)); }, 20);
       std::printf("# host time per mxfp8 call (validate, group table, launch; enqueue only):"
                   " one expert %.1f us, packed E=%lld %.1f us\n",
                   us_one, static_cast<long long>(E), us_pack);
@@ -285,9 +285,9 @@ int run(const Options& o) {
     all.row_amax = ra.get();
     all.col_amax = ca.get();
     const double bytes = elems * (2 + 0.5 + 0.5 + 2.0 / 16) + 2.0 * E * 4;
-    const double ms_packed = bench.time([&] { check(be.quantize_nvfp4(packed, cfg, all)); });
+    const double ms_packed = bench.time([&] { check(ops::quantize_nvfp4(be, packed, cfg, all)); });
     const double ms_loop = o.no_loop ? 0.0 : bench.time([&] {
-      for (int64_t e = 0; e < E; ++e) check(be.quantize_nvfp4(g_each[e], cfg, each[e]));
+      for (int64_t e = 0; e < E; ++e) check(ops::quantize_nvfp4(be, g_each[e], cfg, each[e]));
     });
     bench.line("nvfp4 2d row+col weights packed", bytes, ms_packed, "-", ratio(ms_loop / ms_packed),
                "two launches (amax, quantize) over the pack");
@@ -295,7 +295,7 @@ int run(const Options& o) {
       bench.line("nvfp4 2d row+col weights loop(E)", bytes, ms_loop);
       int64_t next = 0;
       const double us_one = host_us_per_call(
-          be, [&] { check(be.quantize_nvfp4(g_each[next % E], cfg, each[next % E])), ++next; },
+          be, [&] { check(ops::quantize_nvfp4(be, g_each[next % E], cfg, each[next % E])), ++next; },
           static_cast<int>(E));
       std::printf("# host time per nvfp4 call (validate, group table, memset + 2 launches; enqueue"
                   " only): one expert %.1f us\n",
@@ -316,13 +316,13 @@ int run(const Options& o) {
       Mxfp8Config cfg{DType::kE4M3, true, true, false};
       Mxfp8Outputs out{{rd.get()}, {rs.get()}, {cd.get()}, {cs.get()}, {}, {}};
       bench.run("mxfp8 e4m3 row+col activations", elems * (2 + 1 + 1 + 2.0 / 32),
-                [&] { check(be.quantize_mxfp8(in, cfg, out)); });
+                [&] { check(ops::quantize_mxfp8(be, in, cfg, out)); });
       // A gradient as GroupedLinear quantizes it: both copies' BF16 values written too.
       DeviceBuffer rv(be, n * 2), cv(be, n * 2);
       out.row_bf16 = {rv.get()};
       out.col_bf16 = {cv.get()};
       bench.run("mxfp8 e4m3 row+col + bf16 values", elems * (2 + 1 + 1 + 2.0 / 32 + 4),
-                [&] { check(be.quantize_mxfp8(in, cfg, out)); });
+                [&] { check(ops::quantize_mxfp8(be, in, cfg, out)); });
     }
     {
       DeviceBuffer rd(be, n / 2), rs(be, n / 16), cd(be, n / 2), cs(be, n / 16), ra(be, 4), ca(be, 4);
@@ -338,7 +338,7 @@ int run(const Options& o) {
       out.col_amax = ca.get();
       bench.run(
           "nvfp4 1x16 row+col rht+sr activations", elems * (2 + 0.5 + 0.5 + 2.0 / 16) + 8,
-          [&] { check(be.quantize_nvfp4(in, cfg, out)); },
+          [&] { check(ops::quantize_nvfp4(be, in, cfg, out)); },
           "two launches (amax incl. post-RHT amax, quantize)");
     }
   }

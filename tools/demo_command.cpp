@@ -92,7 +92,7 @@ Result<QuantOut> quantize(Backend& b, const Recipe& r, const GroupedMatrices& in
     q.add(b, E, N * K, packed);         // col data (N, K)
     q.add(b, E, N / 32 * K, packed);    // col scale (N/32, K)
     Mxfp8Outputs o{q.ptrs[0], q.ptrs[1], q.ptrs[2], q.ptrs[3], {}, {}};
-    s = b.quantize_mxfp8(in, r.mx, o);
+    s = ops::quantize_mxfp8(b, in, r.mx, o);
   } else {
     q.add(b, E, N * K / 2, packed);     // row data (N, K/2)
     q.add(b, E, N * K / 16, packed);    // row scale (N, K/16)
@@ -106,7 +106,7 @@ Result<QuantOut> quantize(Backend& b, const Recipe& r, const GroupedMatrices& in
     o.col_scale = q.ptrs[3];
     o.row_amax = q.ptrs[4][0];
     o.col_amax = static_cast<float*>(q.ptrs[4][0]) + E;
-    s = b.quantize_nvfp4(in, r.nv, o);
+    s = ops::quantize_nvfp4(b, in, r.nv, o);
   }
   if (!s) return s;
   return q;
@@ -122,7 +122,7 @@ Result<double> rowwise_error(Backend& b, const Recipe& r, const QuantOut& q, int
   Status s;
   if (!r.nvfp4) {
     Mxfp8Copy c{r.mx.element, false, K, std::vector<int64_t>(E, N), data, scale};
-    s = b.dequantize_mxfp8(c, DType::kF32, outs);
+    s = ops::dequantize_mxfp8(b, c, DType::kF32, outs);
   } else {
     std::vector<uint8_t> amax_bytes = q.parts[4][0].download();  // row amax first
     std::vector<float> decode(E);
@@ -134,7 +134,7 @@ Result<double> rowwise_error(Backend& b, const Recipe& r, const QuantOut& q, int
     DeviceBuffer dec(b, E * sizeof(float));
     dec.upload({reinterpret_cast<const uint8_t*>(decode.data()), E * sizeof(float)});
     Nvfp4Copy c{K, std::vector<int64_t>(E, N), data, scale, dec.get()};
-    s = b.dequantize_nvfp4(c, DType::kF32, outs);
+    s = ops::dequantize_nvfp4(b, c, DType::kF32, outs);
   }
   if (!s) return s;
   std::vector<uint8_t> h = out.download();

@@ -22,7 +22,7 @@ namespace packmoe {
 inline constexpr int kMoeReduceLanes = 32;
 
 // The R32 sum of term(0), ..., term(n - 1) in the accumulator type Acc (FP32; FP64 for the sums of
-// squares of backend/elementwise.h).
+// squares of backend/ops/elementwise.h).
 template <typename Acc = float, typename Term>
 PACKMOE_HD Acc sum_r32(int64_t n, Term term) {
   Acc lane[kMoeReduceLanes] = {};

@@ -198,7 +198,7 @@ DistStepResult DistOptimizer::step(double max_norm) {
     a.exp_avg = one_segment(m + at, piece.count);
     a.exp_avg_sq = one_segment(v + at, piece.count);
     a.grad = one_segment(grads + piece.offset, piece.count);
-    check_op(be_->adamw(a), "adamw");
+    check_op(ops::adamw(*be_, a), "adamw");
   }
   stage();
   grads_.advance(GradBufferState::kParamsStaged, "step: update staged for the gather");
@@ -210,7 +210,7 @@ double DistOptimizer::shard_grad_norm() {
   const FlatRange sh = shard();
   double* norm = static_cast<double*>(norm_.get());
   if (sh.size() > 0)
-    check_op(be_->sum_squares(one_segment<const float>(grads_.data() + sh.begin, sh.size()), norm),
+    check_op(ops::sum_squares(*be_, one_segment<const float>(grads_.data() + sh.begin, sh.size()), norm),
              "sum_squares");
   else
     be_->fill_zero(norm, sizeof(double));
@@ -233,7 +233,7 @@ void DistOptimizer::stage_bf16_image(uint8_t* image) {
   for (const ShardPiece& piece : pieces_) {  // one cast per parameter piece
     if (params_[piece.param].form == WeightForm::kFp32) continue;
     auto* dst = reinterpret_cast<uint16_t*>(image + class_position(*bf16_class_, piece.offset));
-    check_op(be_->cast_f32_to_bf16(one_segment(master + (piece.offset - sh.begin), piece.count),
+    check_op(ops::cast_f32_to_bf16(*be_, one_segment(master + (piece.offset - sh.begin), piece.count),
                                    one_segment(dst, piece.count)),
              "master shard to bf16");
   }
@@ -243,7 +243,7 @@ void DistOptimizer::cast_shard_to_bf16(uint16_t* dst) {
   const int64_t n = shard().size();
   if (n == 0) return;
   check_op(
-      be_->cast_f32_to_bf16(one_segment<const float>(static_cast<const float*>(master_.get()), n),
+      ops::cast_f32_to_bf16(*be_, one_segment<const float>(static_cast<const float*>(master_.get()), n),
                             one_segment(dst, n)),
       "master shard to bf16");
 }

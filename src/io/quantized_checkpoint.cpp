@@ -49,7 +49,7 @@ Status quantize_tensor(const SafetensorsEntry& e, const std::string& path,
     Mxfp8Outputs o;
     o.row_data = {data.get()};
     o.row_scale = {scale.get()};
-    Status s = backend.quantize_mxfp8(in, cfg, o);
+    Status s = ops::quantize_mxfp8(backend, in, cfg, o);
     if (!s) return failed(s);
     out.add(e.name, opt.element == DType::kE4M3 ? "F8_E4M3" : "F8_E5M2", {rows, cols},
             data.download());
@@ -65,7 +65,7 @@ Status quantize_tensor(const SafetensorsEntry& e, const std::string& path,
   o.row_data = {data.get()};
   o.row_scale = {scale.get()};
   o.row_amax = amax.get();
-  Status s = backend.quantize_nvfp4(in, cfg, o);
+  Status s = ops::quantize_nvfp4(backend, in, cfg, o);
   if (!s) return failed(s);
   float amax_host;
   std::vector<uint8_t> amax_bytes = amax.download();
@@ -126,7 +126,7 @@ Status dequantize_tensor(const SafetensorsEntry& x, const SafetensorsFile& file,
     q.data = {data.get()};
     q.scale = {sc.get()};
     DeviceBuffer result(backend, rows * cols * out_elem);
-    Status s = backend.dequantize_mxfp8(q, out_dtype, {result.get()});
+    Status s = ops::dequantize_mxfp8(backend, q, out_dtype, {result.get()});
     if (!s) return Status::error(where(path, x.name) + s.message());
     out.add(x.name, out_name, {rows, cols}, result.download());
     return Status::ok();
@@ -151,7 +151,7 @@ Status dequantize_tensor(const SafetensorsEntry& x, const SafetensorsFile& file,
     q.scale = {sc.get()};
     q.decode_scale = sc2.get();
     DeviceBuffer result(backend, rows * cols * out_elem);
-    Status s = backend.dequantize_nvfp4(q, out_dtype, {result.get()});
+    Status s = ops::dequantize_nvfp4(backend, q, out_dtype, {result.get()});
     if (!s) return Status::error(where(path, x.name) + s.message());
     out.add(x.name, out_name, {rows, cols}, result.download());
     return Status::ok();

@@ -1,4 +1,4 @@
-// Attention forward / backward: the op sequence of nn/attention.h, every step a Backend op.
+// Attention forward / backward: the op sequence of nn/attention.h, every step one op call.
 #include "nn/attention.h"
 
 #include <cmath>
@@ -9,7 +9,7 @@ namespace packmoe {
 namespace {
 
 // x (T, heads * D) F32 rotated in place by the table: forward RoPE, or its inverse (backward).
-void rotate_in_place(Backend& b, const RopeTable& rope, const Tensor& x, int64_t heads, int64_t D,
+void rotate_in_place(Backend& b, const PositionTables& rope, const Tensor& x, int64_t heads, int64_t D,
                      bool inverse) {
   RopeArgs r;
   r.tokens = x.dim(0);
@@ -19,7 +19,7 @@ void rotate_in_place(Backend& b, const RopeTable& rope, const Tensor& x, int64_t
   r.sin = rope.sin.data_as<const float>();
   r.in = x.data_as<const float>();
   r.out = x.data_as<float>();
-  check_op(inverse ? b.rope_backward(r) : b.rope(r), inverse ? "rope_backward" : "rope");
+  check_op(inverse ? ops::rope_backward(b, r) : ops::rope(b, r), inverse ? "rope_backward" : "rope");
 }
 
 }  // namespace
@@ -35,7 +35,7 @@ Attention::Attention(Backend& backend, const AttentionShape& shape, Layout layou
       q_norm_(backend, layout, shape.eps, init.q_norm),
       k_norm_(backend, layout, shape.eps, init.k_norm) {}
 
-Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope) {
+Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope) {
   Backend& b = *backend_;
   const int64_t T = batch * seq, H = shape_.hidden, D = shape_.head_dim;
   const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
@@ -46,19 +46,21 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Rop
   seq_ = seq;
   rope_ = rope;
 
-  const Tensor q = q_proj_.forward(x, {T});  // (T, Hq*D)
-  const Tensor k = k_proj_.forward(x, {T});  // (T, Hkv*D)
-  v_ = v_proj_.forward(x, {T});              // (T, Hkv*D)
-  q_rot_ = q_norm_.forward(q.reshaped({T * Hq, D})).reshaped({T, Hq * D});
-  k_rot_ = k_norm_.forward(k.reshaped({T * Hkv, D})).reshaped({T, Hkv * D});
+  const Tensor q = q_proj_.forward(x, {T});  // (T, Hq*D) F32
+  const Tensor k = k_proj_.forward(x, {T});  // (T, Hkv*D) F32
+  const Tensor v = v_proj_.forward(x, {T});  // (T, Hkv*D) F32
+  const Tensor q_rot = q_norm_.forward(q.reshaped({T * Hq, D})).reshaped({T, Hq * D});
+  const Tensor k_rot = k_norm_.forward(k.reshaped({T * Hkv, D})).reshaped({T, Hkv * D});
 
   // In place: the norm outputs are not needed again.
-  rotate_in_place(b, rope, q_rot_, Hq, D, false);
-  rotate_in_place(b, rope, k_rot_, Hkv, D, false);
+  rotate_in_place(b, rope, q_rot, Hq, D, false);
+  rotate_in_place(b, rope, k_rot, Hkv, D, false);
+  q_ = to_bf16(b, q_rot);
+  k_ = to_bf16(b, k_rot);
+  v_ = to_bf16(b, v);
 
-  attn_ = Tensor::empty(b, DType::kF32, {T, Hq * D});
-  row_max_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
-  row_sum_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
+  attn_ = Tensor::empty(b, DType::kBF16, {T, Hq * D});
+  lse_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
   AttentionArgs a;
   a.batch = batch;
   a.seq = seq;
@@ -66,14 +68,14 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Rop
   a.kv_heads = Hkv;
   a.head_dim = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  a.q = q_rot_.data_as<const float>();
-  a.k = k_rot_.data_as<const float>();
-  a.v = v_.data_as<const float>();
-  a.o = attn_.data_as<float>();
-  a.row_max = row_max_.data_as<float>();
-  a.row_sum = row_sum_.data_as<float>();
-  check_op(b.attention(a), "attention");
-  return o_proj_.forward(to_bf16(b, attn_), {T});  // (T, H)
+  a.q = q_.data_as<const uint16_t>();
+  a.k = k_.data_as<const uint16_t>();
+  a.v = v_.data_as<const uint16_t>();
+  a.doc_start = rope.doc_start.data_as<const int32_t>();  // null: causal
+  a.o = attn_.data_as<uint16_t>();
+  a.lse = lse_.data_as<float>();
+  check_op(ops::attention(b, a), "attention");
+  return o_proj_.forward(attn_, {T});  // (T, H)
 }
 
 Tensor Attention::backward(const Tensor& dy) {
@@ -81,7 +83,8 @@ Tensor Attention::backward(const Tensor& dy) {
   const int64_t T = batch_ * seq_, D = shape_.head_dim;
   const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
   PACKMOE_CHECK(attn_.data() != nullptr, "Attention backward without a forward");
-  const Tensor dattn = o_proj_.backward(to_bf16(b, dy), GradAccum::kAccumulate);  // (T, Hq*D)
+  const Tensor dattn = o_proj_.backward(to_bf16(b, dy), GradAccum::kAccumulate);  // (T, Hq*D) F32
+  const Tensor dattn_bf16 = to_bf16(b, dattn);
 
   const Tensor dq = Tensor::empty(b, DType::kF32, {T, Hq * D});
   const Tensor dk = Tensor::empty(b, DType::kF32, {T, Hkv * D});
@@ -93,17 +96,17 @@ Tensor Attention::backward(const Tensor& dy) {
   a.kv_heads = Hkv;
   a.head_dim = D;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  a.q = q_rot_.data_as<const float>();
-  a.k = k_rot_.data_as<const float>();
-  a.v = v_.data_as<const float>();
-  a.o = attn_.data_as<const float>();
-  a.row_max = row_max_.data_as<const float>();
-  a.row_sum = row_sum_.data_as<const float>();
-  a.dout = dattn.data_as<const float>();
+  a.q = q_.data_as<const uint16_t>();
+  a.k = k_.data_as<const uint16_t>();
+  a.v = v_.data_as<const uint16_t>();
+  a.o = attn_.data_as<const uint16_t>();
+  a.lse = lse_.data_as<const float>();
+  a.doc_start = rope_.doc_start.data_as<const int32_t>();
+  a.dout = dattn_bf16.data_as<const uint16_t>();
   a.dq = dq.data_as<float>();
   a.dk = dk.data_as<float>();
   a.dv = dv.data_as<float>();
-  check_op(b.attention_backward(a), "attention_backward");
+  check_op(ops::attention_backward(b, a), "attention_backward");
 
   rotate_in_place(b, rope_, dq, Hq, D, true);  // the inverse rotation
   rotate_in_place(b, rope_, dk, Hkv, D, true);
@@ -114,7 +117,7 @@ Tensor Attention::backward(const Tensor& dy) {
   add_into(b, dx,
            k_proj_.backward(to_bf16(b, dk_proj.reshaped({T, Hkv * D})), GradAccum::kAccumulate));
   add_into(b, dx, v_proj_.backward(to_bf16(b, dv), GradAccum::kAccumulate));
-  q_rot_ = k_rot_ = v_ = attn_ = row_max_ = row_sum_ = Tensor{};
+  q_ = k_ = v_ = attn_ = lse_ = Tensor{};
   return dx;
 }
 

@@ -1,6 +1,7 @@
 // Attention layer of Qwen3-MoE: q/k/v projections, per-head RMSNorm on q and k, rotate-half RoPE,
-// causal GQA attention, o projection; explicit forward / backward over Backend ops. Invariant:
-// projections are BF16 GEMMs with FP32 masters and FP32 outputs; everything between them is FP32;
+// causal (or document-masked) GQA attention, o projection; explicit forward / backward over ops.
+// Invariant: projections are BF16 GEMMs with FP32 masters and FP32 outputs; norms and RoPE run in
+// FP32; the attention core reads q, k, v as BF16 and writes its output in BF16 (o_proj's operand);
 // backward ADDS every weight gradient into its main_grad.
 #pragma once
 
@@ -26,9 +27,11 @@ struct AttentionInit {
   Tensor q_norm, k_norm;  // (D) F32 host
 };
 
-// The RoPE table of one batch shape, shared by every layer: (T, D/2) each, in backend memory.
-struct RopeTable {
-  Tensor cos, sin;
+// What one batch's token positions give every layer, in backend memory: the RoPE table of each
+// token's position and, with document masking, the first position of its document in its row.
+struct PositionTables {
+  Tensor cos, sin;   // (T, D/2) F32
+  Tensor doc_start;  // (T) I32, or empty: every row is one causal sequence
 };
 
 class Attention {
@@ -43,8 +46,9 @@ class Attention {
   RmsNorm& q_norm() { return q_norm_; }
   RmsNorm& k_norm() { return k_norm_; }
 
-  // x: (T, H) BF16 with T = B * S rows of B causal sequences. Returns (T, H) F32.
-  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope);
+  // x: (T, H) BF16 with T = B * S rows of B sequences (masked as `rope.doc_start` says).
+  // Returns (T, H) F32.
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope);
   // dy: (T, H) F32. Returns dx (T, H) F32 (the sum over the q, k and v paths).
   Tensor backward(const Tensor& dy);
 
@@ -56,12 +60,12 @@ class Attention {
 
   // Saved by forward.
   int64_t batch_ = 0, seq_ = 0;
-  RopeTable rope_;
-  Tensor q_rot_;              // (T, Hq*D) F32 after q_norm and RoPE
-  Tensor k_rot_;              // (T, Hkv*D) F32 after k_norm and RoPE
-  Tensor v_;                  // (T, Hkv*D) F32 as projected
-  Tensor attn_;               // (T, Hq*D) F32 attention output (o_proj's input before the cast)
-  Tensor row_max_, row_sum_;  // (B, Hq, S)
+  PositionTables rope_;
+  Tensor q_;     // (T, Hq*D) BF16 after q_norm and RoPE
+  Tensor k_;     // (T, Hkv*D) BF16 after k_norm and RoPE
+  Tensor v_;     // (T, Hkv*D) BF16 as projected
+  Tensor attn_;  // (T, Hq*D) BF16 attention output (o_proj's input)
+  Tensor lse_;   // (B, Hq, S) F32
 };
 
 }  // namespace packmoe

@@ -19,7 +19,7 @@ DecoderLayer::DecoderLayer(Backend& backend, const AttentionShape& attention, fl
                                       init.mlp_down);
 }
 
-Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope) {
+Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope) {
   Backend& b = *backend_;
   Tensor h = clone(b, x);
   add_into(b, h, attention_.forward(to_bf16(b, input_norm_.forward(x)), batch, seq, rope));

@@ -32,7 +32,7 @@ class DecoderLayer {
   DenseMlp* mlp() { return mlp_.get(); }    // null for a MoE layer
 
   // x: (T, H) F32. Returns (T, H) F32.
-  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const RopeTable& rope);
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope);
   // dy: (T, H) F32; loss_scale as in MoEBlock::backward. Returns dx (T, H) F32.
   Tensor backward(const Tensor& dy, float loss_scale);
 

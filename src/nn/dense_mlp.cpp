@@ -23,7 +23,7 @@ Tensor DenseMlp::forward(const Tensor& x) {
   s.in = h_.data();
   s.out_dtype = DType::kBF16;
   s.out = a.data();
-  check_op(b.swiglu(s), "swiglu");
+  check_op(ops::swiglu(b, s), "swiglu");
   return down_.forward(a, {T});  // (T, H)
 }
 
@@ -42,7 +42,7 @@ Tensor DenseMlp::backward(const Tensor& dy) {
   s.dout = da.data();
   s.din_dtype = DType::kBF16;
   s.din = dh.data();
-  check_op(b.swiglu_backward(s), "swiglu_backward");
+  check_op(ops::swiglu_backward(b, s), "swiglu_backward");
   h_ = Tensor{};
   return gate_up_.backward(dh, GradAccum::kAccumulate);  // (T, H)
 }

@@ -39,7 +39,7 @@ ActivationCopies mxfp8_copies(Backend& b, const QuantRecipe& q, TensorRole role,
     out.columnwise.data = to_const(o.col_data);
     out.columnwise.scale = to_const(o.col_scale);
   }
-  if (rows) check_op(b.quantize_mxfp8(in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
+  if (rows) check_op(ops::quantize_mxfp8(b, in, mxfp8_config(q, role), o), "activation quantize (mxfp8)");
   return out;
 }
 
@@ -107,9 +107,9 @@ ActivationCopies quantize_activation(Backend& b, const QuantRecipe& q, TensorRol
   o.col_data = cd;
   o.col_scale = cs;
   o.col_amax = col_amax;
-  check_op(b.quantize_nvfp4(in, nvfp4_config(q, role, sr_offset), o), "activation quantize (nvfp4)");
+  check_op(ops::quantize_nvfp4(b, in, nvfp4_config(q, role, sr_offset), o), "activation quantize (nvfp4)");
   const auto decode = [&](void* amax, void* scale) {
-    check_op(b.nvfp4_decode_scales(static_cast<const float*>(amax), static_cast<float*>(scale),
+    check_op(ops::nvfp4_decode_scales(b, static_cast<const float*>(amax), static_cast<float*>(scale),
                                    static_cast<int64_t>(groups)),
              "activation decode scales (nvfp4)");
   };
@@ -162,7 +162,7 @@ Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m) {
   a.rhs = param_.fprop_weight();
   a.out_dtype = cfg_.out_dtype;
   a.out = carve_rows(y.data(), m, dtype_bytes_for(cfg_.out_dtype, n));
-  check_op(backend_->grouped_gemm(a), "fprop");
+  check_op(ops::grouped_gemm(*backend_, a), "fprop");
   x_.release_rowwise();
   m_ = m;
   state_ = LinearState::kForwardDone;
@@ -197,7 +197,7 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   a.rhs = param_.dgrad_weight();
   a.out_dtype = cfg_.out_dtype;
   a.out = carve_rows(dx.data(), m_, dtype_bytes_for(cfg_.out_dtype, k));
-  check_op(backend_->grouped_gemm(a), "dgrad");
+  check_op(ops::grouped_gemm(*backend_, a), "dgrad");
   dy_.release_rowwise();
 
   if (cfg_.delay_wgrad) {
@@ -235,12 +235,12 @@ void GroupedLinear::run_wgrad(GradAccum accum) {
   if (cfg_.grad_accum_fusion) {
     a.out = main_grad.ptrs();
     a.accumulate = accum == GradAccum::kAccumulate;
-    check_op(backend_->grouped_gemm(a), "wgrad into main_grad");
+    check_op(ops::grouped_gemm(*backend_, a), "wgrad into main_grad");
   } else {
     // The unfused path's separate gradient, in the param's layout (E buffers when discrete).
     GroupedStorage grad(*backend_, param_.layout(), param_.experts(), main_grad.bytes_per_group());
     a.out = grad.ptrs();
-    check_op(backend_->grouped_gemm(a), "wgrad");
+    check_op(ops::grouped_gemm(*backend_, a), "wgrad");
     if (accum == GradAccum::kAccumulate)
       add_f32(main_grad, grad);
     else

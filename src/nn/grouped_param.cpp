@@ -333,7 +333,7 @@ void GroupedParam::rows_amax(const void* bf16_rows, int64_t r0, int64_t r1, floa
   PACKMOE_CHECK(needs_global_amax(), "rows_amax: only NVFP4 primaries have a per-expert amax");
   int64_t e0 = 0;
   const GroupedMatrices in = row_groups(bf16_rows, r0, r1, e0);
-  check_op(backend_->nvfp4_amax(in, amax + e0), "rows amax (nvfp4)");
+  check_op(ops::nvfp4_amax(*backend_, in, amax + e0), "rows amax (nvfp4)");
 }
 
 void GroupedParam::quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, const float* amax,
@@ -368,7 +368,7 @@ void GroupedParam::quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, 
       out.col_data = outputs(2);
       out.col_scale = outputs(3);
     }
-    check_op(backend_->quantize_mxfp8(in, cfg, out), "row-range quantize (mxfp8)");
+    check_op(ops::quantize_mxfp8(*backend_, in, cfg, out), "row-range quantize (mxfp8)");
     return;
   }
   PACKMOE_CHECK(amax != nullptr, "quantize_rows (nvfp4) needs the pack's (E,) amax");
@@ -378,7 +378,7 @@ void GroupedParam::quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, 
   Nvfp4Outputs out;  // no row_amax: it would only echo the given one
   out.row_data = outputs(0);
   out.row_scale = outputs(1);
-  check_op(backend_->quantize_nvfp4(in, cfg, out), "row-range quantize (nvfp4)");
+  check_op(ops::quantize_nvfp4(*backend_, in, cfg, out), "row-range quantize (nvfp4)");
 }
 
 void GroupedParam::write_primary_from_packed(const std::vector<const void*>& images,
@@ -417,7 +417,7 @@ void GroupedParam::write_primary_from_packed(const std::vector<const void*>& ima
     w.row_scale = quant_.row_scale.const_ptrs();
     w.col_data = quant_.col_data.ptrs();
     w.col_scale = quant_.col_scale.ptrs();
-    check_op(backend_->weight_2d_columnwise(w), "columnwise copy of a 2D weight");
+    check_op(ops::weight_2d_columnwise(*backend_, w), "columnwise copy of a 2D weight");
   } else {
     fill(quant_.col_data, 2);
     fill(quant_.col_scale, 3);
@@ -426,7 +426,7 @@ void GroupedParam::write_primary_from_packed(const std::vector<const void*>& ima
     PACKMOE_CHECK(amax != nullptr, "write_primary_from_packed (nvfp4) needs the (E,) amax");
     backend_->copy(quant_.amax.packed(), amax, e_ * sizeof(float),
                    Backend::CopyKind::kDeviceToDevice);
-    check_op(backend_->nvfp4_decode_scales(static_cast<const float*>(quant_.amax.packed()),
+    check_op(ops::nvfp4_decode_scales(*backend_, static_cast<const float*>(quant_.amax.packed()),
                                            static_cast<float*>(quant_.decode_scale.packed()), e_),
              "weight decode scales (nvfp4)");
   }
@@ -443,7 +443,7 @@ void GroupedParam::quantize_weight(const GroupedStorage& bf16) {
   if (recipe_.recipe == Recipe::kMxfp8) {
     Mxfp8Outputs out{quant_.row_data.ptrs(), quant_.row_scale.ptrs(), quant_.col_data.ptrs(),
                      quant_.col_scale.ptrs(), {}, {}};
-    check_op(backend_->quantize_mxfp8(in, mxfp8_config(recipe_, TensorRole::kWeight), out),
+    check_op(ops::quantize_mxfp8(*backend_, in, mxfp8_config(recipe_, TensorRole::kWeight), out),
              "weight quantize (mxfp8)");
     return;
   }
@@ -456,9 +456,9 @@ void GroupedParam::quantize_weight(const GroupedStorage& bf16) {
   out.col_data = quant_.col_data.ptrs();
   out.col_scale = quant_.col_scale.ptrs();
   out.col_amax = col_amax.get();
-  check_op(backend_->quantize_nvfp4(in, nvfp4_config(recipe_, TensorRole::kWeight, 0), out),
+  check_op(ops::quantize_nvfp4(*backend_, in, nvfp4_config(recipe_, TensorRole::kWeight, 0), out),
            "weight quantize (nvfp4)");
-  check_op(backend_->nvfp4_decode_scales(static_cast<const float*>(quant_.amax.packed()),
+  check_op(ops::nvfp4_decode_scales(*backend_, static_cast<const float*>(quant_.amax.packed()),
                                          static_cast<float*>(quant_.decode_scale.packed()), e_),
            "weight decode scales (nvfp4)");
 }
@@ -543,13 +543,13 @@ void GroupedParam::mark_wgrad_settled() {
 
 void cast_f32_to_bf16(const GroupedStorage& src, const GroupedStorage& dst) {
   PACKMOE_CHECK(&src.memory() == &dst.memory(), "cast_f32_to_bf16: operands in different memories");
-  check_op(dst.memory().cast_f32_to_bf16(segments<const float>(src), segments<uint16_t>(dst)),
+  check_op(ops::cast_f32_to_bf16(dst.memory(), segments<const float>(src), segments<uint16_t>(dst)),
            "cast_f32_to_bf16");
 }
 
 void add_f32(const GroupedStorage& dst, const GroupedStorage& src) {
   PACKMOE_CHECK(&src.memory() == &dst.memory(), "add_f32: operands in different memories");
-  check_op(dst.memory().add_f32(segments<float>(dst), segments<const float>(src)), "add_f32");
+  check_op(ops::add_f32(dst.memory(), segments<float>(dst), segments<const float>(src)), "add_f32");
 }
 
 void check_op(const Status& s, const char* what) {

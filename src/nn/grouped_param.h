@@ -60,7 +60,7 @@ class GroupedStorage {
 };
 
 // The quantized copies of a packed (E, N, K) weight; the GEMM operand table in
-// backend/grouped_gemm.h says which GEMM reads which. The NVFP4 per-expert scalars are one (E,)
+// backend/ops/gemm.h says which GEMM reads which. The NVFP4 per-expert scalars are one (E,)
 // array in BOTH layouts: every op takes them as a single (G,) array (Nvfp4Outputs::row_amax,
 // GemmOperand::decode_scale), so E separate 4-byte allocations would only add gather copies.
 struct QuantizedWeight {
@@ -210,7 +210,7 @@ class GroupedParam {
   // weights derived in one launch. -> kCurrent.
   void write_primary_from_packed(const std::vector<const void*>& images, const float* amax);
 
-  // Per-expert operands of the grouped GEMM (table in backend/grouped_gemm.h). Need current
+  // Per-expert operands of the grouped GEMM (table in backend/ops/gemm.h). Need current
   // compute copies. The pointers stay valid until the next requantize_from_master / prepare_compute.
   GemmOperand fprop_weight() const;  // W rowwise
   GemmOperand dgrad_weight() const;  // W columnwise
@@ -259,7 +259,7 @@ class GroupedParam {
 };
 
 // ---- Elementwise ops on grouped storage --------------------------------------------------------
-// Adapters from GroupedStorage to the backend's segment-list ops (backend/elementwise.h): one call
+// Adapters from GroupedStorage to the backend's segment-list ops (backend/ops/elementwise.h): one call
 // over all E groups, whichever the layout. Both operands must live in the same backend's memory.
 
 // The groups of `s` as a segment list of T elements (bytes_per_group / sizeof(T) each).

@@ -14,7 +14,7 @@ Segments<T> whole(const Tensor& t) {
 Tensor to_bf16(Backend& b, const Tensor& x) {
   PACKMOE_CHECK(x.dtype() == DType::kF32, "to_bf16 expects F32");
   Tensor y = Tensor::empty(b, DType::kBF16, x.shape());
-  check_op(b.cast_f32_to_bf16(whole<const float>(x), whole<uint16_t>(y)), "cast to bf16");
+  check_op(ops::cast_f32_to_bf16(b, whole<const float>(x), whole<uint16_t>(y)), "cast to bf16");
   return y;
 }
 
@@ -23,7 +23,7 @@ void add_into(Backend& b, const Tensor& dst, const Tensor& src) {
                     dst.numel() == src.numel(),
                 "add_into: F32 tensors of equal size, got " << shape_string(dst.shape()) << " and "
                                                             << shape_string(src.shape()));
-  check_op(b.add_f32(whole<float>(dst), whole<const float>(src)), "add");
+  check_op(ops::add_f32(b, whole<float>(dst), whole<const float>(src)), "add");
 }
 
 Tensor clone(Backend& b, const Tensor& x) {

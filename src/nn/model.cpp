@@ -18,7 +18,7 @@ struct Model::Impl {
 
   // RoPE table of the last batch shape (positions 0..S-1 per row).
   int64_t rope_batch = 0, rope_seq = 0;
-  RopeTable rope;
+  PositionTables rope;
 
   // Saved by forward.
   int64_t tokens = 0;               // T
@@ -62,6 +62,35 @@ Status check_tokens(const std::vector<int32_t>& v, int64_t vocab, bool allow_ign
       return Status::error(std::string(what) + "[" + std::to_string(i) + "] = " +
                            std::to_string(v[i]) + " is outside the vocabulary [0, " +
                            std::to_string(vocab) + ")");
+  }
+  return Status::ok();
+}
+
+// The batch's optional document starts and positions: B * S each; within a row doc_start is
+// nondecreasing with 0 <= doc_start[t] <= (t's position in the row); positions lie in
+// [0, max_positions).
+Status check_layout(const Batch& batch, int64_t max_positions) {
+  const int64_t S = batch.seq, T = batch.batch * S;
+  if (!batch.doc_start.empty()) {
+    if (static_cast<int64_t>(batch.doc_start.size()) != T)
+      return Status::error("batch doc_start has " + std::to_string(batch.doc_start.size()) +
+                           " entries for B x S = " + std::to_string(T) + " tokens");
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = t % S, d = batch.doc_start[t];
+      if (d < 0 || d > i || (i > 0 && d < batch.doc_start[t - 1]))
+        return Status::error("batch doc_start[" + std::to_string(t) + "] = " + std::to_string(d) +
+                             " is not a document start of position " + std::to_string(i));
+    }
+  }
+  if (!batch.positions.empty()) {
+    if (static_cast<int64_t>(batch.positions.size()) != T)
+      return Status::error("batch positions has " + std::to_string(batch.positions.size()) +
+                           " entries for B x S = " + std::to_string(T) + " tokens");
+    for (int64_t t = 0; t < T; ++t)
+      if (batch.positions[t] < 0 || batch.positions[t] >= max_positions)
+        return Status::error("batch positions[" + std::to_string(t) + "] = " +
+                             std::to_string(batch.positions[t]) + " is outside [0, " +
+                             std::to_string(max_positions) + ")");
   }
   return Status::ok();
 }
@@ -207,9 +236,14 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   Backend& b = *backend_;
   Impl& m = *impl_;
   const int64_t H = c.hidden_size, D = c.head_dim;
-  if (m.rope_batch != B || m.rope_seq != S) {
-    std::vector<int32_t> positions(T);
-    for (int64_t t = 0; t < T; ++t) positions[t] = static_cast<int32_t>(t % S);
+  PACKMOE_RETURN_IF_ERROR(check_layout(batch, c.max_position_embeddings));
+  const bool own_positions = !batch.positions.empty();
+  if (own_positions || m.rope_batch != B || m.rope_seq != S) {
+    std::vector<int32_t> positions = batch.positions;
+    if (!own_positions) {
+      positions.resize(T);
+      for (int64_t t = 0; t < T; ++t) positions[t] = static_cast<int32_t>(t % S);
+    }
     std::vector<float> cos(T * (D / 2)), sin(T * (D / 2));
     RopeTableArgs r;
     r.tokens = T;
@@ -221,9 +255,15 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
     PACKMOE_RETURN_IF_ERROR(rope_table(r));
     m.rope.cos = b.to_device(Tensor::view(cos.data(), DType::kF32, {T, D / 2}, Device::kCPU));
     m.rope.sin = b.to_device(Tensor::view(sin.data(), DType::kF32, {T, D / 2}, Device::kCPU));
-    m.rope_batch = B;
-    m.rope_seq = S;
+    // A table made from a batch's own positions is not reused by the next batch.
+    m.rope_batch = own_positions ? 0 : B;
+    m.rope_seq = own_positions ? 0 : S;
   }
+  m.rope.doc_start =
+      batch.doc_start.empty()
+          ? Tensor{}
+          : b.to_device(Tensor::view(const_cast<int32_t*>(batch.doc_start.data()), DType::kI32,
+                                     {T}, Device::kCPU));
 
   m.tokens = T;
   m.ids = b.to_device(Tensor::view(const_cast<int32_t*>(batch.inputs.data()), DType::kI32, {T},
@@ -239,7 +279,7 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   e.ids = m.ids.data_as<const int32_t>();
   e.table = f32_weight(m.embedding());
   e.out = x.data_as<float>();
-  check_op(b.embedding(e), "embedding");
+  check_op(ops::embedding(b, e), "embedding");
 
   ForwardLosses losses;
   losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
@@ -262,7 +302,7 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   ce.valid = valid.data_as<int64_t>();
   ce.row_max = m.ce_max.data_as<float>();
   ce.row_sum = m.ce_sum.data_as<float>();
-  check_op(b.cross_entropy(ce), "cross_entropy");
+  check_op(ops::cross_entropy(b, ce), "cross_entropy");
   b.copy(&losses.lm_loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   b.copy(&losses.target_tokens, valid.data(), sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
   state_ = ModelState::kForwardDone;
@@ -287,7 +327,7 @@ void Model::backward(float loss_scale) {
   ce.row_max = m.ce_max.data_as<const float>();
   ce.row_sum = m.ce_sum.data_as<const float>();
   ce.dlogits = dlogits.data_as<float>();
-  check_op(b.cross_entropy_backward(ce), "cross_entropy_backward");
+  check_op(ops::cross_entropy_backward(b, ce), "cross_entropy_backward");
   m.logits = m.ce_max = m.ce_sum = Tensor{};
 
   Tensor dlm = m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate);  // (T, H)
@@ -312,14 +352,14 @@ void Model::backward(float loss_scale) {
   eb.ids = m.ids.data_as<const int32_t>();
   eb.dout = dx.data_as<const float>();
   eb.dtable = dtable.data_as<float>();
-  check_op(b.embedding_backward(eb), "embedding_backward");
+  check_op(ops::embedding_backward(b, eb), "embedding_backward");
   Segments<float> grad;
   grad.ptr.push_back(f32_grad(m.embedding()));
   grad.n = V * H;
   Segments<const float> sum;
   sum.ptr.push_back(dtable.data_as<const float>());
   sum.n = V * H;
-  check_op(b.add_f32(grad, sum), "embedding gradient accumulation");
+  check_op(ops::add_f32(b, grad, sum), "embedding gradient accumulation");
   grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;
 }

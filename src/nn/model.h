@@ -66,13 +66,17 @@ ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
 // host; the error names the first offending tensor.
 Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights);
 
-// One micro-batch of B rows of S tokens (host). Each row is its own causal sequence with positions
-// 0..S-1. targets[t] is the next token of inputs[t] or -100 (ignored).
+// One micro-batch of B rows of S tokens (host). targets[t] is the next token of inputs[t] or -100
+// (ignored). By default each row is one causal sequence with positions 0..S-1; with document
+// masking, doc_start[t] is the position in its row where token t's document starts (tokens attend
+// only inside their document), and positions[t] the RoPE position of token t.
 struct Batch {
-  int64_t batch = 0;             // B
-  int64_t seq = 0;               // S
-  std::vector<int32_t> inputs;   // (B * S)
-  std::vector<int32_t> targets;  // (B * S)
+  int64_t batch = 0;               // B
+  int64_t seq = 0;                 // S
+  std::vector<int32_t> inputs;     // (B * S)
+  std::vector<int32_t> targets;    // (B * S)
+  std::vector<int32_t> doc_start;  // (B * S), or empty: causal rows
+  std::vector<int32_t> positions;  // (B * S), or empty: 0..S-1 in every row
 };
 
 struct ForwardLosses {

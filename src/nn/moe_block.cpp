@@ -1,4 +1,4 @@
-// MoEBlock forward / backward: the router linear, the MoE ops of backend/moe_ops.h and the two
+// MoEBlock forward / backward: the router linear, the MoE ops of backend/ops/moe.h and the two
 // grouped expert linears, in the order the header lists; every intermediate is a backend tensor.
 #include "nn/moe_block.h"
 
@@ -102,7 +102,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   ra.probs = probs_.data_as<float>();
   ra.idx = idx_.data_as<int32_t>();
   ra.w = w_.data_as<float>();
-  check_op(b.router_topk(ra), "router_topk");
+  check_op(ops::router_topk(b, ra), "router_topk");
 
   if (cfg_.aux_loss_coef != 0.0f) {
     const Tensor aux = Tensor::empty(b, DType::kF32, {1});
@@ -113,7 +113,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
     aa.probs = probs_.data_as<const float>();
     aa.idx = idx_.data_as<const int32_t>();
     aa.aux = aux.data_as<float>();
-    check_op(b.aux_loss(aa), "aux_loss");
+    check_op(ops::aux_loss(b, aa), "aux_loss");
     b.copy(&aux_, aux.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   }
 
@@ -134,7 +134,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   rp.dest = dest_.data_as<int32_t>();
   rp.row_slot = row_slot_.data_as<int32_t>();
   rp.counts = counts.data_as<int64_t>();
-  check_op(b.routing_plan(rp), "routing_plan");
+  check_op(ops::routing_plan(b, rp), "routing_plan");
   std::vector<int64_t> counts_host(E + 1);
   b.copy(counts_host.data(), counts.data(), counts.nbytes(), Backend::CopyKind::kDeviceToHost);
   Result<RoutingPlan> plan = routing_plan_from_counts(counts_host.data(), T, E, k, align);
@@ -156,7 +156,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   pa.dest = dest_.data_as<const int32_t>();
   pa.x = x.data();
   pa.xp = xp.data();
-  check_op(b.permute(pa), "permute");
+  check_op(ops::permute(b, pa), "permute");
 
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
   const ExpertRows local = dispatcher_->dispatch(xp, plan_.padded_counts);
@@ -170,7 +170,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   sa.in = h_.data();
   sa.out_dtype = DType::kBF16;
   sa.out = a.data();
-  check_op(b.swiglu(sa), "swiglu");
+  check_op(ops::swiglu(b, sa), "swiglu");
   yp_ = dispatcher_->combine(fc2_.forward(a, local.counts));  // (M, H)
 
   Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});
@@ -185,7 +185,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   ua.yp = yp_.data();
   ua.y_dtype = cfg_.out_dtype;
   ua.y = y.data();
-  check_op(b.unpermute(ua), "unpermute");
+  check_op(ops::unpermute(b, ua), "unpermute");
   state_ = BlockState::kForwardDone;
   return y;
 }
@@ -221,7 +221,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   ub.dyp_dtype = DType::kBF16;
   ub.dyp = dyp.data();
   ub.dw = dw.data_as<float>();
-  check_op(b.unpermute_backward(ub), "unpermute_backward");
+  check_op(ops::unpermute_backward(b, ub), "unpermute_backward");
 
   // dY rows travel to the experts as the inputs did, dX rows come back as the outputs did.
   const ExpertRows local = dispatcher_->dispatch(dyp, plan_.padded_counts);
@@ -237,7 +237,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   sb.dout = da.data();
   sb.din_dtype = DType::kBF16;
   sb.din = dh.data();
-  check_op(b.swiglu_backward(sb), "swiglu_backward");
+  check_op(ops::swiglu_backward(b, sb), "swiglu_backward");
   const Tensor dxp = dispatcher_->combine(fc1_.backward(dh, accum));  // (M, H)
 
   Tensor dx = Tensor::empty(b, DType::kF32, {T, H});
@@ -250,7 +250,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   pb.dxp_dtype = cfg_.activation_dtype;
   pb.dxp = dxp.data();
   pb.dx = dx.data_as<float>();
-  check_op(b.permute_backward(pb), "permute_backward");
+  check_op(ops::permute_backward(b, pb), "permute_backward");
 
   // Router path: dlogits (T, E) F32 from the combine weights and the aux loss, rounded to BF16
   // once because it is the router GEMMs' dY operand.
@@ -264,7 +264,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   rb.idx = idx_.data_as<const int32_t>();
   rb.dw = dw.data_as<const float>();
   rb.dlogits = dlogits.data_as<float>();
-  check_op(b.router_topk_backward(rb), "router_topk_backward");
+  check_op(ops::router_topk_backward(b, rb), "router_topk_backward");
   if (cfg_.aux_loss_coef != 0.0f) {
     AuxLossBackwardArgs ab;
     ab.tokens = T;
@@ -274,14 +274,14 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
     ab.probs = probs_.data_as<const float>();
     ab.idx = idx_.data_as<const int32_t>();
     ab.dlogits = dlogits.data_as<float>();
-    check_op(b.aux_loss_backward(ab), "aux_loss_backward");
+    check_op(ops::aux_loss_backward(b, ab), "aux_loss_backward");
   }
   const Tensor dlogits_bf16 = Tensor::empty(b, DType::kBF16, {T, E});
   check_op(
-      b.cast_f32_to_bf16(one_segment<const float>(dlogits), one_segment<uint16_t>(dlogits_bf16)),
+      ops::cast_f32_to_bf16(b, one_segment<const float>(dlogits), one_segment<uint16_t>(dlogits_bf16)),
       "cast dlogits");
   const Tensor dx_router = router_.backward(dlogits_bf16, accum);  // (T, H) F32
-  check_op(b.add_f32(one_segment<float>(dx), one_segment<const float>(dx_router)), "dx sum");
+  check_op(ops::add_f32(b, one_segment<float>(dx), one_segment<const float>(dx_router)), "dx sum");
 
   // The linears keep what their queued wgrads read; the block's own saved tensors are done.
   probs_ = idx_ = w_ = h_ = yp_ = dest_ = row_slot_ = Tensor{};

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/moe_ops.h"
+#include "backend/ops/moe.h"
 #include "core/tensor.h"
 #include "nn/grouped_linear.h"
 #include "nn/grouped_param.h"

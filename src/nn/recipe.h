@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "backend/grouped_gemm.h"
+#include "backend/ops/gemm.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
 

@@ -28,7 +28,7 @@ Tensor RmsNorm::forward(const Tensor& x) {
   a.weight = f32_weight(param_);
   a.y = y.data_as<float>();
   a.rstd = rstd_.data_as<float>();
-  check_op(backend_->rms_norm(a), "rms_norm");
+  check_op(ops::rms_norm(*backend_, a), "rms_norm");
   return y;
 }
 
@@ -49,7 +49,7 @@ Tensor RmsNorm::backward(const Tensor& dy) {
   a.dy = dy.data_as<const float>();
   a.dx = dx.data_as<float>();
   a.dweight = dweight.data_as<float>();
-  check_op(backend_->rms_norm_backward(a), "rms_norm_backward");
+  check_op(ops::rms_norm_backward(*backend_, a), "rms_norm_backward");
   add_into(*backend_, Tensor::view(f32_grad(param_), DType::kF32, {D}, backend_->device()),
            dweight);
   return dx;

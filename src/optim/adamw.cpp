@@ -59,7 +59,7 @@ void AdamW::step(float grad_scale) {
     a.exp_avg = segments<float>(st.exp_avg);
     a.exp_avg_sq = segments<float>(st.exp_avg_sq);
     a.grad = segments<const float>(st.param->main_grad());
-    check_op(master.memory().adamw(a), "adamw");
+    check_op(ops::adamw(master.memory(), a), "adamw");
     st.param->requantize_from_master();
   }
 }

@@ -1,6 +1,6 @@
 // AdamW (decoupled weight decay, bias correction) on the FP32 masters of GroupedParams, followed
 // by re-quantization of each primary weight. Invariant: every element is updated by adamw_update()
-// (backend/elementwise.h), a fixed sequence of exactly-rounded FP32 operations whose step scalars
+// (backend/ops/elementwise.h), a fixed sequence of exactly-rounded FP32 operations whose step scalars
 // are rounded once on the host, so every backend's adamw op writes the same bits. Its whole state
 // is (step count, lr, each param's exp_avg / exp_avg_sq): what a checkpoint saves and restores.
 #pragma once
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "backend/elementwise.h"
+#include "backend/ops/elementwise.h"
 #include "nn/grouped_param.h"
 
 namespace packmoe {
@@ -21,7 +21,7 @@ struct AdamWConfig {
   float weight_decay = 0.0f;  // applied to the params added with weight_decay = true
 };
 
-// The scalars of step t (backend/elementwise.h has the struct and the per-element formula).
+// The scalars of step t (backend/ops/elementwise.h has the struct and the per-element formula).
 AdamWStepScalars adamw_step_scalars(const AdamWConfig& cfg, int64_t t);
 // The scalars of step t for one param: without weight decay (decay = 1 exactly: norms) unless
 // weight_decay, the gradient multiplied by grad_scale (the clip coefficient). Every optimizer

@@ -15,7 +15,7 @@ double global_grad_norm(Backend& backend, const std::vector<const GroupedStorage
   for (size_t i = 0; i < grads.size(); ++i) {
     PACKMOE_CHECK(&grads[i]->memory() == &backend, "grad " << i << " lives in another backend");
     PACKMOE_CHECK(grads[i]->bytes_per_group() % sizeof(float) == 0, "grad " << i << " is not F32");
-    check_op(backend.sum_squares(segments<const float>(*grads[i]), out + i), "sum_squares");
+    check_op(ops::sum_squares(backend, segments<const float>(*grads[i]), out + i), "sum_squares");
   }
   const std::vector<uint8_t> bytes = sums.download();
   double total = 0.0;

@@ -34,7 +34,7 @@ inline Weights64 widen(const ModelWeights& weights) {
 
 // The values packmoe's Model holds in BF16 although the math is smooth: the activation operands of
 // its GEMMs (normed inputs of q/k/v, the router and experts, the dense MLP and the LM head; the
-// attention output; SwiGLU outputs) and the MoE block's BF16 activations (FC1 and FC2 outputs).
+// attention core's q, k, v and output; SwiGLU outputs) and the MoE block's BF16 activations (FC1 and FC2 outputs).
 // kOff: the smooth math. kRecord: each such value becomes bf16(fp32(v)) (RNE) and the offset
 // bf16(fp32(v)) - v is remembered, in evaluation order. kReplay: each value gets its remembered
 // offset added instead, a constant, so the loss is smooth in the weights again and its derivative
@@ -280,11 +280,15 @@ inline Vec attention_block(const Vec& x, int64_t B, int64_t S, const ModelConfig
   const Vec a = bf16(rms_norm(x, w.at(p + "input_layernorm.weight"), H, eps));
   Vec q = linear(a, w.at(p + "self_attn.q_proj.weight").data(), T, H, Hq * D);
   Vec k = linear(a, w.at(p + "self_attn.k_proj.weight").data(), T, H, Hkv * D);
-  const Vec v = linear(a, w.at(p + "self_attn.v_proj.weight").data(), T, H, Hkv * D);
+  Vec v = linear(a, w.at(p + "self_attn.v_proj.weight").data(), T, H, Hkv * D);
   q = rms_norm(q, w.at(p + "self_attn.q_norm.weight"), D, eps);  // per head, before RoPE
   k = rms_norm(k, w.at(p + "self_attn.k_norm.weight"), D, eps);
   rope(q, B, S, Hq, D, c.rope_theta);
   rope(k, B, S, Hkv, D, c.rope_theta);
+  // The attention core reads q, k, v in BF16 (in this order) and writes o in BF16.
+  q = bf16(q);
+  k = bf16(k);
+  v = bf16(v);
   const Vec o = bf16(attention(q, k, v, B, S, Hq, Hkv, D));
   Vec out = linear(o, w.at(p + "self_attn.o_proj.weight").data(), T, Hq * D, H);
   for (int64_t i = 0; i < T * H; ++i) out[i] += x[i];

@@ -1,4 +1,4 @@
-// CUDA grouped GEMM (backend/grouped_gemm.h) against an FP64 reference computed here from the very
+// CUDA grouped GEMM (backend/ops/gemm.h) against an FP64 reference computed here from the very
 // bytes the GPU reads (operands quantized by the CPU quantizers, decoded in double with
 // core/codecs.h): relative Frobenius error <= 1e-5 for FP32 output. Every case runs on each
 // implementation (cuBLASLt, and the sm_90a wgmma kernel with its own tile choice and forced tile
@@ -31,7 +31,7 @@
 #include "backend/cuda/cuda_backend.h"  // the backend's stream, for CUDA-graph capture
 #include "backend/cuda/kernel_policy.h"
 #include "backend/device_buffer.h"
-#include "backend/grouped_gemm.h"
+#include "backend/ops/gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -119,7 +119,7 @@ class Regions {
 
 // ---- operands on the host ------------------------------------------------------------------------
 
-// One stored copy of one operand (the table in backend/grouped_gemm.h), per group.
+// One stored copy of one operand (the table in backend/ops/gemm.h), per group.
 struct HostOperand {
   OperandFormat format = OperandFormat::kBF16;
   DType element = DType::kE4M3;
@@ -471,7 +471,7 @@ RunOut run_gpu(Backend& gpu, const Case& c, const HostOperand& lhs, const HostOp
   } else {
     a.m = c.m;
   }
-  r.status = gpu.grouped_gemm(a);
+  r.status = ops::grouped_gemm(gpu, a);
   gpu.synchronize();
   const std::vector<uint8_t> d = out.download();
   r.gap_changes = out.gap_changes(d);
@@ -1178,7 +1178,7 @@ void run_graph_case(Backend& gpu, CudaBackend& cuda, const Recipe& rc, GemmOp op
   fill(m1);
   set_counts(m1);
   reset_out();
-  const Status eager = gpu.grouped_gemm(device_args(out.get()));
+  const Status eager = ops::grouped_gemm(gpu, device_args(out.get()));
   ASSERT_TRUE(eager.is_ok()) << what << ": " << eager.message();
   gpu.synchronize();
 
@@ -1188,7 +1188,7 @@ void run_graph_case(Backend& gpu, CudaBackend& cuda, const Recipe& rc, GemmOp op
   Status captured;
   {
     const GroupedGemmArgs a = device_args(out.get());  // its vectors end with this scope
-    captured = gpu.grouped_gemm(a);
+    captured = ops::grouped_gemm(gpu, a);
   }
   const cudaError_t end = cudaStreamEndCapture(stream, &graph);
   ASSERT_TRUE(captured.is_ok()) << what << ": " << captured.message();
@@ -1206,7 +1206,7 @@ void run_graph_case(Backend& gpu, CudaBackend& cuda, const Recipe& rc, GemmOp op
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     const std::vector<uint8_t> got = out.download();
     GroupedGemmArgs host = expand_packed_tokens(device_args(ref_out.get()), m);
-    const Status r = gpu.grouped_gemm(host);
+    const Status r = ops::grouped_gemm(gpu, host);
     ASSERT_TRUE(r.is_ok()) << r.message();
     const std::vector<uint8_t> want = ref_out.download();
     std::string ms;
@@ -1260,7 +1260,7 @@ TEST(CudaGroupedGemm, DeviceCountsCaptureErrors) {
   a.groups = 2;
   a.m_capacity = 256;
   // An eager host-m call first: the backend's GEMM state exists before any capture.
-  ASSERT_TRUE(gpu->grouped_gemm(expand_packed_tokens(a, none)).is_ok());
+  ASSERT_TRUE(ops::grouped_gemm(*gpu, expand_packed_tokens(a, none)).is_ok());
   for (const Variant& v : {kVariants[1], kVariants[0]}) {  // sm90, cublas
     const char* impl = v.name;
     Status s;
@@ -1268,7 +1268,7 @@ TEST(CudaGroupedGemm, DeviceCountsCaptureErrors) {
       const UseVariant use(v);
       cudaGraph_t graph = nullptr;
       ASSERT_EQ(cudaStreamBeginCapture(cuda->stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
-      s = gpu->grouped_gemm(a);
+      s = ops::grouped_gemm(*gpu, a);
       cudaStreamEndCapture(cuda->stream(), &graph);
       if (graph != nullptr) cudaGraphDestroy(graph);
     }
@@ -1278,7 +1278,7 @@ TEST(CudaGroupedGemm, DeviceCountsCaptureErrors) {
         << s.message();
     std::printf("[gemm cuda] capture rejects (%s): %s\n", impl, s.message().c_str());
   }
-  EXPECT_TRUE(gpu->grouped_gemm(a).is_ok()) << "the same call outside capture";
+  EXPECT_TRUE(ops::grouped_gemm(*gpu, a).is_ok()) << "the same call outside capture";
   gpu->synchronize();
 }
 
@@ -1291,17 +1291,17 @@ TEST(CudaGroupedGemm, RejectsBadArguments) {
   a.lhs.data = {buf.get()};
   a.rhs.data = {buf.get()};
   a.out = {buf.get()};
-  EXPECT_FALSE(gpu->grouped_gemm(a).is_ok()) << "neither m nor m_device";
+  EXPECT_FALSE(ops::grouped_gemm(*gpu, a).is_ok()) << "neither m nor m_device";
   a.m = {32};
   a.m_device = buf.get();
   a.groups = 1;
-  EXPECT_FALSE(gpu->grouped_gemm(a).is_ok()) << "both m and m_device";
+  EXPECT_FALSE(ops::grouped_gemm(*gpu, a).is_ok()) << "both m and m_device";
   a.m_device = nullptr;
   a.groups = 0;
   a.lhs.format = a.rhs.format = OperandFormat::kMxfp8;
   a.lhs.scale = a.rhs.scale = {buf.get()};
   a.m = {16};
-  const Status s = gpu->grouped_gemm(a);
+  const Status s = ops::grouped_gemm(*gpu, a);
   EXPECT_FALSE(s.is_ok()) << "16 tokens in an MXFP8 group";
   std::printf("[gemm cuda] rejects: %s\n", s.message().c_str());
   a.lhs.format = a.rhs.format = OperandFormat::kBF16;

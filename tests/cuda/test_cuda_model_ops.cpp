@@ -1,9 +1,10 @@
-// CUDA dense decoder ops (embedding, RMSNorm, RoPE, attention, cross-entropy; forward and
-// backward) and sum_squares against the CPU reference, BYTE FOR BYTE. Every output buffer has a
-// sentinel tail and starts with the same bytes on both sides, so a stray write is a mismatch too;
-// inputs stay finite (the GPU canonicalises NaN payloads, x86 does not). Fresh seed per test,
-// printed on failure. Backend interface only; skips without a GPU. The harness (Twin, Tally):
-// tests/common/cuda_vs_cpu.h.
+// CUDA dense decoder ops (embedding, RMSNorm, RoPE, cross-entropy; forward and backward) and
+// sum_squares against the CPU reference, BYTE FOR BYTE (attention promises no CPU bytes: its
+// tensor-core kernels are tested against FP64 in test_cuda_flash_attention.cpp). Every output
+// buffer has a sentinel tail and starts with the same bytes on both sides, so a stray write is a
+// mismatch too; inputs stay finite (the GPU canonicalises NaN payloads, x86 does not). Fresh seed
+// per test, printed on failure. Backend interface only; skips without a GPU. The harness (Twin,
+// Tally): tests/common/cuda_vs_cpu.h.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,8 +16,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/elementwise.h"
-#include "backend/model_ops.h"
+#include "backend/ops/elementwise.h"
+#include "backend/ops/model.h"
 #include "common/cuda_vs_cpu.h"
 #include "core/codecs.h"
 
@@ -86,7 +87,7 @@ TEST(CudaModelOps, Embedding) {
     Twin<float> table(*gpu, rand_floats(c.V * c.H, rng, 1.0f));  // (V, H)
     Twin<float> out(*gpu, c.T * c.H);                            // (T, H)
     expect_ok(embedding_cpu({c.T, c.V, c.H, ids.h(), table.h(), out.h()}));
-    expect_ok(gpu->embedding({c.T, c.V, c.H, ids.d(), table.d(), out.d()}));
+    expect_ok(ops::embedding(*gpu, {c.T, c.V, c.H, ids.d(), table.d(), out.d()}));
     out.compare(tally, "out");
     ++tally.cases;
   }
@@ -100,7 +101,7 @@ TEST(CudaModelOps, EmbeddingBackward) {
     Twin<float> dout(*gpu, rand_floats(c.T * c.H, rng, 1.0f));    // (T, H)
     Twin<float> dtable(*gpu, rand_floats(c.V * c.H, rng, 1.0f));  // (V, H) accumulated into
     expect_ok(embedding_backward_cpu({c.T, c.V, c.H, ids.h(), dout.h(), dtable.h()}));
-    expect_ok(gpu->embedding_backward({c.T, c.V, c.H, ids.d(), dout.d(), dtable.d()}));
+    expect_ok(ops::embedding_backward(*gpu, {c.T, c.V, c.H, ids.d(), dout.d(), dtable.d()}));
     dtable.compare(tally, "dtable");
     ++tally.cases;
   }
@@ -132,7 +133,7 @@ TEST(CudaModelOps, RmsNorm) {
     Twin<float> w(*gpu, rand_floats(c.D, rng, 1.0f));  // (D)
     Twin<float> y(*gpu, c.N * c.D), rstd(*gpu, c.N);   // (N, D), (N)
     expect_ok(rms_norm_cpu({c.N, c.D, c.eps, x.h(), w.h(), y.h(), rstd.h()}));
-    expect_ok(gpu->rms_norm({c.N, c.D, c.eps, x.d(), w.d(), y.d(), rstd.d()}));
+    expect_ok(ops::rms_norm(*gpu, {c.N, c.D, c.eps, x.d(), w.d(), y.d(), rstd.d()}));
     y.compare(tally, "y");
     rstd.compare(tally, "rstd");
     ++tally.cases;
@@ -150,7 +151,7 @@ TEST(CudaModelOps, RmsNormBackward) {
     Twin<float> dy(*gpu, rand_floats(c.N * c.D, rng, 1.0f));  // (N, D)
     Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);           // (N, D), (D)
     expect_ok(rms_norm_backward_cpu({c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()}));
-    expect_ok(gpu->rms_norm_backward({c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
+    expect_ok(ops::rms_norm_backward(*gpu, {c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
     dx.compare(tally, "dx");
     dw.compare(tally, "dweight");
     ++tally.cases;
@@ -176,7 +177,7 @@ TEST(CudaModelOps, RopeForwardAndBackward) {
     for (bool inverse : {false, true}) {
       Tally& tally = inverse ? bwd : fwd;
       auto run = [&](Backend& be, RopeArgs a) {
-        return inverse ? be.rope_backward(a) : be.rope(a);
+        return inverse ? ops::rope_backward(be, a) : ops::rope(be, a);
       };
       Twin<float> in(*gpu, xv), out(*gpu, xv.size());  // (T, heads, D)
       const auto cpu_fn = inverse ? rope_backward_cpu : rope_cpu;
@@ -190,74 +191,6 @@ TEST(CudaModelOps, RopeForwardAndBackward) {
       io.compare(tally, "in place");
       tally.cases += 2;
     }
-  }
-}
-
-// ---- attention ---------------------------------------------------------------------------------
-
-struct AttnCase {
-  int64_t B, S, Hq, Hkv, D;
-};
-// S below, at and above warp multiples; D 8..512 (every padded width of the tiled kernels, D % 32
-// != 0, and the one-warp-per-row kernels above 128); GQA groups 1, 2, 3, 4, 8, 16. The longer
-// cases make the tiled kernels run several chunks per lane pass (forward / dq: more than 32 keys
-// of one lane class; dk / dv: more than 64 query pairs) and several key tiles per residue class.
-const std::vector<AttnCase> kAttnCases = {
-    {1, 1, 1, 1, 16},   {2, 33, 4, 2, 64},  {1, 70, 8, 1, 128},  {1, 45, 2, 2, 16},
-    {2, 17, 8, 4, 128}, {1, 100, 4, 4, 64}, {3, 9, 1, 1, 48},    {1, 64, 8, 8, 32},
-    {1, 37, 2, 1, 256}, {1, 20, 2, 1, 512}, {1, 130, 4, 1, 80},  {1, 1100, 2, 1, 128},
-    {2, 300, 16, 2, 8}, {1, 150, 6, 2, 64}, {1, 530, 4, 1, 32},  {1, 260, 32, 2, 16},
-};
-
-float attn_scale(int64_t D) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))); }
-
-TEST(CudaModelOps, Attention) {
-  SKIP_WITHOUT_GPU();
-  Tally tally("attention");
-  for (const AttnCase& c : kAttnCases) {
-    const int64_t nq = c.B * c.S * c.Hq * c.D, nkv = c.B * c.S * c.Hkv * c.D;
-    Twin<float> q(*gpu, rand_floats(nq, rng, 1.5f));                         // (B, S, Hq, D)
-    Twin<float> k(*gpu, rand_floats(nkv, rng, 1.5f));                        // (B, S, Hkv, D)
-    Twin<float> v(*gpu, rand_floats(nkv, rng, 1.0f));                        // (B, S, Hkv, D)
-    Twin<float> o(*gpu, nq);                                                 // (B, S, Hq, D)
-    Twin<float> rmax(*gpu, c.B * c.Hq * c.S), rsum(*gpu, c.B * c.Hq * c.S);  // (B, Hq, S)
-    const float scale = attn_scale(c.D);
-    expect_ok(attention_cpu(
-        {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.h(), k.h(), v.h(), o.h(), rmax.h(), rsum.h()}));
-    expect_ok(gpu->attention(
-        {c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(), rmax.d(), rsum.d()}));
-    o.compare(tally, "o");
-    rmax.compare(tally, "row_max");
-    rsum.compare(tally, "row_sum");
-    ++tally.cases;
-  }
-}
-
-TEST(CudaModelOps, AttentionBackward) {
-  SKIP_WITHOUT_GPU();
-  Tally tally("attention_backward");
-  for (const AttnCase& c : kAttnCases) {
-    const int64_t nq = c.B * c.S * c.Hq * c.D, nkv = c.B * c.S * c.Hkv * c.D;
-    const int64_t rows = c.B * c.Hq * c.S;
-    const float scale = attn_scale(c.D);
-    const std::vector<float> qv = rand_floats(nq, rng, 1.5f), kv = rand_floats(nkv, rng, 1.5f),
-                             vv = rand_floats(nkv, rng, 1.0f);
-    // The CPU forward's o, row_max, row_sum feed both backends.
-    std::vector<float> ov(nq), mv(rows), sv(rows);
-    expect_ok(attention_cpu({c.B, c.S, c.Hq, c.Hkv, c.D, scale, qv.data(), kv.data(), vv.data(),
-                             ov.data(), mv.data(), sv.data()}));
-    Twin<float> q(*gpu, qv), k(*gpu, kv), v(*gpu, vv), o(*gpu, ov), rmax(*gpu, mv), rsum(*gpu, sv);
-    Twin<float> dout(*gpu, rand_floats(nq, rng, 1.0f));  // (B, S, Hq, D)
-    Twin<float> dq(*gpu, nq), dk(*gpu, nkv), dv(*gpu, nkv);
-    expect_ok(attention_backward_cpu({c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.h(), k.h(), v.h(), o.h(),
-                                      rmax.h(), rsum.h(), dout.h(), dq.h(), dk.h(), dv.h()}));
-    expect_ok(
-        gpu->attention_backward({c.B, c.S, c.Hq, c.Hkv, c.D, scale, q.d(), k.d(), v.d(), o.d(),
-                                 rmax.d(), rsum.d(), dout.d(), dq.d(), dk.d(), dv.d()}));
-    dq.compare(tally, "dq");
-    dk.compare(tally, "dk");
-    dv.compare(tally, "dv");
-    ++tally.cases;
   }
 }
 
@@ -318,7 +251,7 @@ TEST(CudaModelOps, CrossEntropy) {
       return a;
     };
     expect_ok(cross_entropy_cpu(args(false)));
-    expect_ok(gpu->cross_entropy(args(true)));
+    expect_ok(ops::cross_entropy(*gpu, args(true)));
     loss.compare(tally, "loss");
     valid.compare(tally, "valid");
     rmax.compare(tally, "row_max");
@@ -344,7 +277,7 @@ TEST(CudaModelOps, CrossEntropyBackward) {
     const float dloss = nd(rng);
     expect_ok(cross_entropy_backward_cpu(
         {c.T, c.V, c.ignore_index, dloss, z.h(), tg.h(), rmax.h(), rsum.h(), dz.h()}));
-    expect_ok(gpu->cross_entropy_backward(
+    expect_ok(ops::cross_entropy_backward(*gpu, 
         {c.T, c.V, c.ignore_index, dloss, z.d(), tg.d(), rmax.d(), rsum.d(), dz.d()}));
     dz.compare(tally, "dlogits");
     ++tally.cases;
@@ -379,7 +312,7 @@ TEST(CudaModelOps, SumSquares) {
       ds.ptr.push_back(x.d() + g * c.n);
     }
     expect_ok(sum_squares_cpu(hs, out.h()));
-    expect_ok(gpu->sum_squares(ds, out.d()));
+    expect_ok(ops::sum_squares(*gpu, ds, out.d()));
     out.compare(tally, "sum");
     ++tally.cases;
   }
@@ -406,11 +339,11 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
     Twin<int32_t> ids(*gpu, idv);
     Twin<float> table(*gpu, rand_floats(V * H, rng, 1.0f)), out(*gpu, T * H);
     expect_same_error(embedding_cpu({T, V, H, ids.h(), table.h(), out.h()}),
-                      gpu->embedding({T, V, H, ids.d(), table.d(), out.d()}));
+                      ops::embedding(*gpu, {T, V, H, ids.d(), table.d(), out.d()}));
     Twin<float> dout(*gpu, rand_floats(T * H, rng, 1.0f));
     Twin<float> dtable(*gpu, rand_floats(V * H, rng, 1.0f));
     expect_same_error(embedding_backward_cpu({T, V, H, ids.h(), dout.h(), dtable.h()}),
-                      gpu->embedding_backward({T, V, H, ids.d(), dout.d(), dtable.d()}));
+                      ops::embedding_backward(*gpu, {T, V, H, ids.d(), dout.d(), dtable.d()}));
     out.compare(tally, "embedding out");
     dtable.compare(tally, "dtable");
 
@@ -422,11 +355,11 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
       Twin<int64_t> valid(*gpu, 1);
       expect_same_error(cross_entropy_cpu({T, V, ignore, z.h(), ids.h(), loss.h(), valid.h(),
                                            rmax.h(), rsum.h()}),
-                        gpu->cross_entropy({T, V, ignore, z.d(), ids.d(), loss.d(), valid.d(),
+                        ops::cross_entropy(*gpu, {T, V, ignore, z.d(), ids.d(), loss.d(), valid.d(),
                                             rmax.d(), rsum.d()}));
       expect_same_error(cross_entropy_backward_cpu(
                             {T, V, ignore, 1.0f, z.h(), ids.h(), rmax.h(), rsum.h(), dz.h()}),
-                        gpu->cross_entropy_backward(
+                        ops::cross_entropy_backward(*gpu, 
                             {T, V, ignore, 1.0f, z.d(), ids.d(), rmax.d(), rsum.d(), dz.d()}));
       loss.compare(tally, "loss");
       valid.compare(tally, "valid");
@@ -438,19 +371,21 @@ TEST(CudaModelOps, BadIdsAndTargetsAreStatusErrors) {
     tally.cases += 2;
   }
 
-  // Beyond the kernel's head_dim limit the CUDA backend refuses (the CPU computes it).
+  // Beyond the attention kernels' head_dim limit the CUDA backend refuses (the CPU computes it).
   const int64_t D = 514;
-  Twin<float> q(*gpu, rand_floats(D, rng, 1.0f)), o(*gpu, D), m(*gpu, 1), s(*gpu, 1);
-  const Status st = gpu->attention({1, 1, 1, 1, D, 0.5f, q.d(), q.d(), q.d(), o.d(), m.d(), s.d()});
+  Twin<uint16_t> q(*gpu, std::vector<uint16_t>(D, 0x3F80)), o(*gpu, D);
+  Twin<float> lse(*gpu, 1);
+  const Status st = ops::attention(
+      *gpu, {1, 1, 1, 1, D, 0.5f, q.d(), q.d(), q.d(), nullptr, o.d(), lse.d()});
   EXPECT_FALSE(st.is_ok());
-  EXPECT_NE(st.message().find("head_dim"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("head"), std::string::npos) << st.message();
   o.compare(tally, "attention o");
 
   Segments<const float> neg;
   neg.n = -1;
   double h = 0.0;
   Twin<double> out(*gpu, 1);
-  expect_same_error(sum_squares_cpu(neg, &h), gpu->sum_squares(neg, out.d()));
+  expect_same_error(sum_squares_cpu(neg, &h), ops::sum_squares(*gpu, neg, out.d()));
   out.compare(tally, "sum_squares out");
   tally.cases += 2;
 }

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/elementwise.h"
-#include "backend/moe_ops.h"
+#include "backend/ops/elementwise.h"
+#include "backend/ops/moe.h"
 #include "common/cuda_vs_cpu.h"
 #include "core/codecs.h"
 #include "optim/adamw.h"
@@ -161,7 +161,7 @@ RouterOut cpu_router(const RouterCase& c, const std::vector<float>& logits) {
   RouterTopkArgs a;
   a.tokens = c.T, a.experts = c.E, a.top_k = c.k, a.norm_topk_prob = c.norm;
   a.logits = logits.data(), a.probs = o.probs.data(), a.idx = o.idx.data(), a.w = o.w.data();
-  const Status s = cpu_backend().router_topk(a);
+  const Status s = ops::router_topk(cpu_backend(), a);
   EXPECT_TRUE(s.is_ok()) << s.message();
   return o;
 }
@@ -178,10 +178,10 @@ TEST(CudaMoeOps, RouterTopkForward) {
     a.tokens = c.T, a.experts = c.E, a.top_k = c.k, a.norm_topk_prob = c.norm;
     a.logits = z->h<float>(), a.probs = probs.h<float>(), a.idx = idx.h<int32_t>();
     a.w = w.h<float>();
-    expect_ok(cpu_backend().router_topk(a));
+    expect_ok(ops::router_topk(cpu_backend(), a));
     a.logits = z->d<float>(), a.probs = probs.d<float>(), a.idx = idx.d<int32_t>();
     a.w = w.d<float>();
-    expect_ok(gpu->router_topk(a));
+    expect_ok(ops::router_topk(*gpu, a));
     const long T = c.T, E = c.E;
     probs.compare(tally, fmt("T%ld E%ld probs", T, E));
     idx.compare(tally, fmt("T%ld E%ld idx", T, E));
@@ -206,10 +206,10 @@ TEST(CudaMoeOps, RouterTopkBackward) {
       a.tokens = c.T, a.experts = c.E, a.top_k = c.k, a.norm_topk_prob = norm;
       a.probs = probs->h<float>(), a.idx = idx->h<int32_t>(), a.dw = dw->h<float>();
       a.dlogits = dz.h<float>();
-      expect_ok(cpu_backend().router_topk_backward(a));
+      expect_ok(ops::router_topk_backward(cpu_backend(), a));
       a.probs = probs->d<float>(), a.idx = idx->d<int32_t>(), a.dw = dw->d<float>();
       a.dlogits = dz.d<float>();
-      expect_ok(gpu->router_topk_backward(a));
+      expect_ok(ops::router_topk_backward(*gpu, a));
       dz.compare(tally, fmt("T%ld E%ld norm%d dlogits", long(c.T), long(c.E), int(norm)));
       ++tally.cases;
     }
@@ -239,9 +239,9 @@ TEST(CudaMoeOps, AuxLossForward) {
     AuxLossArgs a;
     a.tokens = c.T, a.experts = c.E, a.top_k = c.k;
     a.probs = probs->h<float>(), a.idx = idx->h<int32_t>(), a.aux = aux.h<float>();
-    expect_ok(cpu_backend().aux_loss(a));
+    expect_ok(ops::aux_loss(cpu_backend(), a));
     a.probs = probs->d<float>(), a.idx = idx->d<int32_t>(), a.aux = aux.d<float>();
-    expect_ok(gpu->aux_loss(a));
+    expect_ok(ops::aux_loss(*gpu, a));
     aux.compare(tally, fmt("T%ld E%ld aux", long(c.T), long(c.E)));
     ++tally.cases;
   }
@@ -260,9 +260,9 @@ TEST(CudaMoeOps, AuxLossBackward) {
     a.tokens = c.T, a.experts = c.E, a.top_k = c.k;
     a.daux = rand_value(rng, 0.01f);
     a.probs = probs->h<float>(), a.idx = idx->h<int32_t>(), a.dlogits = dz->h<float>();
-    expect_ok(cpu_backend().aux_loss_backward(a));
+    expect_ok(ops::aux_loss_backward(cpu_backend(), a));
     a.probs = probs->d<float>(), a.idx = idx->d<int32_t>(), a.dlogits = dz->d<float>();
-    expect_ok(gpu->aux_loss_backward(a));
+    expect_ok(ops::aux_loss_backward(*gpu, a));
     dz->compare(tally, fmt("T%ld E%ld dlogits", long(c.T), long(c.E)));
     ++tally.cases;
   }
@@ -346,10 +346,10 @@ TEST(CudaMoeOps, RoutingPlan) {
     a.tokens = c.T, a.experts = c.E, a.top_k = c.k, a.align = c.align, a.max_rows = max_rows;
     a.idx = in->h<int32_t>(), a.dest = dest.h<int32_t>(), a.row_slot = row_slot.h<int32_t>();
     a.counts = counts.h<int64_t>();
-    expect_ok(cpu_backend().routing_plan(a));
+    expect_ok(ops::routing_plan(cpu_backend(), a));
     a.idx = in->d<int32_t>(), a.dest = dest.d<int32_t>(), a.row_slot = row_slot.d<int32_t>();
     a.counts = counts.d<int64_t>();
-    expect_ok(gpu->routing_plan(a));
+    expect_ok(ops::routing_plan(*gpu, a));
     const std::string name = fmt("T%ld E%ld k%ld align%ld%s", long(c.T), long(c.E), long(c.k),
                                  long(c.align), c.skewed ? " skewed" : "");
     dest.compare(tally, name + " dest");
@@ -365,14 +365,14 @@ TEST(CudaMoeOps, RoutingPlan) {
   a.tokens = 3, a.experts = 4, a.top_k = 2, a.align = 1, a.max_rows = 6;
   a.idx = in->h<int32_t>(), a.dest = dest.h<int32_t>(), a.row_slot = row_slot.h<int32_t>();
   a.counts = counts.h<int64_t>();
-  expect_ok(cpu_backend().routing_plan(a));
+  expect_ok(ops::routing_plan(cpu_backend(), a));
   a.idx = in->d<int32_t>(), a.dest = dest.d<int32_t>(), a.row_slot = row_slot.d<int32_t>();
   a.counts = counts.d<int64_t>();
-  expect_ok(gpu->routing_plan(a));
+  expect_ok(ops::routing_plan(*gpu, a));
   counts.compare(tally, "bad indices counts");
   EXPECT_EQ(counts.h<int64_t>()[4], 3);
   a.experts = 1025, a.top_k = 1, a.max_rows = 3;
-  const Status too_many = gpu->routing_plan(a);
+  const Status too_many = ops::routing_plan(*gpu, a);
   ASSERT_FALSE(too_many.is_ok());
   EXPECT_NE(too_many.message().find("at most 1024"), std::string::npos) << too_many.message();
 }
@@ -392,9 +392,9 @@ TEST(CudaMoeOps, PermuteForward) {
       PermuteArgs a;
       a.tokens = c.T, a.hidden = c.H, a.top_k = c.k, a.rows = M, a.dtype = t;
       a.row_slot = slot->h<int32_t>(), a.dest = dest->h<int32_t>(), a.x = x->h(), a.xp = xp.h();
-      expect_ok(cpu_backend().permute(a));
+      expect_ok(ops::permute(cpu_backend(), a));
       a.row_slot = slot->d<int32_t>(), a.dest = dest->d<int32_t>(), a.x = x->d(), a.xp = xp.d();
-      expect_ok(gpu->permute(a));
+      expect_ok(ops::permute(*gpu, a));
       xp.compare(tally, fmt("%s %s", row_name(c).c_str(), dn(t)));
       ++tally.cases;
     }
@@ -414,9 +414,9 @@ TEST(CudaMoeOps, PermuteBackward) {
       PermuteBackwardArgs a;
       a.tokens = c.T, a.hidden = c.H, a.top_k = c.k, a.rows = M, a.dxp_dtype = t;
       a.dest = dest->h<int32_t>(), a.dxp = dxp->h(), a.dx = dx.h<float>();
-      expect_ok(cpu_backend().permute_backward(a));
+      expect_ok(ops::permute_backward(cpu_backend(), a));
       a.dest = dest->d<int32_t>(), a.dxp = dxp->d(), a.dx = dx.d<float>();
-      expect_ok(gpu->permute_backward(a));
+      expect_ok(ops::permute_backward(*gpu, a));
       dx.compare(tally, fmt("%s dxp %s", row_name(c).c_str(), dn(t)));
       ++tally.cases;
     }
@@ -439,9 +439,9 @@ TEST(CudaMoeOps, UnpermuteForward) {
         a.tokens = c.T, a.hidden = c.H, a.top_k = c.k, a.rows = M;
         a.yp_dtype = tyy, a.y_dtype = ty;
         a.dest = dest->h<int32_t>(), a.w = w->h<float>(), a.yp = yp->h(), a.y = y.h();
-        expect_ok(cpu_backend().unpermute(a));
+        expect_ok(ops::unpermute(cpu_backend(), a));
         a.dest = dest->d<int32_t>(), a.w = w->d<float>(), a.yp = yp->d(), a.y = y.d();
-        expect_ok(gpu->unpermute(a));
+        expect_ok(ops::unpermute(*gpu, a));
         y.compare(tally, fmt("%s yp %s y %s", row_name(c).c_str(), dn(tyy), dn(ty)));
         ++tally.cases;
       }
@@ -469,10 +469,10 @@ TEST(CudaMoeOps, UnpermuteBackward) {
           a.yp_dtype = tyy, a.dy_dtype = tdy, a.dyp_dtype = tdyp;
           a.dest = dest->h<int32_t>(), a.row_slot = slot->h<int32_t>(), a.w = w->h<float>();
           a.yp = yp->h(), a.dy = dy->h(), a.dyp = dyp.h(), a.dw = dw.h<float>();
-          expect_ok(cpu_backend().unpermute_backward(a));
+          expect_ok(ops::unpermute_backward(cpu_backend(), a));
           a.dest = dest->d<int32_t>(), a.row_slot = slot->d<int32_t>(), a.w = w->d<float>();
           a.yp = yp->d(), a.dy = dy->d(), a.dyp = dyp.d(), a.dw = dw.d<float>();
-          expect_ok(gpu->unpermute_backward(a));
+          expect_ok(ops::unpermute_backward(*gpu, a));
           const std::string what = fmt("%s yp %s dy %s dyp %s", row_name(c).c_str(), dn(tyy),
                                        dn(tdy), dn(tdyp));
           dyp.compare(tally, std::string(what).append(": dyp"));
@@ -505,9 +505,9 @@ TEST(CudaMoeOps, SwigluForward) {
         SwigluArgs a;
         a.rows = c.M, a.ffn = c.F, a.in_dtype = ti, a.out_dtype = to;
         a.in = in->h(), a.out = out.h();
-        expect_ok(cpu_backend().swiglu(a));
+        expect_ok(ops::swiglu(cpu_backend(), a));
         a.in = in->d(), a.out = out.d();
-        expect_ok(gpu->swiglu(a));
+        expect_ok(ops::swiglu(*gpu, a));
         out.compare(tally, fmt("M%ld F%ld %s->%s", long(c.M), long(c.F), dn(ti), dn(to)));
         ++tally.cases;
       }
@@ -527,9 +527,9 @@ TEST(CudaMoeOps, SwigluBackward) {
           SwigluBackwardArgs a;
           a.rows = c.M, a.ffn = c.F, a.in_dtype = ti, a.dout_dtype = tdo, a.din_dtype = tdi;
           a.in = in->h(), a.dout = dout->h(), a.din = din.h();
-          expect_ok(cpu_backend().swiglu_backward(a));
+          expect_ok(ops::swiglu_backward(cpu_backend(), a));
           a.in = in->d(), a.dout = dout->d(), a.din = din.d();
-          expect_ok(gpu->swiglu_backward(a));
+          expect_ok(ops::swiglu_backward(*gpu, a));
           din.compare(tally, fmt("M%ld F%ld in %s dout %s din %s", long(c.M), long(c.F), dn(ti),
                                  dn(tdo), dn(tdi)));
           ++tally.cases;
@@ -604,10 +604,10 @@ TEST(CudaElementwise, CastF32ToBf16) {
     src->upload();
     Segments<const float> s_h{const_ptrs(src->h_all<float>()), c.n};
     Segments<uint16_t> d_h{dst->h_all<uint16_t>(), c.n};
-    expect_ok(cpu_backend().cast_f32_to_bf16(s_h, d_h));
+    expect_ok(ops::cast_f32_to_bf16(cpu_backend(), s_h, d_h));
     Segments<const float> s_d{const_ptrs(src->d_all<float>()), c.n};
     Segments<uint16_t> d_d{dst->d_all<uint16_t>(), c.n};
-    expect_ok(gpu->cast_f32_to_bf16(s_d, d_d));
+    expect_ok(ops::cast_f32_to_bf16(*gpu, s_d, d_d));
     dst->compare(tally, seg_name(c));
     ++tally.cases;
   }
@@ -624,10 +624,10 @@ TEST(CudaElementwise, AddF32) {
     fill_f32(*src, c, rng, 1.0f, false);
     Segments<float> d_h{dst->h_all<float>(), c.n};
     Segments<const float> s_h{const_ptrs(src->h_all<float>()), c.n};
-    expect_ok(cpu_backend().add_f32(d_h, s_h));
+    expect_ok(ops::add_f32(cpu_backend(), d_h, s_h));
     Segments<float> d_d{dst->d_all<float>(), c.n};
     Segments<const float> s_d{const_ptrs(src->d_all<float>()), c.n};
-    expect_ok(gpu->add_f32(d_d, s_d));
+    expect_ok(ops::add_f32(*gpu, d_d, s_d));
     dst->compare(tally, seg_name(c));
     ++tally.cases;
   }
@@ -653,10 +653,10 @@ TEST(CudaElementwise, AdamW) {
     a.scalars = adamw_step_scalars(cfg, t);
     a.param = {p->h_all<float>(), c.n}, a.exp_avg = {m->h_all<float>(), c.n};
     a.exp_avg_sq = {v->h_all<float>(), c.n}, a.grad = {const_ptrs(g->h_all<float>()), c.n};
-    expect_ok(cpu_backend().adamw(a));
+    expect_ok(ops::adamw(cpu_backend(), a));
     a.param = {p->d_all<float>(), c.n}, a.exp_avg = {m->d_all<float>(), c.n};
     a.exp_avg_sq = {v->d_all<float>(), c.n}, a.grad = {const_ptrs(g->d_all<float>()), c.n};
-    expect_ok(gpu->adamw(a));
+    expect_ok(ops::adamw(*gpu, a));
     p->compare(tally, seg_name(c).append(": param"));
     m->compare(tally, seg_name(c).append(": exp_avg"));
     v->compare(tally, seg_name(c).append(": exp_avg_sq"));
@@ -682,8 +682,8 @@ TEST(CudaElementwise, Nvfp4DecodeScales) {
     }
     auto in = input_of(*gpu, amax);
     Mirror out(*gpu, groups * 4);
-    expect_ok(cpu_backend().nvfp4_decode_scales(in->h<float>(), out.h<float>(), groups));
-    expect_ok(gpu->nvfp4_decode_scales(in->d<float>(), out.d<float>(), groups));
+    expect_ok(ops::nvfp4_decode_scales(cpu_backend(), in->h<float>(), out.h<float>(), groups));
+    expect_ok(ops::nvfp4_decode_scales(*gpu, in->d<float>(), out.d<float>(), groups));
     out.compare(tally, fmt("groups %ld", long(groups)));
     ++tally.cases;
   }
@@ -694,11 +694,11 @@ TEST(CudaMoeOps, InvalidArgumentsAreStatusErrors) {
   PACKMOE_SKIP_WITHOUT_GPU();
   RouterTopkArgs a;
   a.tokens = 4, a.experts = 2, a.top_k = 3;  // k > E
-  EXPECT_FALSE(gpu->router_topk(a).is_ok());
+  EXPECT_FALSE(ops::router_topk(*gpu, a).is_ok());
   Segments<float> d{{nullptr, nullptr}, 4};
   Segments<const float> s{{nullptr}, 4};
-  EXPECT_FALSE(gpu->add_f32(d, s).is_ok());
-  EXPECT_FALSE(gpu->nvfp4_decode_scales(nullptr, nullptr, -1).is_ok());
+  EXPECT_FALSE(ops::add_f32(*gpu, d, s).is_ok());
+  EXPECT_FALSE(ops::nvfp4_decode_scales(*gpu, nullptr, nullptr, -1).is_ok());
 }
 
 }  // namespace

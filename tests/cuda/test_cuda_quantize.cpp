@@ -309,9 +309,9 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
     if (csc) oh.col_scale = csc->h_all(), od.col_scale = csc->d_all();
     if (rv) oh.row_bf16 = rv->h_all(), od.row_bf16 = rv->d_all();
     if (cv) oh.col_bf16 = cv->h_all(), od.col_bf16 = cv->d_all();
-    const Status sc = cpu.quantize_mxfp8(gin_h, cfg, oh);
+    const Status sc = ops::quantize_mxfp8(cpu, gin_h, cfg, oh);
     ASSERT_TRUE(sc.is_ok()) << sc.message();
-    const Status sg = gpu->quantize_mxfp8(gin_d, cfg, od);
+    const Status sg = ops::quantize_mxfp8(*gpu, gin_d, cfg, od);
     ASSERT_TRUE(sg.is_ok()) << sg.message();
     ++q.cases;
     if (rd) rd->compare(q, "row_data"), rs->compare(q, "row_scale");
@@ -340,9 +340,9 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
                      L.rows,
                      const_ptrs(data->d_all()),
                      const_ptrs(scale->d_all())};
-        const Status a = cpu.dequantize_mxfp8(qh, od_t, out.h_all());
+        const Status a = ops::dequantize_mxfp8(cpu, qh, od_t, out.h_all());
         ASSERT_TRUE(a.is_ok()) << a.message();
-        const Status b = gpu->dequantize_mxfp8(qd, od_t, out.d_all());
+        const Status b = ops::dequantize_mxfp8(*gpu, qd, od_t, out.d_all());
         ASSERT_TRUE(b.is_ok()) << b.message();
         out.compare(dq, copy == 0 ? "dequant row" : "dequant col");
       }
@@ -361,9 +361,9 @@ TEST_P(Mxfp8Test, CudaEqualsCpuBytewise) {
         const bool tr = copy == 1;
         Mirror out(*gpu, {static_cast<size_t>(swizzled_scale_bytes(tr ? scc : sr, tr ? sr : scc))},
                    Placement::kPacked, 0);
-        const Status a = cpu.swizzle_scales(scale->h(g), sr, scc, tr, out.h(0));
+        const Status a = ops::swizzle_scales(cpu, scale->h(g), sr, scc, tr, out.h(0));
         ASSERT_TRUE(a.is_ok()) << a.message();
-        const Status b = gpu->swizzle_scales(scale->d(g), sr, scc, tr, out.d(0));
+        const Status b = ops::swizzle_scales(*gpu, scale->d(g), sr, scc, tr, out.d(0));
         ASSERT_TRUE(b.is_ok()) << b.message();
         out.compare(sw, tr ? "swizzle col^T" : "swizzle row");
       }
@@ -469,7 +469,7 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
       oh.col_amax = ca->h(0), od.col_amax = ca->d(0);
     }
     if (rb) oh.row_bf16 = rb->h_all(), od.row_bf16 = rb->d_all();
-    const Status sc = cpu.quantize_nvfp4(gin_h, cfg, oh);
+    const Status sc = ops::quantize_nvfp4(cpu, gin_h, cfg, oh);
     ASSERT_TRUE(sc.is_ok()) << sc.message();
     // Tensors 1 and 2 (mod 3) run on a grid of 1 or 3 CTAs, so a CTA walks many tiles and crosses
     // groups, empty ones included (the whole GPU's grid holds every tile of these shapes at once).
@@ -478,7 +478,7 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
     Status sg;
     {
       const ScopedKernelPolicy use(few_ctas);
-      sg = gpu->quantize_nvfp4(gin_d, cfg, od);
+      sg = ops::quantize_nvfp4(*gpu, gin_d, cfg, od);
     }
     ASSERT_TRUE(sg.is_ok()) << sg.message();
     ++q.cases;
@@ -512,9 +512,9 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
                        dec.h(0)};
           Nvfp4Copy qd{K, L.rows, const_ptrs(data->d_all()), const_ptrs(scale->d_all()),
                        dec.d(0)};
-          const Status a = cpu.dequantize_nvfp4(qh, od_t, out.h_all());
+          const Status a = ops::dequantize_nvfp4(cpu, qh, od_t, out.h_all());
           ASSERT_TRUE(a.is_ok()) << a.message();
-          const Status b = gpu->dequantize_nvfp4(qd, od_t, out.d_all());
+          const Status b = ops::dequantize_nvfp4(*gpu, qd, od_t, out.d_all());
           ASSERT_TRUE(b.is_ok()) << b.message();
         } else {
           for (size_t g = 0; g < G; ++g) {
@@ -523,9 +523,9 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
             const float* dd = static_cast<const float*>(dec.d(0)) + g;
             Nvfp4Copy qh{L.rows[g], {K}, {data->h(g)}, {scale->h(g)}, dh};
             Nvfp4Copy qd{L.rows[g], {K}, {data->d(g)}, {scale->d(g)}, dd};
-            const Status a = cpu.dequantize_nvfp4(qh, od_t, {out.h(g)});
+            const Status a = ops::dequantize_nvfp4(cpu, qh, od_t, {out.h(g)});
             ASSERT_TRUE(a.is_ok()) << a.message();
-            const Status b = gpu->dequantize_nvfp4(qd, od_t, {out.d(g)});
+            const Status b = ops::dequantize_nvfp4(*gpu, qd, od_t, {out.d(g)});
             ASSERT_TRUE(b.is_ok()) << b.message();
           }
         }
@@ -543,9 +543,9 @@ TEST_P(Nvfp4Test, CudaEqualsCpuBytewise) {
         const int64_t scc = copy == 0 ? K / 16 : L.rows[g] / 16;
         Mirror out(*gpu, {static_cast<size_t>(swizzled_scale_bytes(sr, scc))}, Placement::kPacked,
                    0);
-        const Status a = cpu.swizzle_scales(scale->h(g), sr, scc, false, out.h(0));
+        const Status a = ops::swizzle_scales(cpu, scale->h(g), sr, scc, false, out.h(0));
         ASSERT_TRUE(a.is_ok()) << a.message();
-        const Status b = gpu->swizzle_scales(scale->d(g), sr, scc, false, out.d(0));
+        const Status b = ops::swizzle_scales(*gpu, scale->d(g), sr, scc, false, out.d(0));
         ASSERT_TRUE(b.is_ok()) << b.message();
         out.compare(sw, copy == 0 ? "swizzle row" : "swizzle col");
       }

@@ -102,8 +102,8 @@ TEST(CudaShardOps, Nvfp4AmaxAndGivenAmaxQuantizeMatchCpu) {
     gin.data = const_ptrs(at_rows(dev_in.get(), rows, k * es));
     std::vector<float> camax(rows.size());
     DeviceBuffer gamax(*gpu, rows.size() * 4);
-    ASSERT_TRUE(cpu_backend().nvfp4_amax(cin, camax.data()).is_ok());
-    ASSERT_TRUE(gpu->nvfp4_amax(gin, static_cast<float*>(gamax.get())).is_ok());
+    ASSERT_TRUE(ops::nvfp4_amax(cpu_backend(), cin, camax.data()).is_ok());
+    ASSERT_TRUE(ops::nvfp4_amax(*gpu, gin, static_cast<float*>(gamax.get())).is_ok());
     EXPECT_EQ(from_gpu(*gpu, gamax.get(), gamax.size()),
               std::vector<uint8_t>(reinterpret_cast<uint8_t*>(camax.data()),
                                    reinterpret_cast<uint8_t*>(camax.data()) + gamax.size()));
@@ -129,8 +129,8 @@ TEST(CudaShardOps, Nvfp4AmaxAndGivenAmaxQuantizeMatchCpu) {
       Nvfp4Outputs gout{at_rows(grd.get(), rows, k / 2), at_rows(grs.get(), rows, k / 16), nullptr,
                         at_rows(gcd.get(), rows, k / 2), at_rows(gcs.get(), rows, k / 16), nullptr,
                         {}};
-      ASSERT_TRUE(cpu_backend().quantize_nvfp4(cin, ccfg, cout_).is_ok());
-      ASSERT_TRUE(gpu->quantize_nvfp4(gin, gcfg, gout).is_ok());
+      ASSERT_TRUE(ops::quantize_nvfp4(cpu_backend(), cin, ccfg, cout_).is_ok());
+      ASSERT_TRUE(ops::quantize_nvfp4(*gpu, gin, gcfg, gout).is_ok());
       EXPECT_EQ(from_gpu(*gpu, grd.get(), data), crd);
       EXPECT_EQ(from_gpu(*gpu, grs.get(), scale), crs);
       EXPECT_EQ(from_gpu(*gpu, gcd.get(), data), ccd);
@@ -177,7 +177,7 @@ TEST(CudaShardOps, Weight2dColumnwiseMatchesCpu) {
                         const_ptrs(groups(rs, scale)),
                         groups(cd, data),
                         groups(cs, scale)};
-      ASSERT_TRUE(cpu_backend().weight_2d_columnwise(cw).is_ok());
+      ASSERT_TRUE(ops::weight_2d_columnwise(cpu_backend(), cw).is_ok());
       DeviceBuffer grd = to_gpu(*gpu, rd, shift), grs = to_gpu(*gpu, rs);
       DeviceBuffer gcd(*gpu, g * data + shift), gcs(*gpu, g * scale);
       auto dev = [&](const DeviceBuffer& b, size_t off, int64_t per) {
@@ -191,7 +191,7 @@ TEST(CudaShardOps, Weight2dColumnwiseMatchesCpu) {
                         const_ptrs(dev(grs, 0, scale)),
                         dev(gcd, shift, data),
                         dev(gcs, 0, scale)};
-      ASSERT_TRUE(gpu->weight_2d_columnwise(gw).is_ok());
+      ASSERT_TRUE(ops::weight_2d_columnwise(*gpu, gw).is_ok());
       std::vector<uint8_t> got = from_gpu(*gpu, gcd.get(), gcd.size());
       EXPECT_EQ(std::vector<uint8_t>(got.begin() + shift, got.end()), cd);
       EXPECT_EQ(from_gpu(*gpu, gcs.get(), gcs.size()), cs);

@@ -106,7 +106,7 @@ ModelWeights draw_weights(const ModelConfig& c, std::mt19937& rng) {
 // B rows of S + 1 random tokens: inputs the first S, targets the next token, the last position of
 // each row and 3 more random positions ignored (-100).
 Batch draw_batch(const ModelConfig& c, std::mt19937& rng) {
-  Batch b{kB, kS, std::vector<int32_t>(kB * kS), std::vector<int32_t>(kB * kS)};
+  Batch b{kB, kS, std::vector<int32_t>(kB * kS), std::vector<int32_t>(kB * kS), {}, {}};
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(c.vocab_size - 1));
   for (int64_t r = 0; r < kB; ++r) {
     int32_t next = token(rng);

@@ -1,4 +1,4 @@
-// Backward of every MoE non-GEMM CPU op (backend/moe_ops.h) against FP64 central finite
+// Backward of every MoE non-GEMM CPU op (backend/ops/moe.h) against FP64 central finite
 // differences of an FP64 forward written in THIS file (softmax, top-k, renorm, aux loss, routing,
 // SwiGLU, combine), for a scalar loss L = <r, output> with random r. Top-k choices are kept away
 // from ties by construction (logit gaps >= 0.1 >> the FD step), and asserted unchanged under every
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/moe_ops.h"
+#include "backend/ops/moe.h"
 #include "common/finite_difference.h"
 #include "core/codecs.h"
 

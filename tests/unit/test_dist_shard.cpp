@@ -90,7 +90,7 @@ TEST(Nvfp4Amax, EqualsTheQuantizersAmaxIncludingEmptyGroupsAndSpecials) {
     in.rows = rows;
     in.data = dt == DType::kF32 ? carve_const(f, rows, k) : carve_const(h, rows, k);
     std::vector<float> amax(rows.size(), -1.0f), row_amax(rows.size(), -1.0f);
-    ASSERT_TRUE(cpu_backend().nvfp4_amax(in, amax.data()).is_ok());
+    ASSERT_TRUE(ops::nvfp4_amax(cpu_backend(), in, amax.data()).is_ok());
     std::vector<uint8_t> data(48 * 2 * k), scale(96 * k);
     Nvfp4Outputs out;
     out.row_data = carve_bytes(data, rows, k / 2);
@@ -105,7 +105,7 @@ TEST(Nvfp4Amax, EqualsTheQuantizersAmaxIncludingEmptyGroupsAndSpecials) {
   bad.rows = {16};
   bad.data = {h.data()};
   float a = 0;
-  EXPECT_EQ(cpu_backend().nvfp4_amax(bad, &a).message(),
+  EXPECT_EQ(ops::nvfp4_amax(cpu_backend(), bad, &a).message(),
             "nvfp4_amax: K = 40 must be a multiple of 16");
 }
 
@@ -221,11 +221,11 @@ TEST(Weight2dColumnwise, EqualsTheQuantizersColumnwiseCopy) {
       w.col_data.push_back(dcd.data() + g * n * data_row);
       w.col_scale.push_back(dcs.data() + g * n * scale_row);
     }
-    ASSERT_TRUE(cpu_backend().weight_2d_columnwise(w).is_ok());
+    ASSERT_TRUE(ops::weight_2d_columnwise(cpu_backend(), w).is_ok());
     EXPECT_EQ(cd, dcd) << "columnwise data";
     EXPECT_EQ(cs, dcs) << "columnwise scales";
     w.rows = 40;
-    EXPECT_FALSE(cpu_backend().weight_2d_columnwise(w).is_ok());
+    EXPECT_FALSE(ops::weight_2d_columnwise(cpu_backend(), w).is_ok());
   }
 }
 

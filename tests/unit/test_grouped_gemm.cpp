@@ -449,7 +449,7 @@ void run_and_check(Problem& p) {
   SCOPED_TRACE(describe(p.c));
   const Status packed = grouped_gemm_cpu(p.args(false));
   ASSERT_TRUE(packed.is_ok()) << packed.message();
-  const Status discrete = cpu_backend().grouped_gemm(p.args(true));
+  const Status discrete = ops::grouped_gemm(cpu_backend(), p.args(true));
   ASSERT_TRUE(discrete.is_ok()) << discrete.message();
   EXPECT_TRUE(p.out.guards_intact(false)) << "packed output written past its end";
   EXPECT_TRUE(p.out.guards_intact(true)) << "a per-group output written outside its slice";
@@ -742,7 +742,7 @@ TEST(GroupedGemmTokenCounts, PackedDeviceCountsMatchPerGroupPointers) {
         a.m_device = m_dev.data();
         a.groups = static_cast<int64_t>(m_dev.size());
         a.m_capacity = capacity;
-        const Status st = cpu_backend().grouped_gemm(a);
+        const Status st = ops::grouped_gemm(cpu_backend(), a);
         ASSERT_TRUE(st.is_ok()) << st.message();
 
         size_t at = 0;
@@ -810,7 +810,7 @@ TEST(GroupedGemmTokenCounts, BadPackedCallsFailCleanly) {
     a.m_capacity = b.capacity;
     b.mutate(a, per_group);
     const std::vector<uint8_t> before = p.out.packed();
-    const Status st = cpu_backend().grouped_gemm(a);
+    const Status st = ops::grouped_gemm(cpu_backend(), a);
     ASSERT_FALSE(st.is_ok());
     EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
     EXPECT_EQ(st.message().find('\n'), std::string::npos) << "one line: " << st.message();
@@ -913,7 +913,7 @@ TEST(GroupedGemmValidation, BadCallsFailCleanlyAndTouchNothing) {
       GroupedGemmArgs a = p.args(sep);
       b.mutate(a);
       const std::vector<uint8_t> before = p.out.packed();
-      const Status st = sep ? cpu_backend().grouped_gemm(a) : grouped_gemm_cpu(a);
+      const Status st = sep ? ops::grouped_gemm(cpu_backend(), a) : grouped_gemm_cpu(a);
       ASSERT_FALSE(st.is_ok());
       EXPECT_NE(st.message().find(b.expect), std::string::npos) << st.message();
       EXPECT_EQ(before, p.out.packed()) << "a failed call wrote output";

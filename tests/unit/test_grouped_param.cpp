@@ -112,12 +112,12 @@ std::vector<std::vector<float>> dequantize_stored(const GemmOperand& o,
       break;
     case OperandFormat::kMxfp8: {
       Mxfp8Copy q{o.element, mx_columnwise, cols, rows, o.data, o.scale};
-      EXPECT_TRUE(b.dequantize_mxfp8(q, DType::kF32, ptrs).is_ok());
+      EXPECT_TRUE(ops::dequantize_mxfp8(b, q, DType::kF32, ptrs).is_ok());
       break;
     }
     case OperandFormat::kNvfp4: {
       Nvfp4Copy q{cols, rows, o.data, o.scale, o.decode_scale};
-      EXPECT_TRUE(b.dequantize_nvfp4(q, DType::kF32, ptrs).is_ok());
+      EXPECT_TRUE(ops::dequantize_nvfp4(b, q, DType::kF32, ptrs).is_ok());
       break;
     }
   }
@@ -132,7 +132,7 @@ std::vector<float> transpose(const std::vector<float>& a, int64_t rows, int64_t 
 }
 
 // Logical (rows_g, cols) F32 of each group of an operand: `reduce_rows` selects the copy whose
-// blocks run down the rows (NVFP4 stores that one transposed), as in backend/grouped_gemm.h.
+// blocks run down the rows (NVFP4 stores that one transposed), as in backend/ops/gemm.h.
 std::vector<std::vector<float>> dequantize_logical(const GemmOperand& o,
                                                    const std::vector<int64_t>& rows, int64_t cols,
                                                    bool reduce_rows) {
@@ -190,13 +190,13 @@ ActCopies quantize_here(const QuantRecipe& q, TensorRole role, std::vector<uint1
   out.col.data = to_const(mo.col_data);
   out.col.scale = to_const(mo.col_scale);
   if (mx) {
-    EXPECT_TRUE(b.quantize_mxfp8(in, mxfp8_config(q, role), mo).is_ok());
+    EXPECT_TRUE(ops::quantize_mxfp8(b, in, mxfp8_config(q, role), mo).is_ok());
     return out;
   }
   float* amax = reinterpret_cast<float*>(buffer(2 * m.size() * sizeof(float)));
   float* decode = reinterpret_cast<float*>(buffer(2 * m.size() * sizeof(float)));
   Nvfp4Outputs no{mo.row_data, mo.row_scale, amax, mo.col_data, mo.col_scale, amax + m.size(), {}};
-  EXPECT_TRUE(b.quantize_nvfp4(in, nvfp4_config(q, role, sr_offset), no).is_ok());
+  EXPECT_TRUE(ops::quantize_nvfp4(b, in, nvfp4_config(q, role, sr_offset), no).is_ok());
   for (size_t i = 0; i < 2 * m.size(); ++i) decode[i] = nvfp4_decode_scale(amax[i]);
   out.row.decode_scale = decode;
   out.col.decode_scale = decode + m.size();
@@ -539,85 +539,37 @@ class FakeDeviceBackend final : public Backend {
   double time_ms(const std::function<void()>& body, int warmup, int iters) override {
     return cpu().time_ms(body, warmup, iters);
   }
-  bool supports(Op op) const override { return true; }
-  Status quantize_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg,
-                        const Mxfp8Outputs& out) override {
-    ++quantize_calls;
-    return cpu().quantize_mxfp8(in, cfg, out);
-  }
-  Status dequantize_mxfp8(const Mxfp8Copy& q, DType t, const std::vector<void*>& out) override {
-    return cpu().dequantize_mxfp8(q, t, out);
-  }
-  Status quantize_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg,
-                        const Nvfp4Outputs& out) override {
-    ++quantize_calls;
-    return cpu().quantize_nvfp4(in, cfg, out);
-  }
-  Status dequantize_nvfp4(const Nvfp4Copy& q, DType t, const std::vector<void*>& out) override {
-    return cpu().dequantize_nvfp4(q, t, out);
-  }
-  Status nvfp4_amax(const GroupedMatrices& in, float* amax) override {
-    return cpu().nvfp4_amax(in, amax);
-  }
-  Status weight_2d_columnwise(const Weight2dCopies& w) override {
-    return cpu().weight_2d_columnwise(w);
-  }
-  Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
-                        void* swizzled) override {
-    return cpu().swizzle_scales(compact, rows, cols, transpose, swizzled);
-  }
-  Status grouped_gemm(const GroupedGemmArgs& args) override { return cpu().grouped_gemm(args); }
-  Status router_topk(const RouterTopkArgs& a) override { return router_topk_cpu(a); }
-  Status router_topk_backward(const RouterTopkBackwardArgs& a) override {
-    return router_topk_backward_cpu(a);
-  }
-  Status aux_loss(const AuxLossArgs& a) override { return aux_loss_cpu(a); }
-  Status aux_loss_backward(const AuxLossBackwardArgs& a) override {
-    return aux_loss_backward_cpu(a);
-  }
-  Status permute(const PermuteArgs& a) override { return permute_cpu(a); }
-  Status permute_backward(const PermuteBackwardArgs& a) override { return permute_backward_cpu(a); }
-  Status swiglu(const SwigluArgs& a) override { return swiglu_cpu(a); }
-  Status swiglu_backward(const SwigluBackwardArgs& a) override { return swiglu_backward_cpu(a); }
-  Status unpermute(const UnpermuteArgs& a) override { return unpermute_cpu(a); }
-  Status unpermute_backward(const UnpermuteBackwardArgs& a) override {
-    return unpermute_backward_cpu(a);
-  }
-  Status routing_plan(const RoutingPlanArgs& a) override { return routing_plan_cpu(a); }
-  Status cast_f32_to_bf16(const Segments<const float>& src,
-                          const Segments<uint16_t>& dst) override {
-    return cast_f32_to_bf16_cpu(src, dst);
-  }
-  Status add_f32(const Segments<float>& dst, const Segments<const float>& src) override {
-    return add_f32_cpu(dst, src);
-  }
-  Status adamw(const AdamWArgs& a) override {
-    ++adamw_calls;
-    return adamw_cpu(a);
-  }
-  Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) override {
-    return nvfp4_decode_scales_cpu(amax, decode, groups);
-  }
-  Status sum_squares(const Segments<const float>& x, double* out) override {
-    return cpu().sum_squares(x, out);
-  }
-  Status embedding(const EmbeddingArgs& a) override { return cpu().embedding(a); }
-  Status embedding_backward(const EmbeddingBackwardArgs& a) override {
-    return cpu().embedding_backward(a);
-  }
-  Status rms_norm(const RmsNormArgs& a) override { return cpu().rms_norm(a); }
-  Status rms_norm_backward(const RmsNormBackwardArgs& a) override {
-    return cpu().rms_norm_backward(a);
-  }
-  Status rope(const RopeArgs& a) override { return cpu().rope(a); }
-  Status rope_backward(const RopeArgs& a) override { return cpu().rope_backward(a); }
-  Status attention(const AttentionArgs& a) override { return cpu().attention(a); }
-  Status attention_backward(const AttentionBackwardArgs& a) override {
-    return cpu().attention_backward(a);
-  }
-  Status cross_entropy(const CrossEntropyArgs& a) override { return cpu().cross_entropy(a); }
-  Status cross_entropy_backward(const CrossEntropyBackwardArgs& a) override {
-    return cpu().cross_entropy_backward(a);
+  // The CPU table, with the quantize and AdamW rows counting their calls.
+  const OpKernels& kernels() const override {
+    static const QuantizeKernels quantize = [] {
+      QuantizeKernels q = *cpu().kernels().quantize;
+      q.quantize_mxfp8 = [](Backend& b, const GroupedMatrices& in, const Mxfp8Config& cfg,
+                            const Mxfp8Outputs& out) {
+        ++static_cast<FakeDeviceBackend&>(b).quantize_calls;
+        return cpu().kernels().quantize->quantize_mxfp8(cpu(), in, cfg, out);
+      };
+      q.quantize_nvfp4 = [](Backend& b, const GroupedMatrices& in, const Nvfp4Config& cfg,
+                            const Nvfp4Outputs& out) {
+        ++static_cast<FakeDeviceBackend&>(b).quantize_calls;
+        return cpu().kernels().quantize->quantize_nvfp4(cpu(), in, cfg, out);
+      };
+      return q;
+    }();
+    static const ElementwiseKernels elementwise = [] {
+      ElementwiseKernels e = *cpu().kernels().elementwise;
+      e.adamw = [](Backend& b, const AdamWArgs& a) {
+        ++static_cast<FakeDeviceBackend&>(b).adamw_calls;
+        return cpu().kernels().elementwise->adamw(cpu(), a);
+      };
+      return e;
+    }();
+    static const OpKernels table = [] {
+      OpKernels t = cpu().kernels();
+      t.quantize = &quantize;
+      t.elementwise = &elementwise;
+      return t;
+    }();
+    return table;
   }
 
  private:

@@ -156,7 +156,7 @@ TEST(Model, ForwardRejectsBadIdsAndTargets) {
   const ModelConfig c = two_layer_config(false);
   Model model(cpu_backend(), c, ModelPrecision{}, random_model_weights(c, 3));
   const int64_t B = 2, S = 4;
-  const Batch good{B, S, {1, 2, 3, 4, 5, 6, 7, 39}, {2, 3, 4, -100, 6, 7, 39, -100}};
+  const Batch good{B, S, {1, 2, 3, 4, 5, 6, 7, 39}, {2, 3, 4, -100, 6, 7, 39, -100}, {}, {}};
   auto with = [&](bool input, int64_t i, int32_t v) {
     Batch b = good;
     (input ? b.inputs : b.targets)[i] = v;

@@ -1,4 +1,4 @@
-// Forward of the dense decoder CPU ops (backend/model_ops.h) against hand-derived values:
+// Forward of the dense decoder CPU ops (backend/ops/model.h) against hand-derived values:
 // model_log_f32 against libm, RMSNorm of known vectors, RoPE (position 0 = identity, a 90-degree
 // table, inverse = backward), attention (S = 1 returns v, causal mask, equal keys average v),
 // cross-entropy (uniform logits = ln V, ignore index), thread-count independence and argument
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -127,44 +127,89 @@ TEST(ModelOps, RopeTableAndRotations) {
 // ---- attention ----------------------------------------------------------------------------------
 
 struct AttnOut {
-  std::vector<float> o, mx, sm;
+  std::vector<float> o, lse;  // o widened from its BF16 bits
 };
+
+std::vector<uint16_t> to_bf16_bits(const std::vector<float>& x) {
+  std::vector<uint16_t> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = f32_to_bf16(x[i]);
+  return r;
+}
+
+std::vector<float> bf16_rounded(const std::vector<float>& x) {
+  std::vector<float> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  return r;
+}
 
 AttnOut run_attention(const std::vector<float>& q, const std::vector<float>& k,
                       const std::vector<float>& v, int64_t B, int64_t S, int64_t Hq, int64_t Hkv,
-                      int64_t D) {
-  AttnOut r{std::vector<float>(B * S * Hq * D), std::vector<float>(B * Hq * S),
-            std::vector<float>(B * Hq * S)};
-  AttentionArgs a{B,        S,        Hq,       Hkv,        D,           0.5f,
-                  q.data(), k.data(), v.data(), r.o.data(), r.mx.data(), r.sm.data()};
+                      int64_t D, const std::vector<int32_t>& doc_start = {}) {
+  const auto qb = to_bf16_bits(q), kb = to_bf16_bits(k), vb = to_bf16_bits(v);
+  std::vector<uint16_t> o(B * S * Hq * D);
+  AttnOut r{{}, std::vector<float>(B * Hq * S)};
+  AttentionArgs a{B,         S,         Hq,        Hkv,
+                  D,         0.5f,      qb.data(), kb.data(),
+                  vb.data(), doc_start.empty() ? nullptr : doc_start.data(), o.data(), r.lse.data()};
   EXPECT_TRUE(attention_cpu(a).is_ok());
+  for (uint16_t x : o) r.o.push_back(bf16_to_f32(x));
   return r;
+}
+
+struct AttnGrads {
+  std::vector<float> dq, dk, dv;
+};
+
+AttnGrads run_attention_backward(const std::vector<float>& q, const std::vector<float>& k,
+                                 const std::vector<float>& v, const AttnOut& f,
+                                 const std::vector<float>& dout, int64_t B, int64_t S, int64_t Hq,
+                                 int64_t Hkv, int64_t D,
+                                 const std::vector<int32_t>& doc_start = {}) {
+  const auto qb = to_bf16_bits(q), kb = to_bf16_bits(k), vb = to_bf16_bits(v),
+             ob = to_bf16_bits(f.o), db = to_bf16_bits(dout);
+  AttnGrads g{std::vector<float>(q.size()), std::vector<float>(k.size()),
+              std::vector<float>(v.size())};
+  AttentionBackwardArgs b{B,         S,         Hq,         Hkv,         D,
+                          0.5f,      qb.data(), kb.data(),  vb.data(),   ob.data(),
+                          f.lse.data(), doc_start.empty() ? nullptr : doc_start.data(),
+                          db.data(), g.dq.data(), g.dk.data(), g.dv.data()};
+  EXPECT_TRUE(attention_backward_cpu(b).is_ok());
+  return g;
 }
 
 TEST(ModelOps, AttentionSingleTokenReturnsV) {
   std::mt19937 rng(fresh_seed());
   const int64_t B = 2, S = 1, Hq = 4, Hkv = 2, D = 5;
-  const auto q = randn(B * Hq * D, rng), k = randn(B * Hkv * D, rng), v = randn(B * Hkv * D, rng);
+  const auto q = bf16_rounded(randn(B * Hq * D, rng)), k = bf16_rounded(randn(B * Hkv * D, rng));
+  const auto v = bf16_rounded(randn(B * Hkv * D, rng));
   const AttnOut r = run_attention(q, k, v, B, S, Hq, Hkv, D);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hq; ++h)
+    for (int64_t h = 0; h < Hq; ++h) {
+      double s = 0;  // one key: lse = its score 0.5 * q . k
+      for (int64_t d = 0; d < D; ++d) s += double(q[(b * Hq + h) * D + d]) * k[(b * Hkv + h / 2) * D + d];
+      EXPECT_NEAR(r.lse[b * Hq + h], 0.5 * s, 1e-5);
       for (int64_t d = 0; d < D; ++d)  // query head h reads KV head h / 2, exactly
         EXPECT_EQ(r.o[(b * Hq + h) * D + d], v[(b * Hkv + h / 2) * D + d]);
+    }
 }
 
-TEST(ModelOps, AttentionEqualKeysAverageV) {
-  // All keys equal: every causal score ties, so o_i = mean of v_0..v_i.
+TEST(ModelOps, AttentionEqualKeysAverageVAndLse) {
+  // All keys equal: every causal score ties, so o_i = mean of v_0..v_i and
+  // lse_i = s + ln(i + 1) with s = 0.5 * q_i . k.
   const int64_t S = 4, D = 2;
   std::mt19937 rng(fresh_seed());
-  const auto q = randn(S * D, rng), v = randn(S * D, rng);
-  const std::vector<float> k(S * D, 0.3f);
+  const auto q = bf16_rounded(randn(S * D, rng)), v = bf16_rounded(randn(S * D, rng));
+  const std::vector<float> k(S * D, bf16_to_f32(f32_to_bf16(0.3f)));
   const AttnOut r = run_attention(q, k, v, 1, S, 1, 1, D);
-  for (int64_t i = 0; i < S; ++i)
+  for (int64_t i = 0; i < S; ++i) {
+    const double s = 0.5 * (double(q[i * D]) * k[0] + double(q[i * D + 1]) * k[1]);
+    EXPECT_NEAR(r.lse[i], s + std::log(i + 1.0), 1e-5);
     for (int64_t d = 0; d < D; ++d) {
       double mean = 0;
       for (int64_t j = 0; j <= i; ++j) mean += v[j * D + d] / (i + 1.0);
-      EXPECT_NEAR(r.o[i * D + d], mean, 1e-6);
+      EXPECT_NEAR(r.o[i * D + d], mean, std::abs(mean) * 0x1p-8 + 1e-6);  // o is BF16
     }
+  }
 }
 
 TEST(ModelOps, AttentionCausalMaskAndThreadCount) {
@@ -189,18 +234,46 @@ TEST(ModelOps, AttentionCausalMaskAndThreadCount) {
   const auto dout = randn(q.size(), rng);
   auto run = [&](int threads) {
     omp_set_num_threads(threads);
-    AttnOut f = run_attention(q, k, v, B, S, Hq, Hkv, D);
-    std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
-    AttentionBackwardArgs b{B,        S,        Hq,       Hkv,      D,         0.5f,
-                            q.data(), k.data(), v.data(), f.o.data(), f.mx.data(), f.sm.data(),
-                            dout.data(), dq.data(), dk.data(), dv.data()};
-    EXPECT_TRUE(attention_backward_cpu(b).is_ok());
-    return std::vector<std::vector<float>>{f.o, dq, dk, dv};
+    const AttnOut f = run_attention(q, k, v, B, S, Hq, Hkv, D);
+    const AttnGrads g = run_attention_backward(q, k, v, f, dout, B, S, Hq, Hkv, D);
+    return std::vector<std::vector<float>>{f.o, f.lse, g.dq, g.dk, g.dv};
   };
   const int saved = omp_get_max_threads();
   const auto one = run(1), many = run(5);
   omp_set_num_threads(saved);
   for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(same_bits(one[i], many[i])) << i;
+}
+
+TEST(ModelOps, AttentionDocumentMaskEqualsSeparateSequences) {
+  // One row holding documents [0, 3), [3, 8), [8, 10) gives, bitwise, what each document run as
+  // its own sequence gives (forward and backward): no attention crosses a document start.
+  std::mt19937 rng(fresh_seed());
+  const int64_t S = 10, Hq = 4, Hkv = 2, D = 6;
+  const std::vector<int64_t> starts = {0, 3, 8, S};
+  std::vector<int32_t> doc_start(S);
+  for (size_t d = 0; d + 1 < starts.size(); ++d)
+    for (int64_t i = starts[d]; i < starts[d + 1]; ++i) doc_start[i] = static_cast<int32_t>(starts[d]);
+  const auto q = randn(S * Hq * D, rng), k = randn(S * Hkv * D, rng), v = randn(S * Hkv * D, rng),
+             dout = randn(S * Hq * D, rng);
+  const AttnOut f = run_attention(q, k, v, 1, S, Hq, Hkv, D, doc_start);
+  const AttnGrads g = run_attention_backward(q, k, v, f, dout, 1, S, Hq, Hkv, D, doc_start);
+  auto part = [](const std::vector<float>& x, int64_t width, int64_t t0, int64_t t1) {
+    return std::vector<float>(x.begin() + t0 * width, x.begin() + t1 * width);
+  };
+  for (size_t d = 0; d + 1 < starts.size(); ++d) {
+    SCOPED_TRACE("document " + std::to_string(d));
+    const int64_t t0 = starts[d], t1 = starts[d + 1], n = t1 - t0;
+    const auto qd = part(q, Hq * D, t0, t1), kd = part(k, Hkv * D, t0, t1),
+               vd = part(v, Hkv * D, t0, t1), dd = part(dout, Hq * D, t0, t1);
+    const AttnOut fd = run_attention(qd, kd, vd, 1, n, Hq, Hkv, D);
+    const AttnGrads gd = run_attention_backward(qd, kd, vd, fd, dd, 1, n, Hq, Hkv, D);
+    EXPECT_TRUE(same_bits(part(f.o, Hq * D, t0, t1), fd.o));
+    for (int64_t h = 0; h < Hq; ++h)
+      EXPECT_TRUE(same_bits(part(f.lse, 1, h * S + t0, h * S + t1), part(fd.lse, 1, h * n, h * n + n)));
+    EXPECT_TRUE(same_bits(part(g.dq, Hq * D, t0, t1), gd.dq));
+    EXPECT_TRUE(same_bits(part(g.dk, Hkv * D, t0, t1), gd.dk));
+    EXPECT_TRUE(same_bits(part(g.dv, Hkv * D, t0, t1), gd.dv));
+  }
 }
 
 // ---- cross-entropy ------------------------------------------------------------------------------
@@ -269,14 +342,16 @@ TEST(ModelOps, Errors) {
   expect_error(validate_rope_table({2, 4, 0.5, pos.data(), out.data(), out2.data()}), "theta");
   expect_error(validate_rope({2, 1, 6, in, in, nullptr, out.data()}), "in is null");
 
-  AttentionArgs a{1, 2, 3, 2, 4, 0.5f, in, in, in, out.data(), out2.data(), out2.data()};
+  const uint16_t bits[8] = {};
+  uint16_t obits[8] = {};
+  AttentionArgs a{1, 2, 3, 2, 4, 0.5f, bits, bits, bits, nullptr, obits, out2.data()};
   expect_error(validate_attention(a), "not a multiple of Hkv");
   a.kv_heads = 1;
   EXPECT_TRUE(validate_attention(a).is_ok());
   a.scale = 0.0f;
   expect_error(validate_attention(a), "scale");
-  AttentionBackwardArgs ab{1, 2, 3, 1, 4, 0.5f, in, in, in, in, in, in, in, out.data(),
-                           out.data(), nullptr};
+  AttentionBackwardArgs ab{1,    2,    3,    1,       4,          0.5f,       bits, bits,
+                           bits, bits, in,   nullptr, bits, out.data(), out.data(), nullptr};
   expect_error(validate_attention_backward(ab), "dv is null");
 
   const std::vector<int32_t> tgt = {1, 9};

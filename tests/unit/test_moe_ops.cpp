@@ -1,4 +1,4 @@
-// Forward of the MoE non-GEMM CPU ops (backend/moe_ops.h) against hand-derived values and FP64
+// Forward of the MoE non-GEMM CPU ops (backend/ops/moe.h) against hand-derived values and FP64
 // computed in this file: moe_exp_f32, softmax / top-k (ties to the lower expert), renormalisation,
 // aux loss, routing plan (counts, padding, destination rows), permute / unpermute round trips,
 // SwiGLU, the R32 reduction order, thread-count independence, and argument errors.
@@ -14,7 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/moe_ops.h"
+#include "backend/backend.h"
+#include "backend/ops/moe.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -490,13 +491,13 @@ TEST(MoeValidation, ClearErrors) {
   r.probs = buf.data();
   r.idx = ibuf.data();
   r.w = buf.data();
-  expect_error(router_topk_cpu(r), "router_topk: k = 5 exceeds E = 4 experts");
+  expect_error(ops::router_topk(cpu_backend(), r), "router_topk: k = 5 exceeds E = 4 experts");
   r.top_k = 2;
   r.tokens = 0;
-  expect_error(router_topk_cpu(r), "router_topk: T (tokens) must be positive, got 0");
+  expect_error(ops::router_topk(cpu_backend(), r), "router_topk: T (tokens) must be positive, got 0");
   r.tokens = 4;
   r.w = nullptr;
-  expect_error(router_topk_cpu(r), "router_topk: w is null");
+  expect_error(ops::router_topk(cpu_backend(), r), "router_topk: w is null");
 
   const std::vector<int32_t> idx = {0, 1, 2, 3};
   expect_error(build_routing_plan(idx.data(), 2, 4, 2, 0).status(), "align must be in [1, 2^31)");
@@ -513,7 +514,7 @@ TEST(MoeValidation, ClearErrors) {
   al.top_k = 2;
   al.probs = buf.data();
   al.idx = ibuf.data();
-  expect_error(aux_loss_cpu(al), "aux_loss: aux is null");
+  expect_error(ops::aux_loss(cpu_backend(), al), "aux_loss: aux is null");
 
   PermuteArgs pa;
   pa.tokens = 4;
@@ -524,20 +525,20 @@ TEST(MoeValidation, ClearErrors) {
   pa.dest = ibuf.data();
   pa.x = buf.data();
   pa.xp = buf.data();
-  expect_error(permute_cpu(pa), "permute: M = 7 rows cannot hold T * k = 8 routed pairs");
+  expect_error(ops::permute(cpu_backend(), pa), "permute: M = 7 rows cannot hold T * k = 8 routed pairs");
   pa.rows = 8;
   pa.dtype = DType::kE4M3;
-  expect_error(permute_cpu(pa), "permute: x / xp must be f32 or bf16");
+  expect_error(ops::permute(cpu_backend(), pa), "permute: x / xp must be f32 or bf16");
 
   SwigluArgs sa;
   sa.rows = 2;
   sa.ffn = 0;
   sa.in = buf.data();
   sa.out = buf.data();
-  expect_error(swiglu_cpu(sa), "swiglu: M and F must be positive, got M = 2, F = 0");
+  expect_error(ops::swiglu(cpu_backend(), sa), "swiglu: M and F must be positive, got M = 2, F = 0");
   sa.ffn = 4;
   sa.in = nullptr;
-  expect_error(swiglu_cpu(sa), "swiglu: in is null");
+  expect_error(ops::swiglu(cpu_backend(), sa), "swiglu: in is null");
 
   UnpermuteBackwardArgs ub;
   ub.tokens = 2;
@@ -550,7 +551,7 @@ TEST(MoeValidation, ClearErrors) {
   ub.yp = buf.data();
   ub.dy = buf.data();
   ub.dyp = buf.data();
-  expect_error(unpermute_backward_cpu(ub), "unpermute_backward: dw is null");
+  expect_error(ops::unpermute_backward(cpu_backend(), ub), "unpermute_backward: dw is null");
 }
 
 TEST(MoeRoutingPlan, BadIndicesAndCountsAreErrors) {
@@ -570,10 +571,10 @@ TEST(MoeRoutingPlan, BadIndicesAndCountsAreErrors) {
   expect_error(routing_plan_from_counts(short_counts.data(), 3, 4, 2, 16).status(),
                "the counts sum to 4, not T * k = 6");
   a.max_rows -= 1;
-  expect_error(routing_plan_cpu(a), "row_slot holds 65 rows, the plan may need 66");
+  expect_error(ops::routing_plan(cpu_backend(), a), "row_slot holds 65 rows, the plan may need 66");
   a.max_rows += 1;
   a.counts = nullptr;
-  expect_error(routing_plan_cpu(a), "routing_plan: counts is null");
+  expect_error(ops::routing_plan(cpu_backend(), a), "routing_plan: counts is null");
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// sum_squares_cpu (backend/elementwise.h) against independent references: the chunk / R32 /
+// sum_squares_cpu (backend/ops/elementwise.h) against independent references: the chunk / R32 /
 // sequential order rebuilt here with explicit lane arrays and a written-out tree (bitwise), and a
 // long-double sum on large inputs (1e-15 relative); empty inputs give +0, a negative length is an
 // error. Also: adamw_update with grad_scale equals the update on g * grad_scale, bit for bit.
@@ -13,7 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/elementwise.h"
+#include "backend/backend.h"
+#include "backend/ops/elementwise.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -166,7 +167,7 @@ TEST(SumSquares, NegativeLengthIsAnError) {
   s.ptr = {x.data()};
   s.n = -5;
   double got = 42.0;
-  const Status st = sum_squares_cpu(s, &got);
+  const Status st = ops::sum_squares(cpu_backend(), s, &got);
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.message().find("sum_squares"), std::string::npos) << st.message();
   EXPECT_EQ(got, 42.0) << "nothing written on error";

@@ -1,32 +1,16 @@
-// CPU reference of the elementwise ops (backend/elementwise.h), OpenMP over segments and elements.
+// CPU reference of the elementwise ops (backend/ops/elementwise.h), OpenMP over segments and elements.
 #include <algorithm>
 #include <string>
 #include <vector>
 
-#include "backend/elementwise.h"
+#include "backend/ops/elementwise.h"
 #include "backend/reduce_order.h"
 #include "core/codecs.h"
 #include "formats/nvfp4_math.h"
 
 namespace packmoe {
 
-Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t> counts,
-                         std::initializer_list<int64_t> lengths, const char* what) {
-  if (n < 0) return Status::error(std::string(what) + ": negative segment length");
-  for (size_t c : counts)
-    if (c != groups)
-      return Status::error(std::string(what) + ": " + std::to_string(c) + " segments where " +
-                           std::to_string(groups) + " were expected");
-  for (int64_t l : lengths)
-    if (l != n)
-      return Status::error(std::string(what) + ": segments of " + std::to_string(l) + " and " +
-                           std::to_string(n) + " elements");
-  return Status::ok();
-}
-
 Status cast_f32_to_bf16_cpu(const Segments<const float>& src, const Segments<uint16_t>& dst) {
-  PACKMOE_RETURN_IF_ERROR(
-      validate_segments(src.ptr.size(), src.n, {dst.ptr.size()}, {dst.n}, "cast_f32_to_bf16"));
   const int64_t groups = static_cast<int64_t>(src.ptr.size());
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t g = 0; g < groups; ++g)
@@ -35,8 +19,6 @@ Status cast_f32_to_bf16_cpu(const Segments<const float>& src, const Segments<uin
 }
 
 Status add_f32_cpu(const Segments<float>& dst, const Segments<const float>& src) {
-  PACKMOE_RETURN_IF_ERROR(
-      validate_segments(dst.ptr.size(), dst.n, {src.ptr.size()}, {src.n}, "add_f32"));
   const int64_t groups = static_cast<int64_t>(dst.ptr.size());
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t g = 0; g < groups; ++g)
@@ -45,9 +27,6 @@ Status add_f32_cpu(const Segments<float>& dst, const Segments<const float>& src)
 }
 
 Status adamw_cpu(const AdamWArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_segments(
-      a.param.ptr.size(), a.param.n, {a.exp_avg.ptr.size(), a.exp_avg_sq.ptr.size(), a.grad.ptr.size()},
-      {a.exp_avg.n, a.exp_avg_sq.n, a.grad.n}, "adamw"));
   const int64_t groups = static_cast<int64_t>(a.param.ptr.size());
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t g = 0; g < groups; ++g)
@@ -58,7 +37,6 @@ Status adamw_cpu(const AdamWArgs& a) {
 }
 
 Status sum_squares_cpu(const Segments<const float>& x, double* out) {
-  PACKMOE_RETURN_IF_ERROR(validate_segments(x.ptr.size(), x.n, {}, {}, "sum_squares"));
   const int64_t chunks_per_segment = (x.n + kSumSquaresChunk - 1) / kSumSquaresChunk;
   const int64_t chunks = static_cast<int64_t>(x.ptr.size()) * chunks_per_segment;
   std::vector<double> partial(chunks);
@@ -78,7 +56,6 @@ Status sum_squares_cpu(const Segments<const float>& x, double* out) {
 }
 
 Status nvfp4_decode_scales_cpu(const float* amax, float* decode, int64_t groups) {
-  if (groups < 0) return Status::error("nvfp4_decode_scales: negative group count");
   for (int64_t g = 0; g < groups; ++g) decode[g] = nvfp4_decode_scale(amax[g]);
   return Status::ok();
 }

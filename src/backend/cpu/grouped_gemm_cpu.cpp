@@ -1,4 +1,4 @@
-// CPU reference of the grouped GEMM (backend/grouped_gemm.h). Every operand is dequantized
+// CPU reference of the grouped GEMM (backend/ops/gemm.h). Every operand is dequantized
 // exactly to FP32 in its LOGICAL layout (X (m, K), dY (m, N), W (N, K)), whatever copy is stored,
 // one token panel at a time, and multiplied with OpenBLAS sgemm (FP32 accumulation) in fixed
 // output tiles, one single-threaded sgemm each, OpenMP over the tiles. Invariant: a group's
@@ -88,7 +88,7 @@ struct Stored {
 // The operand of group g whose LOGICAL shape is (lrows, lcols). `reduce_rows`: the GEMM reduces
 // over the logical rows (dgrad's W over N, wgrad's dY and X over tokens), so blocks run down the
 // columns: MXFP8 keeps the shape with columnwise scales, NVFP4 stores the transpose (table in
-// backend/grouped_gemm.h).
+// backend/ops/gemm.h).
 // A copy kept as its values only (GemmOperand::values_only) is read as BF16 in the stored layout;
 // a copy that has both is dequantized from its bytes (the same values by definition).
 Stored stored_operand(const GemmOperand& o, size_t g, int64_t lrows, int64_t lcols,

@@ -1,12 +1,12 @@
-// CPU reference of the dense decoder ops (backend/model_ops.h). OpenMP splits work by row, head,
-// column or KV position only; every reduction runs inside one iteration in the order model_ops.h
+// CPU reference of the dense decoder ops (backend/ops/model.h). OpenMP splits work by row, head,
+// column or KV position only; every reduction runs inside one iteration in the order backend/ops/model.h
 // defines, so the bits never depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 #include "backend/reduce_order.h"
 
 namespace packmoe {
@@ -75,7 +75,6 @@ Result<int64_t> count_targets(const char* op, const int32_t* targets, int64_t to
 }  // namespace
 
 Status embedding_cpu(const EmbeddingArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_embedding(a));
   PACKMOE_RETURN_IF_ERROR(check_ids("embedding", a.ids, a.tokens, a.vocab));
   const int64_t H = a.hidden;
 #pragma omp parallel for schedule(static)
@@ -88,7 +87,6 @@ Status embedding_cpu(const EmbeddingArgs& a) {
 }
 
 Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_embedding_backward(a));
   PACKMOE_RETURN_IF_ERROR(check_ids("embedding_backward", a.ids, a.tokens, a.vocab));
   const int64_t H = a.hidden;
   constexpr int64_t kBlock = 64;  // columns per thread task: t stays ascending inside each column
@@ -106,7 +104,6 @@ Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
 }
 
 Status rms_norm_cpu(const RmsNormArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_rms_norm(a));
   const int64_t D = a.dim;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -121,7 +118,6 @@ Status rms_norm_cpu(const RmsNormArgs& a) {
 }
 
 Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_rms_norm_backward(a));
   const int64_t D = a.dim;
 #pragma omp parallel
   {
@@ -152,7 +148,6 @@ Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
 namespace {
 // Rotate every (token, head) pair by +angle (sign = 1) or -angle (sign = -1, the backward).
 Status rope_apply(const RopeArgs& a, bool inverse) {
-  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
   const int64_t D = a.head_dim, half = D / 2, NH = a.heads;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < a.tokens; ++t) {
@@ -180,10 +175,27 @@ Status rope_apply(const RopeArgs& a, bool inverse) {
 Status rope_cpu(const RopeArgs& a) { return rope_apply(a, false); }
 Status rope_backward_cpu(const RopeArgs& a) { return rope_apply(a, true); }
 
+namespace {
+// FP32 copy of n BF16 values (exact).
+std::vector<float> widen_bf16(const uint16_t* x, int64_t n) {
+  std::vector<float> out(n);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
+  return out;
+}
+
+// First key position query i of row b sees.
+int64_t first_key(const int32_t* doc_start, int64_t S, int64_t b, int64_t i) {
+  return doc_start == nullptr ? 0 : doc_start[b * S + i];
+}
+}  // namespace
+
 Status attention_cpu(const AttentionArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_attention(a));
   const AttnLayout L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
   const int64_t S = a.seq, D = a.head_dim, rows = a.batch * a.q_heads * S;
+  const std::vector<float> qf = widen_bf16(a.q, a.batch * S * a.q_heads * D);   // (B, S, Hq, D)
+  const std::vector<float> kf = widen_bf16(a.k, a.batch * S * a.kv_heads * D);  // (B, S, Hkv, D)
+  const std::vector<float> vf = widen_bf16(a.v, a.batch * S * a.kv_heads * D);  // (B, S, Hkv, D)
 #pragma omp parallel
   {
     std::vector<float> p(S);  // (S) scores, then exponentials, of one query row
@@ -191,64 +203,72 @@ Status attention_cpu(const AttentionArgs& a) {
 #pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = r / (a.q_heads * S), h = (r / S) % a.q_heads, i = r % S;
-      const int64_t g = h / L.group;
-      const float* q = a.q + L.q(b, i, h);  // (D)
-      for (int64_t j = 0; j <= i; ++j) p[j] = dot_r32(q, a.k + L.kv(b, j, g), D) * a.scale;
+      const int64_t g = h / L.group, j0 = first_key(a.doc_start, S, b, i), n = i + 1 - j0;
+      const float* q = qf.data() + L.q(b, i, h);  // (D)
+      for (int64_t j = j0; j <= i; ++j)
+        p[j - j0] = dot_r32(q, kf.data() + L.kv(b, j, g), D) * a.scale;
       float m = p[0];
-      for (int64_t j = 1; j <= i; ++j) m = p[j] > m ? p[j] : m;
-      for (int64_t j = 0; j <= i; ++j) p[j] = moe_exp_f32(p[j] - m);
-      const float l = sum_r32(i + 1, [&](int64_t j) { return p[j]; });
+      for (int64_t j = 1; j < n; ++j) m = p[j] > m ? p[j] : m;
+      for (int64_t j = 0; j < n; ++j) p[j] = moe_exp_f32(p[j] - m);
+      const float l = sum_r32(n, [&](int64_t j) { return p[j]; });
       acc.reset();
-      for (int64_t j = 0; j <= i; ++j) acc.add(j, p[j], a.v + L.kv(b, j, g));
+      for (int64_t j = 0; j < n; ++j) acc.add(j, p[j], vf.data() + L.kv(b, j0 + j, g));
       const float* sum = acc.finish();
-      float* o = a.o + L.q(b, i, h);  // (D)
-      for (int64_t d = 0; d < D; ++d) o[d] = sum[d] / l;
-      a.row_max[L.row(b, h, i)] = m;
-      a.row_sum[L.row(b, h, i)] = l;
+      uint16_t* o = a.o + L.q(b, i, h);  // (D)
+      for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(sum[d] / l);
+      a.lse[L.row(b, h, i)] = m + model_log_f32(l);
     }
   }
   return Status::ok();
 }
 
 Status attention_backward_cpu(const AttentionBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
   const AttnLayout L{a.seq, a.q_heads, a.kv_heads, a.head_dim, a.q_heads / a.kv_heads};
   const int64_t B = a.batch, S = a.seq, D = a.head_dim, Hq = a.q_heads, rows = B * Hq * S;
+  const std::vector<float> qf = widen_bf16(a.q, B * S * Hq * D);           // (B, S, Hq, D)
+  const std::vector<float> kf = widen_bf16(a.k, B * S * a.kv_heads * D);   // (B, S, Hkv, D)
+  const std::vector<float> vf = widen_bf16(a.v, B * S * a.kv_heads * D);   // (B, S, Hkv, D)
+  const std::vector<float> of = widen_bf16(a.o, B * S * Hq * D);           // (B, S, Hq, D)
+  const std::vector<float> dof = widen_bf16(a.dout, B * S * Hq * D);       // (B, S, Hq, D)
 
   // P_ij and dS_ij: pointwise, so the dq loop and the dk/dv loop compute the same bits.
   std::vector<float> dl(rows);  // (B, Hq, S) Dl_i = do_i . o_i
   auto prob = [&](int64_t b, int64_t h, int64_t i, int64_t j) {
-    const float s = dot_r32(a.q + L.q(b, i, h), a.k + L.kv(b, j, h / L.group), D) * a.scale;
-    return moe_exp_f32(s - a.row_max[L.row(b, h, i)]) / a.row_sum[L.row(b, h, i)];
+    const float s = dot_r32(qf.data() + L.q(b, i, h), kf.data() + L.kv(b, j, h / L.group), D) *
+                    a.scale;
+    return moe_exp_f32(s - a.lse[L.row(b, h, i)]);
   };
   auto dscore = [&](int64_t b, int64_t h, int64_t i, int64_t j, float P) {
-    const float dp = dot_r32(a.dout + L.q(b, i, h), a.v + L.kv(b, j, h / L.group), D);
+    const float dp = dot_r32(dof.data() + L.q(b, i, h), vf.data() + L.kv(b, j, h / L.group), D);
     return P * (dp - dl[L.row(b, h, i)]);
   };
 
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = r / (Hq * S), h = (r / S) % Hq, i = r % S;
-    dl[r] = dot_r32(a.dout + L.q(b, i, h), a.o + L.q(b, i, h), D);
+    dl[r] = dot_r32(dof.data() + L.q(b, i, h), of.data() + L.q(b, i, h), D);
   }
 
-  // dq: one query row per iteration, keys j <= i.
+  // dq: one query row per iteration, its visible keys ascending.
 #pragma omp parallel
   {
     SumR32Vec acc(D);
 #pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = r / (Hq * S), h = (r / S) % Hq, i = r % S;
+      const int64_t j0 = first_key(a.doc_start, S, b, i);
       acc.reset();
-      for (int64_t j = 0; j <= i; ++j)
-        acc.add(j, dscore(b, h, i, j, prob(b, h, i, j)), a.k + L.kv(b, j, h / L.group));
+      for (int64_t j = j0; j <= i; ++j)
+        acc.add(j - j0, dscore(b, h, i, j, prob(b, h, i, j)),
+                kf.data() + L.kv(b, j, h / L.group));
       const float* sum = acc.finish();
       float* dq = a.dq + L.q(b, i, h);  // (D)
       for (int64_t d = 0; d < D; ++d) dq[d] = sum[d] * a.scale;
     }
   }
 
-  // dk, dv: one (b, KV head g, key j) per iteration, pairs (h, i) in the header's order.
+  // dk, dv: one (b, KV head g, key j) per iteration, pairs (h, i) in the header's order over the
+  // queries that see j (i >= j inside j's document: doc_start[i] <= j).
   const int64_t kv_rows = B * a.kv_heads * S;
 #pragma omp parallel
   {
@@ -260,10 +280,10 @@ Status attention_backward_cpu(const AttentionBackwardArgs& a) {
       acc_v.reset();
       int64_t n = 0;
       for (int64_t h = g * L.group; h < (g + 1) * L.group; ++h)
-        for (int64_t i = j; i < S; ++i, ++n) {
+        for (int64_t i = j; i < S && first_key(a.doc_start, S, b, i) <= j; ++i, ++n) {
           const float P = prob(b, h, i, j);
-          acc_k.add(n, dscore(b, h, i, j, P), a.q + L.q(b, i, h));
-          acc_v.add(n, P, a.dout + L.q(b, i, h));
+          acc_k.add(n, dscore(b, h, i, j, P), qf.data() + L.q(b, i, h));
+          acc_v.add(n, P, dof.data() + L.q(b, i, h));
         }
       const float* sk = acc_k.finish();
       const float* sv = acc_v.finish();
@@ -279,7 +299,6 @@ Status attention_backward_cpu(const AttentionBackwardArgs& a) {
 }
 
 Status cross_entropy_cpu(const CrossEntropyArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy(a));
   const Result<int64_t> n = count_targets("cross_entropy", a.targets, a.tokens, a.vocab,
                                           a.ignore_index);
   if (!n.is_ok()) return n.status();
@@ -303,7 +322,6 @@ Status cross_entropy_cpu(const CrossEntropyArgs& a) {
 }
 
 Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
   const Result<int64_t> n = count_targets("cross_entropy_backward", a.targets, a.tokens, a.vocab,
                                           a.ignore_index);
   if (!n.is_ok()) return n.status();

@@ -1,11 +1,11 @@
-// CPU reference of the MoE non-GEMM ops (backend/moe_ops.h). OpenMP splits work by token, row or
-// expert only; every reduction runs inside one iteration in the order moe_ops.h defines, so the
+// CPU reference of the MoE non-GEMM ops (backend/ops/moe.h). OpenMP splits work by token, row or
+// expert only; every reduction runs inside one iteration in the order backend/ops/moe.h defines, so the
 // bits never depend on the thread count.
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "backend/moe_ops.h"
+#include "backend/ops/moe.h"
 #include "backend/reduce_order.h"
 #include "core/check.h"
 
@@ -41,7 +41,6 @@ std::vector<int64_t> expert_counts(const int32_t* idx, int64_t slots, int64_t ex
 }  // namespace
 
 Status router_topk_cpu(const RouterTopkArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_router_topk(a));
   const int64_t E = a.experts, k = a.top_k;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < a.tokens; ++t) {
@@ -85,7 +84,6 @@ Status router_topk_cpu(const RouterTopkArgs& a) {
 }
 
 Status router_topk_backward_cpu(const RouterTopkBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_router_topk_backward(a));
   const int64_t E = a.experts, k = a.top_k;
 #pragma omp parallel
   {
@@ -117,7 +115,6 @@ Status router_topk_backward_cpu(const RouterTopkBackwardArgs& a) {
 }
 
 Status aux_loss_cpu(const AuxLossArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_aux_loss(a));
   const int64_t T = a.tokens, E = a.experts, k = a.top_k;
   std::vector<int64_t> cnt(k * E, 0);  // (k, E)
   for (int64_t t = 0; t < T; ++t)
@@ -139,7 +136,6 @@ Status aux_loss_cpu(const AuxLossArgs& a) {
 }
 
 Status aux_loss_backward_cpu(const AuxLossBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_backward(a));
   const int64_t T = a.tokens, E = a.experts;
   const std::vector<int64_t> cnt = expert_counts(a.idx, T * a.top_k, E);
   std::vector<float> q(E);  // (E) dL/dprobs[t, e], the same for every token
@@ -158,7 +154,6 @@ Status aux_loss_backward_cpu(const AuxLossBackwardArgs& a) {
 }
 
 Status permute_cpu(const PermuteArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_permute(a));
   const int64_t slots = a.tokens * a.top_k;
   const size_t row_bytes = dtype_bytes_for(a.dtype, a.hidden);
   const auto* x = static_cast<const uint8_t*>(a.x);
@@ -177,7 +172,6 @@ Status permute_cpu(const PermuteArgs& a) {
 }
 
 Status permute_backward_cpu(const PermuteBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_permute_backward(a));
   const int64_t H = a.hidden, k = a.top_k;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < a.tokens; ++t) {
@@ -193,7 +187,6 @@ Status permute_backward_cpu(const PermuteBackwardArgs& a) {
 }
 
 Status swiglu_cpu(const SwigluArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_swiglu(a));
   const int64_t F = a.ffn;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows; ++r)
@@ -207,7 +200,6 @@ Status swiglu_cpu(const SwigluArgs& a) {
 }
 
 Status swiglu_backward_cpu(const SwigluBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_swiglu_backward(a));
   const int64_t F = a.ffn;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows; ++r)
@@ -223,7 +215,6 @@ Status swiglu_backward_cpu(const SwigluBackwardArgs& a) {
 }
 
 Status unpermute_cpu(const UnpermuteArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_unpermute(a));
   const int64_t H = a.hidden, k = a.top_k;
 #pragma omp parallel
   {
@@ -244,7 +235,6 @@ Status unpermute_cpu(const UnpermuteArgs& a) {
 }
 
 Status unpermute_backward_cpu(const UnpermuteBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_unpermute_backward(a));
   const int64_t H = a.hidden, k = a.top_k, slots = a.tokens * a.top_k;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows; ++r) {
@@ -274,7 +264,6 @@ Status unpermute_backward_cpu(const UnpermuteBackwardArgs& a) {
 
 // build_routing_plan's arrays, written where the op's arguments point.
 Status routing_plan_cpu(const RoutingPlanArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_routing_plan(a));
   const int64_t slots = a.tokens * a.top_k;
   std::fill(a.counts, a.counts + a.experts + 1, int64_t{0});
   for (int64_t i = 0; i < slots; ++i) {

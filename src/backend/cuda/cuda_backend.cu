@@ -143,65 +143,6 @@ void* CudaBackend::workspace(size_t bytes) {
   return workspace_;
 }
 
-Status CudaBackend::quantize_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg,
-                                   const Mxfp8Outputs& out) {
-  return quantize_mxfp8_sm90(*this, in, cfg, out);
-}
-
-Status CudaBackend::dequantize_mxfp8(const Mxfp8Copy& q, DType out_dtype,
-                                     const std::vector<void*>& out) {
-  return dequantize_mxfp8_sm90(*this, q, out_dtype, out);
-}
-
-Status CudaBackend::quantize_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg,
-                                   const Nvfp4Outputs& out) {
-  return quantize_nvfp4_sm90(*this, in, cfg, out);
-}
-
-Status CudaBackend::dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
-                                     const std::vector<void*>& out) {
-  return dequantize_nvfp4_sm90(*this, q, out_dtype, out);
-}
-
-Status CudaBackend::swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
-                                   void* swizzled) {
-  return swizzle_scales_sm90(*this, compact, rows, cols, transpose, swizzled);
-}
-
-Status CudaBackend::grouped_gemm(const GroupedGemmArgs& args) {
-  return grouped_gemm_cublas(*this, args);
-}
-
-Status CudaBackend::embedding(const EmbeddingArgs& args) { return embedding_sm90(*this, args); }
-
-Status CudaBackend::embedding_backward(const EmbeddingBackwardArgs& args) {
-  return embedding_backward_sm90(*this, args);
-}
-
-Status CudaBackend::rms_norm(const RmsNormArgs& args) { return rms_norm_sm90(*this, args); }
-
-Status CudaBackend::rms_norm_backward(const RmsNormBackwardArgs& args) {
-  return rms_norm_backward_sm90(*this, args);
-}
-
-Status CudaBackend::rope(const RopeArgs& args) { return rope_sm90(*this, args, false); }
-
-Status CudaBackend::rope_backward(const RopeArgs& args) { return rope_sm90(*this, args, true); }
-
-Status CudaBackend::attention(const AttentionArgs& args) { return attention_sm90(*this, args); }
-
-Status CudaBackend::attention_backward(const AttentionBackwardArgs& args) {
-  return attention_backward_sm90(*this, args);
-}
-
-Status CudaBackend::cross_entropy(const CrossEntropyArgs& args) {
-  return cross_entropy_sm90(*this, args);
-}
-
-Status CudaBackend::cross_entropy_backward(const CrossEntropyBackwardArgs& args) {
-  return cross_entropy_backward_sm90(*this, args);
-}
-
 Result<Backend*> cuda_backend_instance() {
   // Decided once: the device set of a process does not change.
   static Result<Backend*> instance = []() -> Result<Backend*> {

@@ -1,5 +1,5 @@
-// CUDA backend: device memory, one stream for every copy, op and timing, and the op table whose
-// kernels live in *_sm90.cu beside this file. Invariant: quantizers write the same bytes as the CPU
+// CUDA backend: device memory, one stream for every copy, op and timing, and the op table
+// (cuda_kernels.cu) whose kernels live in *_sm90.cu beside this file. Invariant: quantizers write the same bytes as the CPU
 // reference (formats/*.cpp). Only backend/cuda includes this header (it pulls in the CUDA runtime).
 #pragma once
 
@@ -43,46 +43,7 @@ class CudaBackend final : public Backend {
   void synchronize() override;
   double time_ms(const std::function<void()>& body, int warmup, int iters) override;
 
-  bool supports(Op op) const override { return true; }
-  Status quantize_mxfp8(const GroupedMatrices& in, const Mxfp8Config& cfg,
-                        const Mxfp8Outputs& out) override;
-  Status dequantize_mxfp8(const Mxfp8Copy& q, DType out_dtype,
-                          const std::vector<void*>& out) override;
-  Status quantize_nvfp4(const GroupedMatrices& in, const Nvfp4Config& cfg,
-                        const Nvfp4Outputs& out) override;
-  Status dequantize_nvfp4(const Nvfp4Copy& q, DType out_dtype,
-                          const std::vector<void*>& out) override;
-  Status nvfp4_amax(const GroupedMatrices& in, float* amax) override;
-  Status weight_2d_columnwise(const Weight2dCopies& w) override;
-  Status swizzle_scales(const void* compact, int64_t rows, int64_t cols, bool transpose,
-                        void* swizzled) override;
-  Status grouped_gemm(const GroupedGemmArgs& args) override;
-  Status router_topk(const RouterTopkArgs& args) override;
-  Status router_topk_backward(const RouterTopkBackwardArgs& args) override;
-  Status aux_loss(const AuxLossArgs& args) override;
-  Status aux_loss_backward(const AuxLossBackwardArgs& args) override;
-  Status permute(const PermuteArgs& args) override;
-  Status permute_backward(const PermuteBackwardArgs& args) override;
-  Status swiglu(const SwigluArgs& args) override;
-  Status swiglu_backward(const SwigluBackwardArgs& args) override;
-  Status unpermute(const UnpermuteArgs& args) override;
-  Status unpermute_backward(const UnpermuteBackwardArgs& args) override;
-  Status routing_plan(const RoutingPlanArgs& args) override;
-  Status cast_f32_to_bf16(const Segments<const float>& src, const Segments<uint16_t>& dst) override;
-  Status add_f32(const Segments<float>& dst, const Segments<const float>& src) override;
-  Status adamw(const AdamWArgs& args) override;
-  Status nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) override;
-  Status sum_squares(const Segments<const float>& x, double* out) override;
-  Status embedding(const EmbeddingArgs& args) override;
-  Status embedding_backward(const EmbeddingBackwardArgs& args) override;
-  Status rms_norm(const RmsNormArgs& args) override;
-  Status rms_norm_backward(const RmsNormBackwardArgs& args) override;
-  Status rope(const RopeArgs& args) override;
-  Status rope_backward(const RopeArgs& args) override;
-  Status attention(const AttentionArgs& args) override;
-  Status attention_backward(const AttentionBackwardArgs& args) override;
-  Status cross_entropy(const CrossEntropyArgs& args) override;
-  Status cross_entropy_backward(const CrossEntropyBackwardArgs& args) override;
+  const OpKernels& kernels() const override;  // backend/cuda/cuda_kernels.cu
 
   // ---- for the kernel files -----------------------------------------------------------------
   cudaStream_t stream() const { return stream_; }
@@ -122,9 +83,8 @@ class CudaBackend final : public Backend {
 // or an error Status when no GPU is visible.
 Result<Backend*> cuda_backend_instance();
 
-// ---- kernel entry points (one per op family, defined in the *_sm90.cu files)
-// --------------------- Each validates with the shared formats/ validate_* function first and
-// returns its Status.
+// ---- op implementations (the rows of cuda_kernels.cu), defined in the *_sm90.cu files. Their
+// arguments arrive checked by the entries of backend/ops/*.h.
 Status quantize_mxfp8_sm90(CudaBackend& be, const GroupedMatrices& in, const Mxfp8Config& cfg,
                            const Mxfp8Outputs& out);
 Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Config& cfg,
@@ -133,6 +93,29 @@ Status dequantize_mxfp8_sm90(CudaBackend& be, const Mxfp8Copy& q, DType out_dtyp
                              const std::vector<void*>& out);
 Status dequantize_nvfp4_sm90(CudaBackend& be, const Nvfp4Copy& q, DType out_dtype,
                              const std::vector<void*>& out);
+Status nvfp4_amax_sm90(CudaBackend& be, const GroupedMatrices& in, float* amax);
+Status weight_2d_columnwise_sm90(CudaBackend& be, const Weight2dCopies& w);
+
+// MoE block ops (moe_ops_sm90.cu, routing_plan_sm90.cu).
+Status router_topk_sm90(CudaBackend& be, const RouterTopkArgs& a);
+Status router_topk_backward_sm90(CudaBackend& be, const RouterTopkBackwardArgs& a);
+Status aux_loss_sm90(CudaBackend& be, const AuxLossArgs& a);
+Status aux_loss_backward_sm90(CudaBackend& be, const AuxLossBackwardArgs& a);
+Status permute_sm90(CudaBackend& be, const PermuteArgs& a);
+Status permute_backward_sm90(CudaBackend& be, const PermuteBackwardArgs& a);
+Status swiglu_sm90(CudaBackend& be, const SwigluArgs& a);
+Status swiglu_backward_sm90(CudaBackend& be, const SwigluBackwardArgs& a);
+Status unpermute_sm90(CudaBackend& be, const UnpermuteArgs& a);
+Status unpermute_backward_sm90(CudaBackend& be, const UnpermuteBackwardArgs& a);
+Status routing_plan_sm90(CudaBackend& be, const RoutingPlanArgs& a);
+
+// Elementwise ops (elementwise_sm90.cu).
+Status cast_f32_to_bf16_sm90(CudaBackend& be, const Segments<const float>& src,
+                             const Segments<uint16_t>& dst);
+Status add_f32_sm90(CudaBackend& be, const Segments<float>& dst, const Segments<const float>& src);
+Status adamw_sm90(CudaBackend& be, const AdamWArgs& a);
+Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double* out);
+Status nvfp4_decode_scales_sm90(CudaBackend& be, const float* amax, float* decode, int64_t groups);
 Status swizzle_scales_sm90(CudaBackend& be, const void* compact, int64_t rows, int64_t cols,
                            bool transpose, void* swizzled);
 // Grouped GEMM entry point (grouped_gemm_cublas.cu): operands dequantized exactly to BF16, then
@@ -157,10 +140,10 @@ bool cuda_nvfp4_fast_codecs_ok(CudaBackend& be);
 // line on stderr) if not.
 bool cuda_mxfp8_fast_scale_ok(CudaBackend& be);
 
-// Dense decoder ops (model_ops_sm90.cu; attention in attention_sm90.cu), the CPU reference's
-// bytes. Embedding ids and cross-entropy targets are range-checked by a kernel whose flag is read
-// back (one stream sync per call) before any output is written. Attention supports head_dim <= 512
-// (an error Status beyond): tiled kernels up to 128, one warp per row above.
+// Dense decoder ops (model_ops_sm90.cu): the CPU reference's bytes. Embedding ids and
+// cross-entropy targets are range-checked by a kernel whose flag is read back (one stream sync per
+// call) before any output is written. Attention (attention_sm90.cu): the tensor-core kernels of
+// flash_attention_sm90.h, deterministic and batch-invariant, not the CPU's bytes.
 Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a);
 Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a);
 Status rms_norm_sm90(CudaBackend& be, const RmsNormArgs& a);

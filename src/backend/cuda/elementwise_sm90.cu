@@ -1,4 +1,4 @@
-// CUDA elementwise ops over segment lists (backend/elementwise.h): cast F32 -> BF16, add F32,
+// CUDA elementwise ops over segment lists (backend/ops/elementwise.h): cast F32 -> BF16, add F32,
 // AdamW, NVFP4 decode scales, sum of squares. One launch covers every segment of a call (a pointer
 // table, inline or uploaded). Invariant: the CPU reference's bytes: each element goes through the
 // same PACKMOE_HD function (nvcc --fmad=false, IEEE div / sqrt) and sum_squares keeps its chunk /
@@ -11,8 +11,8 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/reduce_order.cuh"
-#include "backend/elementwise.h"
-#include "backend/moe_ops.h"
+#include "backend/ops/elementwise.h"
+#include "backend/ops/moe.h"
 #include "core/codecs.h"
 #include "formats/nvfp4_math.h"
 
@@ -211,75 +211,65 @@ __global__ void sum_squares_total_kernel(const double* partial, int64_t chunks, 
 
 }  // namespace
 
-Status CudaBackend::cast_f32_to_bf16(const Segments<const float>& src,
+Status cast_f32_to_bf16_sm90(CudaBackend& be, const Segments<const float>& src,
                                      const Segments<uint16_t>& dst) {
-  PACKMOE_RETURN_IF_ERROR(
-      validate_segments(src.ptr.size(), src.n, {dst.ptr.size()}, {dst.n}, "cast_f32_to_bf16"));
   const int64_t G = static_cast<int64_t>(src.ptr.size());
   if (G == 0 || src.n == 0) return Status::ok();
-  const SegTable<2> t = make_table<2>(*this, {as_void(src.ptr), as_void(dst.ptr)}, src.n);
+  const SegTable<2> t = make_table<2>(be, {as_void(src.ptr), as_void(dst.ptr)}, src.n);
   const bool vec = all_aligned16(src.ptr, dst.ptr);
   cast_f32_to_bf16_kernel<<<grid_for(G * ((src.n + 7) / 8), Config::kThreads), Config::kThreads,
-                            0, stream()>>>(t, vec);
+                            0, be.stream()>>>(t, vec);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::add_f32(const Segments<float>& dst, const Segments<const float>& src) {
-  PACKMOE_RETURN_IF_ERROR(
-      validate_segments(dst.ptr.size(), dst.n, {src.ptr.size()}, {src.n}, "add_f32"));
+Status add_f32_sm90(CudaBackend& be, const Segments<float>& dst, const Segments<const float>& src) {
   const int64_t G = static_cast<int64_t>(dst.ptr.size());
   if (G == 0 || dst.n == 0) return Status::ok();
-  const SegTable<2> t = make_table<2>(*this, {as_void(dst.ptr), as_void(src.ptr)}, dst.n);
+  const SegTable<2> t = make_table<2>(be, {as_void(dst.ptr), as_void(src.ptr)}, dst.n);
   const bool vec = all_aligned16(dst.ptr, src.ptr);
   add_f32_kernel<<<grid_for(G * ((dst.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
-                   stream()>>>(t, vec);
+                   be.stream()>>>(t, vec);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::adamw(const AdamWArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_segments(
-      a.param.ptr.size(), a.param.n,
-      {a.exp_avg.ptr.size(), a.exp_avg_sq.ptr.size(), a.grad.ptr.size()},
-      {a.exp_avg.n, a.exp_avg_sq.n, a.grad.n}, "adamw"));
+Status adamw_sm90(CudaBackend& be, const AdamWArgs& a) {
   const int64_t G = static_cast<int64_t>(a.param.ptr.size());
   if (G == 0 || a.param.n == 0) return Status::ok();
   const SegTable<4> t = make_table<4>(
-      *this,
+      be,
       {as_void(a.param.ptr), as_void(a.exp_avg.ptr), as_void(a.exp_avg_sq.ptr), as_void(a.grad.ptr)},
       a.param.n);
   const bool vec = all_aligned16(a.param.ptr, a.exp_avg.ptr, a.exp_avg_sq.ptr, a.grad.ptr);
   adamw_kernel<<<grid_for(G * ((a.param.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
-                 stream()>>>(t, a.scalars, vec);
+                 be.stream()>>>(t, a.scalars, vec);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::sum_squares(const Segments<const float>& x, double* out) {
-  PACKMOE_RETURN_IF_ERROR(validate_segments(x.ptr.size(), x.n, {}, {}, "sum_squares"));
+Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double* out) {
   const int64_t G = static_cast<int64_t>(x.ptr.size());
   if (G == 0 || x.n == 0) {
-    PACKMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream()));  // +0
+    PACKMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), be.stream()));  // +0
     return Status::ok();
   }
   const int64_t cps = (x.n + kSumSquaresChunk - 1) / kSumSquaresChunk;
   const int64_t chunks = G * cps;
-  const SegTable<1> t = make_table<1>(*this, {as_void(x.ptr)}, x.n);
-  auto* partial = static_cast<double*>(workspace(static_cast<size_t>(chunks) * sizeof(double)));
-  sum_squares_chunks_kernel<<<grid_for(chunks, Config::kWarps), Config::kThreads, 0, stream()>>>(
+  const SegTable<1> t = make_table<1>(be, {as_void(x.ptr)}, x.n);
+  auto* partial = static_cast<double*>(be.workspace(static_cast<size_t>(chunks) * sizeof(double)));
+  sum_squares_chunks_kernel<<<grid_for(chunks, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
       t, cps, chunks, partial);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  sum_squares_total_kernel<<<1, 1, 0, stream()>>>(partial, chunks, out);
+  sum_squares_total_kernel<<<1, 1, 0, be.stream()>>>(partial, chunks, out);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::nvfp4_decode_scales(const float* amax, float* decode, int64_t groups) {
-  if (groups < 0) return Status::error("nvfp4_decode_scales: negative group count");
+Status nvfp4_decode_scales_sm90(CudaBackend& be, const float* amax, float* decode, int64_t groups) {
   if (groups == 0) return Status::ok();
   nvfp4_decode_scales_kernel<<<grid_for(groups, Config::kThreads), Config::kThreads, 0,
-                               stream()>>>(amax, decode, groups);
+                               be.stream()>>>(amax, decode, groups);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

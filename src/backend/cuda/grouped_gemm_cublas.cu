@@ -57,7 +57,7 @@
 #include "backend/cuda/grouped_gemm_sm90.h"
 #include "backend/cuda/grouped_gemm_dequant.cuh"
 #include "backend/cuda/kernel_policy.h"
-#include "backend/grouped_gemm.h"
+#include "backend/ops/gemm.h"
 #include "core/codecs.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
@@ -417,7 +417,7 @@ bool aligned(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) % Config::kAlignmentBytes) == 0;
 }
 
-// The stored copy an operand of `op` reads (table in backend/grouped_gemm.h), as the row-major
+// The stored copy an operand of `op` reads (table in backend/ops/gemm.h), as the row-major
 // BF16 (rows, cols) matrix it dequantizes to. `transposed`: the NVFP4 columnwise copies, stored
 // as the transpose of the logical matrix.
 struct Stored {
@@ -562,7 +562,7 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
       q.data.push_back(active[g] ? o.data[g] : nullptr);
       q.scale.push_back(active[g] ? o.scale[g] : nullptr);
     }
-    PACKMOE_RETURN_IF_ERROR(be.dequantize_mxfp8(q, DType::kBF16, outs));
+    PACKMOE_RETURN_IF_ERROR(ops::dequantize_mxfp8(be, q, DType::kBF16, outs));
   } else {
     // Every NVFP4 copy is a row-major sequence of 16-element blocks with one scale byte each, so
     // group g is viewed as (rows * cols / 16, 16): one launch even when the stored row length
@@ -583,7 +583,7 @@ Status prepare(CudaBackend& be, GemmState& st, const GemmOperand& o,
       PACKMOE_CUDA_CHECK_LAUNCH();
     }
     q.decode_scale = ones;
-    PACKMOE_RETURN_IF_ERROR(be.dequantize_nvfp4(q, DType::kBF16, outs));
+    PACKMOE_RETURN_IF_ERROR(ops::dequantize_nvfp4(be, q, DType::kBF16, outs));
   }
   return Status::ok();
 }

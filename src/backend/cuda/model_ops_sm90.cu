@@ -1,6 +1,6 @@
-// CUDA kernels of the dense decoder ops (backend/model_ops.h), forward and backward, except the
+// CUDA kernels of the dense decoder ops (backend/ops/model.h), forward and backward, except the
 // attention core (attention_sm90.cu). Invariant:
-// each value is model_ops.h's exact FP32 arithmetic (R32 = strided lanes + xor butterfly or 32
+// each value is backend/ops/model.h's exact FP32 arithmetic (R32 = strided lanes + xor butterfly or 32
 // explicit partials, maxima in index order, moe_exp_f32 / model_log_f32, --fmad=false), so every
 // op writes the CPU reference's bytes. Bad ids / targets: a check kernel's flag is read back (one
 // sync) and the CPU's error Status is returned before anything is written.
@@ -13,7 +13,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels_common.cuh"
 #include "backend/cuda/reduce_order.cuh"
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
 
 namespace packmoe {
 namespace {
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- cross-entropy ------------------------------------------------------------------------------
 
-// One warp per token: row_max, row_sum and loss_t (model_ops.h). The max is the CPU's sequential
+// One warp per token: row_max, row_sum and loss_t (backend/ops/model.h). The max is the CPU's sequential
 // `m = z[e] > m ? z[e] : m` from z[0]: z[0] when that is NaN, else the first element holding the
 // largest non-NaN value (so the sign of a zero maximum matches too).
 __global__ void __launch_bounds__(Config::kThreads)
@@ -290,7 +290,6 @@ __global__ void __launch_bounds__(Config::kThreads)
 }  // namespace
 
 Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_embedding(a));
   auto* flag = static_cast<IdCheck*>(be.workspace(sizeof(IdCheck)));
   const Result<int64_t> ok = check_ids(be, flag, "embedding", a.ids, a.tokens, a.vocab, nullptr);
   if (!ok.is_ok()) return ok.status();
@@ -311,7 +310,6 @@ Status embedding_sm90(CudaBackend& be, const EmbeddingArgs& a) {
 }
 
 Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_embedding_backward(a));
   const int T = static_cast<int>(a.tokens);  // < 2^24 (validated)
   int bits = 1;
   while ((int64_t{1} << bits) < a.vocab) ++bits;
@@ -343,14 +341,12 @@ Status embedding_backward_sm90(CudaBackend& be, const EmbeddingBackwardArgs& a) 
 }
 
 Status rms_norm_sm90(CudaBackend& be, const RmsNormArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_rms_norm(a));
   rms_norm_kernel<<<blocks_for(a.rows, Config::kWarps), Config::kThreads, 0, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
 Status rms_norm_backward_sm90(CudaBackend& be, const RmsNormBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_rms_norm_backward(a));
   rms_norm_backward_dx_kernel<<<blocks_for(a.rows, Config::kWarps), Config::kThreads, 0,
                                 be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
@@ -361,7 +357,6 @@ Status rms_norm_backward_sm90(CudaBackend& be, const RmsNormBackwardArgs& a) {
 }
 
 Status rope_sm90(CudaBackend& be, const RopeArgs& a, bool inverse) {
-  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
   const unsigned grid = blocks_for(a.tokens * a.heads * (a.head_dim / 2), Config::kThreads);
   if (inverse)
     rope_kernel<true><<<grid, Config::kThreads, 0, be.stream()>>>(a);
@@ -372,7 +367,6 @@ Status rope_sm90(CudaBackend& be, const RopeArgs& a, bool inverse) {
 }
 
 Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy(a));
   Carve c;
   const size_t flag_at = c.add<IdCheck>(1), loss_at = c.add<float>(a.tokens);
   void* ws = be.workspace(c.bytes());
@@ -390,7 +384,6 @@ Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a) {
 }
 
 Status cross_entropy_backward_sm90(CudaBackend& be, const CrossEntropyBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
   const Result<int64_t> n =
       check_ids(be, static_cast<IdCheck*>(be.workspace(sizeof(IdCheck))), "cross_entropy_backward",
                 a.targets, a.tokens, a.vocab, &a.ignore_index);

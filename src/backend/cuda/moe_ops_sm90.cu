@@ -1,6 +1,6 @@
-// CUDA kernels of the MoE non-GEMM ops (backend/moe_ops.h): router softmax / top-k, aux loss,
+// CUDA kernels of the MoE non-GEMM ops (backend/ops/moe.h): router softmax / top-k, aux loss,
 // permute, SwiGLU, unpermute + combine, forward and backward. Invariant: every value is the exact
-// FP32 arithmetic of moe_ops.h (moe_exp_f32, R32 = warp-strided lanes + xor butterfly, sequential
+// FP32 arithmetic of backend/ops/moe.h (moe_exp_f32, R32 = warp-strided lanes + xor butterfly, sequential
 // sums over k, nvcc --fmad=false), so each op writes the CPU reference's bytes. Index arrays that
 // the CPU checks with PACKMOE_CHECK trap the kernel here (the next sync aborts the process).
 #include <cuda_runtime.h>
@@ -10,7 +10,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/reduce_order.cuh"
-#include "backend/moe_ops.h"
+#include "backend/ops/moe.h"
 #include "core/codecs.h"
 
 namespace packmoe {
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(Config::kThreads)
   }
   red[y][x] = acc;
   __syncthreads();
-  for (int off = 16; off >= 1; off /= 2) {  // moe_ops.h's tree, lane[y] += lane[y + off]
+  for (int off = 16; off >= 1; off /= 2) {  // backend/ops/moe.h's tree, lane[y] += lane[y + off]
     if (y < off) red[y][x] = red[y][x] + red[y + off][x];
     __syncthreads();
   }
@@ -602,73 +602,68 @@ bool rows_vectorizable(int64_t cols, std::initializer_list<const void*> ptrs) {
 
 }  // namespace
 
-Status CudaBackend::router_topk(const RouterTopkArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_router_topk(a));
+Status router_topk_sm90(CudaBackend& be, const RouterTopkArgs& a) {
   const unsigned grid = grid_for(a.tokens, Config::kWarps);
   const int64_t E = a.experts;
   if (E <= 32)
-    router_topk_kernel<1><<<grid, Config::kThreads, 0, stream()>>>(a);
+    router_topk_kernel<1><<<grid, Config::kThreads, 0, be.stream()>>>(a);
   else if (E <= 64)
-    router_topk_kernel<2><<<grid, Config::kThreads, 0, stream()>>>(a);
+    router_topk_kernel<2><<<grid, Config::kThreads, 0, be.stream()>>>(a);
   else if (E <= 128)
-    router_topk_kernel<4><<<grid, Config::kThreads, 0, stream()>>>(a);
+    router_topk_kernel<4><<<grid, Config::kThreads, 0, be.stream()>>>(a);
   else if (E <= 256)
-    router_topk_kernel<8><<<grid, Config::kThreads, 0, stream()>>>(a);
+    router_topk_kernel<8><<<grid, Config::kThreads, 0, be.stream()>>>(a);
   else
-    router_topk_kernel<0><<<grid, Config::kThreads, 0, stream()>>>(a);
+    router_topk_kernel<0><<<grid, Config::kThreads, 0, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::router_topk_backward(const RouterTopkBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_router_topk_backward(a));
+Status router_topk_backward_sm90(CudaBackend& be, const RouterTopkBackwardArgs& a) {
   router_topk_backward_kernel<<<grid_for(a.tokens, Config::kWarps), Config::kThreads, 0,
-                                stream()>>>(a);
+                                be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::aux_loss(const AuxLossArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_aux_loss(a));
+Status aux_loss_sm90(CudaBackend& be, const AuxLossArgs& a) {
   const int64_t E = a.experts, bins = a.top_k * a.experts;
   // Layout: cnt (k E) | ticket | pad | pbar (E); cnt and ticket start zeroed.
   const size_t zeroed = static_cast<size_t>(bins + 1) * sizeof(uint32_t);
   const size_t pbar_at = (zeroed + 15) / 16 * 16;
-  auto* base = static_cast<uint8_t*>(workspace(pbar_at + static_cast<size_t>(E) * sizeof(float)));
+  auto* base = static_cast<uint8_t*>(be.workspace(pbar_at + static_cast<size_t>(E) * sizeof(float)));
   AuxWorkspace ws{reinterpret_cast<uint32_t*>(base), reinterpret_cast<uint32_t*>(base) + bins,
                   reinterpret_cast<float*>(base + pbar_at)};
-  PACKMOE_CUDA_CHECK(cudaMemsetAsync(base, 0, zeroed, stream()));
+  PACKMOE_CUDA_CHECK(cudaMemsetAsync(base, 0, zeroed, be.stream()));
   const bool smem_bins = bins <= Config::kAuxSmemBins;
   const size_t smem = smem_bins ? static_cast<size_t>(bins) * sizeof(uint32_t) : 0;
-  aux_loss_kernel<<<grid_for(E, Config::kAuxExperts), Config::kThreads, smem, stream()>>>(
+  aux_loss_kernel<<<grid_for(E, Config::kAuxExperts), Config::kThreads, smem, be.stream()>>>(
       a, ws, smem_bins);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::aux_loss_backward(const AuxLossBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_backward(a));
+Status aux_loss_backward_sm90(CudaBackend& be, const AuxLossBackwardArgs& a) {
   const int64_t E = a.experts;
-  auto* cnt = static_cast<uint32_t*>(workspace(static_cast<size_t>(E) * sizeof(uint32_t)));
-  PACKMOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, static_cast<size_t>(E) * sizeof(uint32_t), stream()));
+  auto* cnt = static_cast<uint32_t*>(be.workspace(static_cast<size_t>(E) * sizeof(uint32_t)));
+  PACKMOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, static_cast<size_t>(E) * sizeof(uint32_t), be.stream()));
   const bool smem_bins = E <= Config::kAuxSmemBins;
   const size_t smem = smem_bins ? static_cast<size_t>(E) * sizeof(uint32_t) : 0;
   // Enough CTAs to stream idx, few enough that flushing shared bins stays cheap.
   const int64_t slots = a.tokens * a.top_k;
   const int64_t want = (slots + 4 * Config::kThreads - 1) / (4 * Config::kThreads);
   const unsigned count_grid =
-      static_cast<unsigned>(want < 2 * int64_t{sm_count()} ? want : 2 * int64_t{sm_count()});
-  aux_count_kernel<<<count_grid, Config::kThreads, smem, stream()>>>(a.idx, a.tokens, E, a.top_k,
+      static_cast<unsigned>(want < 2 * int64_t{be.sm_count()} ? want : 2 * int64_t{be.sm_count()});
+  aux_count_kernel<<<count_grid, Config::kThreads, smem, be.stream()>>>(a.idx, a.tokens, E, a.top_k,
                                                                      smem_bins, cnt);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  aux_loss_backward_kernel<<<grid_for(a.tokens, Config::kWarps), Config::kThreads, 0, stream()>>>(
+  aux_loss_backward_kernel<<<grid_for(a.tokens, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
       a, cnt);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::permute(const PermuteArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_permute(a));
+Status permute_sm90(CudaBackend& be, const PermuteArgs& a) {
   const int64_t row_bytes = static_cast<int64_t>(dtype_bytes_for(a.dtype, a.hidden));
   const unsigned pad_blocks = grid_for(a.rows, Config::kWarps);
   const unsigned token_blocks = grid_for(a.tokens, Config::kWarps);
@@ -676,7 +671,7 @@ Status CudaBackend::permute(const PermuteArgs& a) {
   auto launch = [&](auto unit) {
     using U = decltype(unit);
     const int64_t upr = row_bytes / static_cast<int64_t>(sizeof(U));
-    permute_kernel<U><<<pad_blocks + token_blocks, Config::kThreads, 0, stream()>>>(a, upr, pad_blocks);
+    permute_kernel<U><<<pad_blocks + token_blocks, Config::kThreads, 0, be.stream()>>>(a, upr, pad_blocks);
   };
   auto fits = [&](uintptr_t u) {
     return row_bytes % static_cast<int64_t>(u) == 0 && aligned_to(a.x, u) && aligned_to(a.xp, u);
@@ -691,24 +686,22 @@ Status CudaBackend::permute(const PermuteArgs& a) {
   return Status::ok();
 }
 
-Status CudaBackend::permute_backward(const PermuteBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_permute_backward(a));
+Status permute_backward_sm90(CudaBackend& be, const PermuteBackwardArgs& a) {
   const int64_t chunks = a.tokens * ((a.hidden + Config::kChunk - 1) / Config::kChunk);
   const unsigned grid = grid_for(chunks, Config::kThreads);
   const bool vec = rows_vectorizable(a.hidden, {a.dxp, a.dx});
   with_elem(a.dxp_dtype, [&](auto in) {
     using TIn = elem_t<decltype(in)>;
     if (vec)
-      permute_backward_kernel<TIn, true><<<grid, Config::kThreads, 0, stream()>>>(a);
+      permute_backward_kernel<TIn, true><<<grid, Config::kThreads, 0, be.stream()>>>(a);
     else
-      permute_backward_kernel<TIn, false><<<grid, Config::kThreads, 0, stream()>>>(a);
+      permute_backward_kernel<TIn, false><<<grid, Config::kThreads, 0, be.stream()>>>(a);
   });
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::swiglu(const SwigluArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_swiglu(a));
+Status swiglu_sm90(CudaBackend& be, const SwigluArgs& a) {
   const int64_t chunks = a.rows * ((a.ffn + Config::kChunk - 1) / Config::kChunk);
   const unsigned grid = grid_for(chunks, Config::kThreads);
   const bool vec = rows_vectorizable(a.ffn, {a.in, a.out});
@@ -717,17 +710,16 @@ Status CudaBackend::swiglu(const SwigluArgs& a) {
       using TIn = elem_t<decltype(in)>;
       using TOut = elem_t<decltype(out)>;
       if (vec)
-        swiglu_kernel<TIn, TOut, true><<<grid, Config::kThreads, 0, stream()>>>(a);
+        swiglu_kernel<TIn, TOut, true><<<grid, Config::kThreads, 0, be.stream()>>>(a);
       else
-        swiglu_kernel<TIn, TOut, false><<<grid, Config::kThreads, 0, stream()>>>(a);
+        swiglu_kernel<TIn, TOut, false><<<grid, Config::kThreads, 0, be.stream()>>>(a);
     });
   });
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::swiglu_backward(const SwigluBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_swiglu_backward(a));
+Status swiglu_backward_sm90(CudaBackend& be, const SwigluBackwardArgs& a) {
   const int64_t chunks = a.rows * ((a.ffn + Config::kChunk - 1) / Config::kChunk);
   const unsigned grid = grid_for(chunks, Config::kThreads);
   const bool vec = rows_vectorizable(a.ffn, {a.in, a.dout, a.din});
@@ -739,10 +731,10 @@ Status CudaBackend::swiglu_backward(const SwigluBackwardArgs& a) {
         using TDin = elem_t<decltype(din)>;
         if (vec)
           swiglu_backward_kernel<TIn, TDout, TDin, true>
-              <<<grid, Config::kThreads, 0, stream()>>>(a);
+              <<<grid, Config::kThreads, 0, be.stream()>>>(a);
         else
           swiglu_backward_kernel<TIn, TDout, TDin, false>
-              <<<grid, Config::kThreads, 0, stream()>>>(a);
+              <<<grid, Config::kThreads, 0, be.stream()>>>(a);
       });
     });
   });
@@ -750,8 +742,7 @@ Status CudaBackend::swiglu_backward(const SwigluBackwardArgs& a) {
   return Status::ok();
 }
 
-Status CudaBackend::unpermute(const UnpermuteArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_unpermute(a));
+Status unpermute_sm90(CudaBackend& be, const UnpermuteArgs& a) {
   const int64_t chunks = a.tokens * ((a.hidden + Config::kChunk - 1) / Config::kChunk);
   const unsigned grid = grid_for(chunks, Config::kThreads);
   const bool vec = rows_vectorizable(a.hidden, {a.yp, a.y});
@@ -760,17 +751,16 @@ Status CudaBackend::unpermute(const UnpermuteArgs& a) {
       using TYp = elem_t<decltype(yp)>;
       using TY = elem_t<decltype(y)>;
       if (vec)
-        unpermute_kernel<TYp, TY, true><<<grid, Config::kThreads, 0, stream()>>>(a);
+        unpermute_kernel<TYp, TY, true><<<grid, Config::kThreads, 0, be.stream()>>>(a);
       else
-        unpermute_kernel<TYp, TY, false><<<grid, Config::kThreads, 0, stream()>>>(a);
+        unpermute_kernel<TYp, TY, false><<<grid, Config::kThreads, 0, be.stream()>>>(a);
     });
   });
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_unpermute_backward(a));
+Status unpermute_backward_sm90(CudaBackend& be, const UnpermuteBackwardArgs& a) {
   const unsigned pad_blocks = grid_for(a.rows, Config::kWarps);
   const unsigned pair_blocks = grid_for(a.tokens * a.top_k, Config::kWarps);
   PACKMOE_CHECK(uint64_t{pad_blocks} + pair_blocks < (uint64_t{1} << 31), "grid too large");
@@ -784,10 +774,10 @@ Status CudaBackend::unpermute_backward(const UnpermuteBackwardArgs& a) {
         using TDyp = elem_t<decltype(dyp)>;
         if (vec)
           unpermute_backward_kernel<TYp, TDy, TDyp, true>
-              <<<grid, Config::kThreads, 0, stream()>>>(a, pad_blocks);
+              <<<grid, Config::kThreads, 0, be.stream()>>>(a, pad_blocks);
         else
           unpermute_backward_kernel<TYp, TDy, TDyp, false>
-              <<<grid, Config::kThreads, 0, stream()>>>(a, pad_blocks);
+              <<<grid, Config::kThreads, 0, be.stream()>>>(a, pad_blocks);
       });
     });
   });

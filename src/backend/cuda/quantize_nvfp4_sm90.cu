@@ -919,7 +919,6 @@ void run(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Args& a, bool ve
 
 Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Config& cfg,
                            const Nvfp4Outputs& out) {
-  PACKMOE_RETURN_IF_ERROR(validate_nvfp4(in, cfg, out));
   bool vec = true;
   const Nvfp4Args a = make_args(be, in, cfg, out, vec);
   // A given amax (no RHT: validated) replaces the amax pass: the quantize pass reads amax_ws[g].
@@ -929,14 +928,13 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
   return Status::ok();
 }
 
-Status CudaBackend::nvfp4_amax(const GroupedMatrices& in, float* amax) {
-  PACKMOE_RETURN_IF_ERROR(validate_nvfp4_amax(in, amax));
+Status nvfp4_amax_sm90(CudaBackend& be, const GroupedMatrices& in, float* amax) {
   Nvfp4Config cfg;  // no copy requested: the group table carries only the inputs
   cfg.rowwise = false;
   bool vec = true;
-  const Nvfp4Args a = make_args(*this, in, cfg, Nvfp4Outputs{}, vec);
-  run(*this, in, a, vec, /*amax_pass=*/true, /*quantize_pass=*/false);
-  copy(amax, a.amax_ws, in.groups() * sizeof(float), CopyKind::kDeviceToDevice);
+  const Nvfp4Args a = make_args(be, in, cfg, Nvfp4Outputs{}, vec);
+  run(be, in, a, vec, /*amax_pass=*/true, /*quantize_pass=*/false);
+  be.copy(amax, a.amax_ws, in.groups() * sizeof(float), Backend::CopyKind::kDeviceToDevice);
   return Status::ok();
 }
 

@@ -1,4 +1,4 @@
-// The routing plan on the GPU (backend/moe_ops.h RoutingPlanArgs): build_routing_plan's dest and
+// The routing plan on the GPU (backend/ops/moe.h RoutingPlanArgs): build_routing_plan's dest and
 // row_slot without copying idx to the host. Three launches over chunks of kChunkSlots (t, j) pairs:
 //   count:   per chunk, routed pairs per expert (shared-memory atomics: integer counts have no
 //            order) -> hist (chunks, E + 1), column E = indices outside [0, E)
@@ -14,7 +14,7 @@
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/reduce_order.cuh"  // kFullMask
-#include "backend/moe_ops.h"
+#include "backend/ops/moe.h"
 
 namespace packmoe {
 namespace {
@@ -122,8 +122,7 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-Status CudaBackend::routing_plan(const RoutingPlanArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_routing_plan(a));
+Status routing_plan_sm90(CudaBackend& be, const RoutingPlanArgs& a) {
   if (a.experts > kMaxExperts)
     return Status::error("routing_plan: E = " + std::to_string(a.experts) +
                          " experts, the CUDA plan supports at most " +
@@ -131,17 +130,17 @@ Status CudaBackend::routing_plan(const RoutingPlanArgs& a) {
   const int64_t slots = a.tokens * a.top_k, E = a.experts;
   const int64_t chunks = (slots + kChunkSlots - 1) / kChunkSlots;
   auto* hist = static_cast<int32_t*>(
-      workspace(static_cast<size_t>(chunks * (E + 1)) * sizeof(int32_t)));
+      be.workspace(static_cast<size_t>(chunks * (E + 1)) * sizeof(int32_t)));
   PACKMOE_CUDA_CHECK(cudaMemsetAsync(a.row_slot, 0xFF,
-                                     static_cast<size_t>(a.max_rows) * sizeof(int32_t), stream()));
+                                     static_cast<size_t>(a.max_rows) * sizeof(int32_t), be.stream()));
   const unsigned grid = static_cast<unsigned>(chunks);
-  plan_count_kernel<<<grid, kThreads, (E + 1) * sizeof(int32_t), stream()>>>(a.idx, slots, E,
+  plan_count_kernel<<<grid, kThreads, (E + 1) * sizeof(int32_t), be.stream()>>>(a.idx, slots, E,
                                                                                hist);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  plan_scan_kernel<<<1, kThreads, E * sizeof(int64_t), stream()>>>(hist, chunks, E, a.align,
+  plan_scan_kernel<<<1, kThreads, E * sizeof(int64_t), be.stream()>>>(hist, chunks, E, a.align,
                                                                     a.counts);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  plan_scatter_kernel<<<grid, kThreads, (1 + kWarps) * E * sizeof(int32_t), stream()>>>(
+  plan_scatter_kernel<<<grid, kThreads, (1 + kWarps) * E * sizeof(int32_t), be.stream()>>>(
       a.idx, slots, E, hist, a.dest, a.row_slot);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();

@@ -83,8 +83,7 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-Status CudaBackend::weight_2d_columnwise(const Weight2dCopies& w) {
-  PACKMOE_RETURN_IF_ERROR(validate_weight_2d_columnwise(w));
+Status weight_2d_columnwise_sm90(CudaBackend& be, const Weight2dCopies& w) {
   const int64_t groups = static_cast<int64_t>(w.row_data.size());
   std::vector<uintptr_t> addr;  // (4, G)
   addr.reserve(4 * groups);
@@ -96,7 +95,7 @@ Status CudaBackend::weight_2d_columnwise(const Weight2dCopies& w) {
   for (int64_t g = 0; g < groups; ++g)
     vec = vec && (addr[g] & 15u) == 0 && (addr[2 * groups + g] & 15u) == 0;
   const Tables t{
-      static_cast<const uintptr_t*>(upload(addr.data(), addr.size() * sizeof(uintptr_t))), groups};
+      static_cast<const uintptr_t*>(be.upload(addr.data(), addr.size() * sizeof(uintptr_t))), groups};
   const int64_t n = w.rows, k = w.cols;
   const bool mx = w.format == Tiled2dFormat::kMxfp8;
   const int64_t per_group =
@@ -104,9 +103,9 @@ Status CudaBackend::weight_2d_columnwise(const Weight2dCopies& w) {
   const int64_t blocks = (groups * per_group + kThreads - 1) / kThreads;
   PACKMOE_CHECK(blocks < (int64_t{1} << 31), "weight_2d_columnwise: grid too large");
   if (mx)
-    mxfp8_columnwise_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(t, n, k, vec);
+    mxfp8_columnwise_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, be.stream()>>>(t, n, k, vec);
   else
-    nvfp4_columnwise_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream()>>>(t, n, k);
+    nvfp4_columnwise_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, be.stream()>>>(t, n, k);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

@@ -74,4 +74,26 @@ Status sum_squares_cpu(const Segments<const float>& x, double* out);
 // decode[g] = nvfp4_decode_scale(amax[g]) for g < groups.
 Status nvfp4_decode_scales_cpu(const float* amax, float* decode, int64_t groups);
 
+// ---- entries: validate once, then run the backend's implementation (backend/ops/elementwise.cpp)
+class Backend;
+namespace ops {
+Status cast_f32_to_bf16(Backend& b, const Segments<const float>& src, const Segments<uint16_t>& dst);
+Status add_f32(Backend& b, const Segments<float>& dst, const Segments<const float>& src);
+Status adamw(Backend& b, const AdamWArgs& args);
+// decode[g] = nvfp4_decode_scale(amax[g]) for g < groups (the backend's memory).
+Status nvfp4_decode_scales(Backend& b, const float* amax, float* decode, int64_t groups);
+// out[0] (the backend's memory) = the sum of squares above.
+Status sum_squares(Backend& b, const Segments<const float>& x, double* out);
+}  // namespace ops
+
+// One device's implementation of the family; every pointer is set (backend/cpu/cpu_kernels.cpp,
+// backend/cuda/cuda_kernels.cu). Arguments arrive validated.
+struct ElementwiseKernels {
+  Status (*cast_f32_to_bf16)(Backend&, const Segments<const float>&, const Segments<uint16_t>&);
+  Status (*add_f32)(Backend&, const Segments<float>&, const Segments<const float>&);
+  Status (*adamw)(Backend&, const AdamWArgs&);
+  Status (*nvfp4_decode_scales)(Backend&, const float*, float*, int64_t);
+  Status (*sum_squares)(Backend&, const Segments<const float>&, double*);
+};
+
 }  // namespace packmoe

@@ -1,13 +1,13 @@
 // Dense decoder ops of Qwen3-MoE, forward and backward: embedding lookup, RMSNorm, rotate-half
 // RoPE, causal GQA attention core and shifted-label cross-entropy, their argument checks and the
-// host RoPE table. Invariant: as in moe_ops.h, every result is the exact FP32 arithmetic written
+// host RoPE table. Invariant: as in backend/ops/moe.h, every result is the exact FP32 arithmetic written
 // here (fixed reduction orders, moe_exp_f32 / model_log_f32, no FMA, no libm on a device path), so
 // any backend can reproduce the CPU reference's bits whatever its thread count. All tensors FP32.
 #pragma once
 
 #include <cstdint>
 
-#include "backend/moe_ops.h"  // moe_exp_f32, the R32 order (backend/reduce_order.h)
+#include "backend/ops/moe.h"  // moe_exp_f32, the R32 order (backend/reduce_order.h)
 #include "core/codecs.h"
 #include "core/hd.h"
 #include "core/status.h"
@@ -148,18 +148,21 @@ struct RopeArgs {
   float* out = nullptr;        // (T, heads, D): y forward, din backward
 };
 
-// ---- causal GQA attention core ------------------------------------------------------------------
+// ---- causal GQA attention core, BF16 operands, optional document mask -------------------------
 //
-// q (B, S, Hq, D), k / v (B, S, Hkv, D) -> o (B, S, Hq, D); query head h reads KV head
-// g = h / (Hq / Hkv) (HF repeat_kv). scale is the caller's (HF: float(hd^-0.5)). Per (b, h, i),
-// over the causal keys j = 0..i only (no -Inf arithmetic):
-//   s_j        = (R32 sum_d q_i[d] * k_j[d]) * scale
-//   m          = max_j s_j                        (sequential, j ascending)
-//   p_j        = moe_exp_f32(s_j - m)
-//   l          = R32 sum_j p_j
-//   o_i[d]     = (R32 sum_j p_j * v_j[d]) / l
-//   row_max    = m, row_sum = l                   kept for the backward
-// Memory: O(S + 32 D) scratch per thread, never (S, S).
+// q (B, S, Hq, D), k / v (B, S, Hkv, D) BF16 -> o (B, S, Hq, D) BF16 and lse (B, Hq, S) FP32.
+// Query head h reads KV head g = h / (Hq / Hkv) (HF repeat_kv). scale is the caller's (HF:
+// float(hd^-0.5)). Key j is visible to query i of row b iff doc_start[b, i] <= j <= i, where
+// doc_start (B, S) is the first position of token i's document (null: 0, plain causal; the caller
+// keeps doc_start[b, i] <= i and nondecreasing along a row). On the BF16 values as reals:
+//   s_ij = scale * (q_i . k_j);   lse_i = ln sum_j exp(s_ij);   o_i = sum_j exp(s_ij - lse_i) v_j
+// with j over the visible keys; o is rounded to BF16 (RNE).
+// CPU (the reference): exact FP32 in a fixed order, for visible j ascending:
+//   s_j = (R32 sum_d q_i[d] * k_j[d]) * scale;  m = max_j s_j (sequential);  p_j = moe_exp_f32(s_j - m)
+//   l = R32 sum_j p_j;  o_i[d] = bf16((R32 sum_j p_j * v_j[d]) / l);  lse_i = m + model_log_f32(l)
+// CUDA: tensor cores with FP32 accumulation (backend/cuda/flash_attention_sm90.h), deterministic
+// and batch-invariant (a row's outputs depend on that row's inputs only), within the bound its
+// test states of the FP64 value. Memory: never (S, S).
 struct AttentionArgs {
   int64_t batch = 0;     // B
   int64_t seq = 0;       // S
@@ -167,24 +170,21 @@ struct AttentionArgs {
   int64_t kv_heads = 0;  // Hkv, divides Hq
   int64_t head_dim = 0;  // D
   float scale = 0.0f;
-  const float* q = nullptr;  // (B, S, Hq, D)
-  const float* k = nullptr;  // (B, S, Hkv, D)
-  const float* v = nullptr;  // (B, S, Hkv, D)
-  float* o = nullptr;        // (B, S, Hq, D)
-  float* row_max = nullptr;  // (B, Hq, S)
-  float* row_sum = nullptr;  // (B, Hq, S)
+  const uint16_t* q = nullptr;         // (B, S, Hq, D) BF16
+  const uint16_t* k = nullptr;         // (B, S, Hkv, D) BF16
+  const uint16_t* v = nullptr;         // (B, S, Hkv, D) BF16
+  const int32_t* doc_start = nullptr;  // (B, S) or null (causal)
+  uint16_t* o = nullptr;               // (B, S, Hq, D) BF16
+  float* lse = nullptr;                // (B, Hq, S) kept for the backward
 };
 
-// Backward, dq / dk / dv overwritten. Every per-pair value is a pointwise function of saved or
-// input tensors (so each loop recomputes the same bits), for j <= i:
-//   P_ij   = moe_exp_f32(s_ij - row_max_i) / row_sum_i          (s_ij as in the forward)
-//   dP_ij  = R32 sum_d do_i[d] * v_j[d]
-//   Dl_i   = R32 sum_d do_i[d] * o_i[d]                          (= sum_j P_ij dP_ij)
-//   dS_ij  = P_ij * (dP_ij - Dl_i)
-//   dq_i[d] = (R32 sum_{j <= i} dS_ij * k_j[d]) * scale
-//   dk_j[d] = (R32 sum_n dS_n * q_n[d]) * scale,  dv_j[d] = R32 sum_n P_n * do_n[d]
-// where n runs over the pairs (h, i) of KV head g's query heads h ascending, then i = j..S-1
-// ascending. Memory: O(B Hq S) for Dl plus O(S + 32 D) per thread.
+// Backward, dq / dk / dv (FP32) overwritten, for the visible pairs (i, j):
+//   P_ij = exp(s_ij - lse_i);  dP_ij = dout_i . v_j;  Dl_i = dout_i . o_i  (o as the forward wrote it)
+//   dS_ij = P_ij (dP_ij - Dl_i)
+//   dq_i = scale sum_j dS_ij k_j;  dk_j = scale sum dS_ij q_i;  dv_j = sum P_ij dout_i
+// where dk_j and dv_j sum over every query head of KV head g and every query i that sees j.
+// CPU: the same FP32 arithmetic as the forward (P_ij = moe_exp_f32(s_ij - lse_i), R32 dot
+// products and sums; dk / dv pairs (h, i) in h ascending, then i ascending).
 struct AttentionBackwardArgs {
   int64_t batch = 0;     // B
   int64_t seq = 0;       // S
@@ -192,16 +192,16 @@ struct AttentionBackwardArgs {
   int64_t kv_heads = 0;  // Hkv
   int64_t head_dim = 0;  // D
   float scale = 0.0f;
-  const float* q = nullptr;        // (B, S, Hq, D)
-  const float* k = nullptr;        // (B, S, Hkv, D)
-  const float* v = nullptr;        // (B, S, Hkv, D)
-  const float* o = nullptr;        // (B, S, Hq, D) the forward's output
-  const float* row_max = nullptr;  // (B, Hq, S)
-  const float* row_sum = nullptr;  // (B, Hq, S)
-  const float* dout = nullptr;     // (B, S, Hq, D)
-  float* dq = nullptr;             // (B, S, Hq, D)
-  float* dk = nullptr;             // (B, S, Hkv, D)
-  float* dv = nullptr;             // (B, S, Hkv, D)
+  const uint16_t* q = nullptr;         // (B, S, Hq, D) BF16
+  const uint16_t* k = nullptr;         // (B, S, Hkv, D) BF16
+  const uint16_t* v = nullptr;         // (B, S, Hkv, D) BF16
+  const uint16_t* o = nullptr;         // (B, S, Hq, D) BF16, the forward's output
+  const float* lse = nullptr;          // (B, Hq, S)
+  const int32_t* doc_start = nullptr;  // (B, S) or null, as in the forward
+  const uint16_t* dout = nullptr;      // (B, S, Hq, D) BF16
+  float* dq = nullptr;                 // (B, S, Hq, D)
+  float* dk = nullptr;                 // (B, S, Hkv, D)
+  float* dv = nullptr;                 // (B, S, Hkv, D)
 };
 
 // ---- cross-entropy over logits, mean over non-ignored targets -----------------------------------
@@ -252,7 +252,7 @@ Status validate_attention_backward(const AttentionBackwardArgs& a);
 Status validate_cross_entropy(const CrossEntropyArgs& a);
 Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a);
 
-// The host RoPE table (backend/model_ops.cpp): validates, then errors for a position outside
+// The host RoPE table (backend/ops/model.cpp): validates, then errors for a position outside
 // [0, 2^24).
 Status rope_table(const RopeTableArgs& a);
 
@@ -269,5 +269,35 @@ Status attention_cpu(const AttentionArgs& a);
 Status attention_backward_cpu(const AttentionBackwardArgs& a);
 Status cross_entropy_cpu(const CrossEntropyArgs& a);
 Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a);
+
+// ---- entries: validate once, then run the backend's implementation (backend/ops/model.cpp) --------
+class Backend;
+namespace ops {
+Status embedding(Backend& b, const EmbeddingArgs& a);
+Status embedding_backward(Backend& b, const EmbeddingBackwardArgs& a);
+Status rms_norm(Backend& b, const RmsNormArgs& a);
+Status rms_norm_backward(Backend& b, const RmsNormBackwardArgs& a);
+Status rope(Backend& b, const RopeArgs& a);
+Status rope_backward(Backend& b, const RopeArgs& a);
+Status attention(Backend& b, const AttentionArgs& a);
+Status attention_backward(Backend& b, const AttentionBackwardArgs& a);
+Status cross_entropy(Backend& b, const CrossEntropyArgs& a);
+Status cross_entropy_backward(Backend& b, const CrossEntropyBackwardArgs& a);
+}  // namespace ops
+
+// One device's implementation of the family; every pointer is set (backend/cpu/cpu_kernels.cpp,
+// backend/cuda/cuda_kernels.cu). Arguments arrive validated.
+struct ModelKernels {
+  Status (*embedding)(Backend&, const EmbeddingArgs&);
+  Status (*embedding_backward)(Backend&, const EmbeddingBackwardArgs&);
+  Status (*rms_norm)(Backend&, const RmsNormArgs&);
+  Status (*rms_norm_backward)(Backend&, const RmsNormBackwardArgs&);
+  Status (*rope)(Backend&, const RopeArgs&);
+  Status (*rope_backward)(Backend&, const RopeArgs&);
+  Status (*attention)(Backend&, const AttentionArgs&);
+  Status (*attention_backward)(Backend&, const AttentionBackwardArgs&);
+  Status (*cross_entropy)(Backend&, const CrossEntropyArgs&);
+  Status (*cross_entropy_backward)(Backend&, const CrossEntropyBackwardArgs&);
+};
 
 }  // namespace packmoe

@@ -306,4 +306,36 @@ Status unpermute_cpu(const UnpermuteArgs& a);
 Status unpermute_backward_cpu(const UnpermuteBackwardArgs& a);
 Status routing_plan_cpu(const RoutingPlanArgs& a);
 
+// ---- entries: validate once, then run the backend's implementation (backend/ops/moe.cpp) --------
+class Backend;
+namespace ops {
+Status router_topk(Backend& b, const RouterTopkArgs& a);
+Status router_topk_backward(Backend& b, const RouterTopkBackwardArgs& a);
+Status aux_loss(Backend& b, const AuxLossArgs& a);
+Status aux_loss_backward(Backend& b, const AuxLossBackwardArgs& a);
+Status permute(Backend& b, const PermuteArgs& a);
+Status permute_backward(Backend& b, const PermuteBackwardArgs& a);
+Status swiglu(Backend& b, const SwigluArgs& a);
+Status swiglu_backward(Backend& b, const SwigluBackwardArgs& a);
+Status unpermute(Backend& b, const UnpermuteArgs& a);
+Status unpermute_backward(Backend& b, const UnpermuteBackwardArgs& a);
+Status routing_plan(Backend& b, const RoutingPlanArgs& a);
+}  // namespace ops
+
+// One device's implementation of the family; every pointer is set (backend/cpu/cpu_kernels.cpp,
+// backend/cuda/cuda_kernels.cu). Arguments arrive validated.
+struct MoeKernels {
+  Status (*router_topk)(Backend&, const RouterTopkArgs&);
+  Status (*router_topk_backward)(Backend&, const RouterTopkBackwardArgs&);
+  Status (*aux_loss)(Backend&, const AuxLossArgs&);
+  Status (*aux_loss_backward)(Backend&, const AuxLossBackwardArgs&);
+  Status (*permute)(Backend&, const PermuteArgs&);
+  Status (*permute_backward)(Backend&, const PermuteBackwardArgs&);
+  Status (*swiglu)(Backend&, const SwigluArgs&);
+  Status (*swiglu_backward)(Backend&, const SwigluBackwardArgs&);
+  Status (*unpermute)(Backend&, const UnpermuteArgs&);
+  Status (*unpermute_backward)(Backend&, const UnpermuteBackwardArgs&);
+  Status (*routing_plan)(Backend&, const RoutingPlanArgs&);
+};
+
 }  // namespace packmoe

@@ -111,4 +111,17 @@ GroupedGemmArgs expand_packed_tokens(const GroupedGemmArgs& args, const std::vec
 // Shape / usage checks with clear messages; `m` are the host token counts. Touches no memory.
 Status validate_grouped_gemm(const GroupedGemmArgs& args, const std::vector<int64_t>& m);
 
+// ---- entry: runs the backend's implementation (backend/ops/gemm.cpp). The implementations
+// validate (validate_grouped_gemm needs the token counts, which may live in device memory, and
+// only the device side knows how to read them).
+class Backend;
+namespace ops {
+Status grouped_gemm(Backend& b, const GroupedGemmArgs& args);
+}  // namespace ops
+
+// One device's implementation (backend/cpu/cpu_kernels.cpp, backend/cuda/cuda_kernels.cu).
+struct GemmKernels {
+  Status (*grouped_gemm)(Backend&, const GroupedGemmArgs&);
+};
+
 }  // namespace packmoe

@@ -1,5 +1,7 @@
 // Grouped GEMM argument checks shared by every backend.
-#include "backend/grouped_gemm.h"
+#include "backend/ops/gemm.h"
+
+#include "backend/backend.h"
 
 #include <string>
 #include <type_traits>
@@ -219,5 +221,14 @@ Status validate_grouped_gemm(const GroupedGemmArgs& a, const std::vector<int64_t
   }
   return Status::ok();
 }
+
+// ---- entries -------------------------------------------------------------------------------
+namespace ops {
+
+Status grouped_gemm(Backend& b, const GroupedGemmArgs& a) {
+  return b.kernels().gemm->grouped_gemm(b, a);
+}
+
+}  // namespace ops
 
 }  // namespace packmoe

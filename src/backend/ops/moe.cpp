@@ -1,6 +1,8 @@
 // Argument checks of the MoE non-GEMM ops, shared by every backend, and the host routing plan
-// (backend/moe_ops.h). Checks read only the structs, never the memory they point to.
-#include "backend/moe_ops.h"
+// (backend/ops/moe.h). Checks read only the structs, never the memory they point to.
+#include "backend/ops/moe.h"
+
+#include "backend/backend.h"
 
 #include <climits>
 #include <string>
@@ -248,5 +250,65 @@ Result<RoutingPlan> routing_plan_from_counts(const int64_t* counts, int64_t toke
   PACKMOE_RETURN_IF_ERROR(finish_plan(op, p));
   return p;
 }
+
+// ---- entries -------------------------------------------------------------------------------
+namespace ops {
+
+Status router_topk(Backend& b, const RouterTopkArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_router_topk(a));
+  return b.kernels().moe->router_topk(b, a);
+}
+
+Status router_topk_backward(Backend& b, const RouterTopkBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_router_topk_backward(a));
+  return b.kernels().moe->router_topk_backward(b, a);
+}
+
+Status aux_loss(Backend& b, const AuxLossArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss(a));
+  return b.kernels().moe->aux_loss(b, a);
+}
+
+Status aux_loss_backward(Backend& b, const AuxLossBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_backward(a));
+  return b.kernels().moe->aux_loss_backward(b, a);
+}
+
+Status permute(Backend& b, const PermuteArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_permute(a));
+  return b.kernels().moe->permute(b, a);
+}
+
+Status permute_backward(Backend& b, const PermuteBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_permute_backward(a));
+  return b.kernels().moe->permute_backward(b, a);
+}
+
+Status swiglu(Backend& b, const SwigluArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_swiglu(a));
+  return b.kernels().moe->swiglu(b, a);
+}
+
+Status swiglu_backward(Backend& b, const SwigluBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_swiglu_backward(a));
+  return b.kernels().moe->swiglu_backward(b, a);
+}
+
+Status unpermute(Backend& b, const UnpermuteArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_unpermute(a));
+  return b.kernels().moe->unpermute(b, a);
+}
+
+Status unpermute_backward(Backend& b, const UnpermuteBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_unpermute_backward(a));
+  return b.kernels().moe->unpermute_backward(b, a);
+}
+
+Status routing_plan(Backend& b, const RoutingPlanArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_routing_plan(a));
+  return b.kernels().moe->routing_plan(b, a);
+}
+
+}  // namespace ops
 
 }  // namespace packmoe

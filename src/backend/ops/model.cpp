@@ -1,7 +1,9 @@
 // Argument checks of the dense decoder ops, shared by every backend, and the host RoPE table
-// (backend/model_ops.h). Checks read only the structs, never the memory they point to; the table
+// (backend/ops/model.h). Checks read only the structs, never the memory they point to; the table
 // is computed in FP64 on the host, so every backend uploads the same bits.
-#include "backend/model_ops.h"
+#include "backend/ops/model.h"
+
+#include "backend/backend.h"
 
 #include <climits>
 #include <cmath>
@@ -125,8 +127,7 @@ Status validate_attention(const AttentionArgs& a) {
                                {a.k, "k"},
                                {a.v, "v"},
                                {a.o, "o"},
-                               {a.row_max, "row_max"},
-                               {a.row_sum, "row_sum"}});
+                               {a.lse, "lse"}});
 }
 
 Status validate_attention_backward(const AttentionBackwardArgs& a) {
@@ -137,8 +138,7 @@ Status validate_attention_backward(const AttentionBackwardArgs& a) {
                                {a.k, "k"},
                                {a.v, "v"},
                                {a.o, "o"},
-                               {a.row_max, "row_max"},
-                               {a.row_sum, "row_sum"},
+                               {a.lse, "lse"},
                                {a.dout, "dout"},
                                {a.dq, "dq"},
                                {a.dk, "dk"},
@@ -189,5 +189,60 @@ Status rope_table(const RopeTableArgs& a) {
   }
   return Status::ok();
 }
+
+// ---- entries -------------------------------------------------------------------------------
+namespace ops {
+
+Status embedding(Backend& b, const EmbeddingArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_embedding(a));
+  return b.kernels().model->embedding(b, a);
+}
+
+Status embedding_backward(Backend& b, const EmbeddingBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_embedding_backward(a));
+  return b.kernels().model->embedding_backward(b, a);
+}
+
+Status rms_norm(Backend& b, const RmsNormArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rms_norm(a));
+  return b.kernels().model->rms_norm(b, a);
+}
+
+Status rms_norm_backward(Backend& b, const RmsNormBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rms_norm_backward(a));
+  return b.kernels().model->rms_norm_backward(b, a);
+}
+
+Status rope(Backend& b, const RopeArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
+  return b.kernels().model->rope(b, a);
+}
+
+Status rope_backward(Backend& b, const RopeArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_rope(a));
+  return b.kernels().model->rope_backward(b, a);
+}
+
+Status attention(Backend& b, const AttentionArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention(a));
+  return b.kernels().model->attention(b, a);
+}
+
+Status attention_backward(Backend& b, const AttentionBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
+  return b.kernels().model->attention_backward(b, a);
+}
+
+Status cross_entropy(Backend& b, const CrossEntropyArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy(a));
+  return b.kernels().model->cross_entropy(b, a);
+}
+
+Status cross_entropy_backward(Backend& b, const CrossEntropyBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
+  return b.kernels().model->cross_entropy_backward(b, a);
+}
+
+}  // namespace ops
 
 }  // namespace packmoe
