@@ -60,6 +60,10 @@ struct TrainArgs {
   bool save_primary = false;
   bool overwrite = false;       // --overwrite: a new run may replace a save root's checkpoints
   double comm_timeout_s = 0;    // --comm-timeout, when given (CommOptions::timeout_s)
+  // Attention over documents: --attention-mask causal|document, --eod-token, --reset-position-ids.
+  std::string attention_mask = "causal";
+  int64_t eod_token = -1;  // -1: documents from the data's document index
+  bool reset_position_ids = false;
   train::TrainConfig flags;
   std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
       apply_flags;

@@ -6,6 +6,7 @@
 // touched, so a bad input leaves no output behind.
 #include <unistd.h>
 
+#include <climits>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -112,6 +113,27 @@ Result<Placement> place_job(const TrainArgs& args) {
   p.backend = &p.comm->backend();
   if (p.comm->size() == 1) p.comm.reset();
   return p;
+}
+
+// --attention-mask, --eod-token, --reset-position-ids as the samplers' document options.
+Result<train::StreamOptions> document_masking(const TrainArgs& args) {
+  train::StreamOptions o;
+  const bool document = args.attention_mask == "document";
+  if (!document && args.attention_mask != "causal")
+    return Status::error("--attention-mask " + args.attention_mask +
+                         ": expected causal or document");
+  if (!document && (args.cmd->count("--eod-token") || args.reset_position_ids))
+    return Status::error("--eod-token and --reset-position-ids need --attention-mask document");
+  if (args.cmd->count("--eod-token") && (args.eod_token < 0 || args.eod_token > INT32_MAX))
+    return Status::error("--eod-token " + text(args.eod_token) + " must be a token id >= 0");
+  if (!document) return o;
+  o.document_mask = args.cmd->count("--eod-token") ? train::DocumentMask::kEodToken
+                                                    : train::DocumentMask::kIndex;
+  o.eod_token = o.document_mask == train::DocumentMask::kEodToken
+                    ? static_cast<uint32_t>(args.eod_token)
+                    : 0;
+  o.reset_positions = args.reset_position_ids;
+  return o;
 }
 
 Result<Source> load_source(const std::string& spec, const char* flag) {
@@ -229,6 +251,15 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                   "documents), text:PATH (fortune-format text files, '%' lines separate "
                   "documents), megatron:PREFIX (PREFIX.bin/.idx) or llmc:SHARD (an llm.c .bin "
                   "token shard) (default: fortunes)");
+  cmd->add_option("--attention-mask", args.attention_mask,
+                  "causal (each row one causal sequence) or document (tokens attend only inside "
+                  "their own document: the data's document boundaries, or --eod-token's) "
+                  "(default: causal)");
+  cmd->add_option("--eod-token", args.eod_token,
+                  "with --attention-mask document: a document ends with each token of this id "
+                  "(e.g. the tokenizer's end-of-text id) instead of the data's boundaries");
+  cmd->add_flag("--reset-position-ids", args.reset_position_ids,
+                "with --attention-mask document: RoPE positions restart at 0 in each document");
   cmd->add_option("--valid-data", args.valid_data,
                   "validation data, same forms; default: the held-out 10% of a text corpus "
                   "(required with megatron: or llmc: data unless --eval-interval 0)");
@@ -472,6 +503,8 @@ Result<SetUp> set_up(const TrainArgs& args) {
   }
 
   // ---- data ----
+  Result<train::StreamOptions> masking = document_masking(args);
+  if (!masking) return masking.status();
   Result<Source> source = load_source(args.data, "--data");
   if (!source) return source.status();
   train::TrainData data;
@@ -488,6 +521,11 @@ Result<SetUp> set_up(const TrainArgs& args) {
   } else if (config.eval_interval > 0) {
     return Status::error("--data " + args.data +
                          " has no validation split: give --valid-data or --eval-interval 0");
+  }
+  for (train::StreamOptions* stream : {&data.train_stream, &data.validation_stream}) {
+    stream->document_mask = masking.value().document_mask;
+    stream->eod_token = masking.value().eod_token;
+    stream->reset_positions = masking.value().reset_positions;
   }
   const int64_t train_tokens = static_cast<int64_t>(data.train.tokens.size());
   const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());

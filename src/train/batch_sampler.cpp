@@ -2,12 +2,20 @@
 // arithmetic of BatchSampler.
 #include "train/batch_sampler.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace packmoe::train {
 namespace {
 
-std::vector<uint32_t> build_stream(io::TokenDataset& data, const StreamOptions& options) {
+// The stream and, in `doc_begin`, the stream index where each document starts (a separator
+// belongs to the document before it).
+std::vector<uint32_t> build_stream(io::TokenDataset& data, const StreamOptions& options,
+                                   std::vector<int64_t>& doc_begin) {
+  doc_begin.clear();
+  const int64_t sep = options.separator ? 1 : 0;
+  for (size_t d = 0; d < data.num_documents(); ++d)
+    doc_begin.push_back(static_cast<int64_t>(data.doc_offsets[d]) + sep * static_cast<int64_t>(d));
   if (!options.separator || data.num_documents() < 2) return std::move(data.tokens);
   std::vector<uint32_t> stream;
   stream.reserve(data.tokens.size() + data.num_documents() - 1);
@@ -40,13 +48,48 @@ Result<BatchSampler> BatchSampler::create(io::TokenDataset data, int64_t vocab_s
       << vocab_size;
     return Status::error(e.str());
   }
-  std::vector<uint32_t> stream = build_stream(data, options);
+  if (options.document_mask == DocumentMask::kIndex && data.num_documents() == 0)
+    return Status::error(source + ": --attention-mask document needs the data's document "
+                                  "boundaries (this data has none): give --eod-token");
+  if (options.document_mask == DocumentMask::kEodToken &&
+      options.eod_token >= static_cast<uint64_t>(vocab_size))
+    return Status::error("--eod-token " + std::to_string(options.eod_token) +
+                         " is not below vocab_size " + std::to_string(vocab_size));
+  std::vector<int64_t> doc_begin;
+  std::vector<uint32_t> stream = build_stream(data, options, doc_begin);
   if (static_cast<int64_t>(stream.size()) < seq + 1) {
     std::ostringstream e;
     e << source << ": " << stream.size() << " tokens, fewer than seq_len + 1 = " << seq + 1;
     return Status::error(e.str());
   }
-  return BatchSampler(std::move(stream), source, batch, seq);
+  if (options.document_mask != DocumentMask::kIndex) doc_begin.clear();
+  return BatchSampler(std::move(stream), std::move(doc_begin), source, batch, seq, options);
+}
+
+const char* document_mask_name(DocumentMask mask) {
+  return mask == DocumentMask::kNone ? "causal" : "document";
+}
+
+void BatchSampler::mark_documents(Batch& b, int64_t r, int64_t offset) const {
+  int32_t* start = b.doc_start.data() + r * seq_;  // (S)
+  if (options_.document_mask == DocumentMask::kIndex) {
+    // The last document starting at or before each token; clipped to the row's start.
+    auto next = std::upper_bound(doc_begin_.begin(), doc_begin_.end(), offset);
+    int64_t current = next == doc_begin_.begin() ? offset : *(next - 1);
+    for (int64_t t = 0; t < seq_; ++t) {
+      while (next != doc_begin_.end() && *next <= offset + t) current = *next++;
+      start[t] = static_cast<int32_t>(std::max<int64_t>(current - offset, 0));
+    }
+  } else {  // kEodToken: the token after an eod starts a document
+    int32_t current = 0;
+    for (int64_t t = 0; t < seq_; ++t) {
+      start[t] = current;
+      if (b.inputs[r * seq_ + t] == static_cast<int32_t>(options_.eod_token))
+        current = static_cast<int32_t>(t + 1);
+    }
+  }
+  if (options_.reset_positions)
+    for (int64_t t = 0; t < seq_; ++t) b.positions[r * seq_ + t] = static_cast<int32_t>(t - start[t]);
 }
 
 int64_t BatchSampler::windows_per_epoch() const {
@@ -59,6 +102,9 @@ Batch BatchSampler::next() {
   b.seq = seq_;
   b.inputs.resize(static_cast<size_t>(batch_ * seq_));   // (B, S)
   b.targets.resize(static_cast<size_t>(batch_ * seq_));  // (B, S)
+  const bool documents = options_.document_mask != DocumentMask::kNone;
+  if (documents) b.doc_start.resize(static_cast<size_t>(batch_ * seq_));                   // (B, S)
+  if (documents && options_.reset_positions) b.positions.resize(static_cast<size_t>(batch_ * seq_));
   for (int64_t r = 0; r < batch_; ++r) {
     if (position_.offset + seq_ + 1 > stream_tokens()) {
       position_.offset = 0;
@@ -69,6 +115,7 @@ Batch BatchSampler::next() {
       b.inputs[r * seq_ + t] = static_cast<int32_t>(w[t]);
       b.targets[r * seq_ + t] = static_cast<int32_t>(w[t + 1]);
     }
+    if (documents) mark_documents(b, r, position_.offset);
     position_.offset += seq_;
   }
   return b;

@@ -147,3 +147,60 @@ TEST(BatchSampler, FixedBatchesAreTheFirstWindowsAndMustFit) {
 
 }  // namespace
 }  // namespace packmoe::train
+
+namespace packmoe::train {
+namespace {
+
+// ---- document masks ---------------------------------------------------------------------------
+
+TEST(BatchSampler, DocumentStartsFromTheIndexWithSeparators) {
+  // Documents of 3, 5 and 4 tokens, '\n'-style separator 99 between them: the stream is
+  // 0 1 2 | 99 | 3 4 5 6 7 | 99 | 8 9 10 11; the separator ends the document before it, so
+  // documents begin at stream indices 0, 4 and 10. S = 6, B = 2: rows [0, 6) and [6, 12).
+  io::TokenDataset d = iota_data(12);
+  d.doc_offsets = {0, 3, 8, 12};
+  StreamOptions o;
+  o.separator = 99;
+  o.document_mask = DocumentMask::kIndex;
+  o.reset_positions = true;
+  BatchSampler s = BatchSampler::create(d, 100, 2, 6, o).value();
+  const Batch b = s.next();
+  EXPECT_EQ(b.inputs, (std::vector<int32_t>{0, 1, 2, 99, 3, 4, 5, 6, 7, 99, 8, 9}));
+  // Row 0: documents begin at 0 and 4; row 1 (offset 6) starts inside the second document
+  // (clipped to 0) and the third begins at stream 10 = position 4.
+  EXPECT_EQ(b.doc_start, (std::vector<int32_t>{0, 0, 0, 0, 4, 4, 0, 0, 0, 0, 4, 4}));
+  EXPECT_EQ(b.positions, (std::vector<int32_t>{0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 0, 1}));
+}
+
+TEST(BatchSampler, DocumentStartsFromAnEodToken) {
+  // eod = 3: the token after each 3 starts a document; positions stay 0..S-1 without reset.
+  io::TokenDataset d;
+  d.tokens = {5, 3, 7, 7, 3, 3, 1, 2, 9};
+  d.source = "eod.bin";
+  StreamOptions o;
+  o.document_mask = DocumentMask::kEodToken;
+  o.eod_token = 3;
+  BatchSampler s = BatchSampler::create(d, 10, 1, 8, o).value();
+  const Batch b = s.next();
+  EXPECT_EQ(b.doc_start, (std::vector<int32_t>{0, 0, 2, 2, 2, 5, 6, 6}));
+  EXPECT_TRUE(b.positions.empty());
+  // Without a mask a batch carries neither.
+  BatchSampler plain = BatchSampler::create(d, 10, 1, 8).value();
+  EXPECT_TRUE(plain.next().doc_start.empty());
+}
+
+TEST(BatchSampler, DocumentMaskErrors) {
+  StreamOptions o;
+  o.document_mask = DocumentMask::kIndex;
+  const Result<BatchSampler> none = BatchSampler::create(iota_data(20), 32, 1, 4, o);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_NE(none.status().message().find("--eod-token"), std::string::npos);
+  o.document_mask = DocumentMask::kEodToken;
+  o.eod_token = 32;
+  const Result<BatchSampler> big = BatchSampler::create(iota_data(20), 32, 1, 4, o);
+  ASSERT_FALSE(big.is_ok());
+  EXPECT_NE(big.status().message().find("vocab_size 32"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace packmoe::train

@@ -1,10 +1,11 @@
-// Grouped GEMM argument checks shared by every backend.
+// The grouped GEMM family (backend/ops/gemm.h): argument checks shared by every backend, and the
+// ops::grouped_gemm entry.
 #include "backend/ops/gemm.h"
-
-#include "backend/backend.h"
 
 #include <string>
 #include <type_traits>
+
+#include "backend/backend.h"
 
 namespace packmoe {
 namespace {

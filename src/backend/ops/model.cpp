@@ -1,15 +1,14 @@
-// Argument checks of the dense decoder ops, shared by every backend, and the host RoPE table
-// (backend/ops/model.h). Checks read only the structs, never the memory they point to; the table
-// is computed in FP64 on the host, so every backend uploads the same bits.
+// The dense decoder op family (backend/ops/model.h): argument checks shared by every backend, the
+// ops:: entries and the host RoPE table. Checks read only the structs, never the memory they point
+// to; the table is computed in FP64 on the host, so every backend uploads the same bits.
 #include "backend/ops/model.h"
-
-#include "backend/backend.h"
 
 #include <climits>
 #include <cmath>
 #include <string>
 
 #include "backend/arg_checks.h"
+#include "backend/backend.h"
 
 namespace packmoe {
 namespace {

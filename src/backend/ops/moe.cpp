@@ -1,13 +1,12 @@
-// Argument checks of the MoE non-GEMM ops, shared by every backend, and the host routing plan
-// (backend/ops/moe.h). Checks read only the structs, never the memory they point to.
+// The MoE op family (backend/ops/moe.h): argument checks shared by every backend, the host routing
+// plan and the ops:: entries. Checks read only the structs, never the memory they point to.
 #include "backend/ops/moe.h"
-
-#include "backend/backend.h"
 
 #include <climits>
 #include <string>
 
 #include "backend/arg_checks.h"
+#include "backend/backend.h"
 
 namespace packmoe {
 namespace {
