@@ -225,9 +225,9 @@ void launch_forward(const FlashAttentionShape& sh, const uint16_t* q, const uint
                     const uint16_t* v, const int32_t* doc_start, uint16_t* o, float* lse,
                     cudaStream_t stream) {
   using L = FwdLayout<D>;
-  const CUtensorMap tq = make_head_map(q, false, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tk = make_head_map(k, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tv = make_head_map(v, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
   FwdParams p;
   p.S = static_cast<int>(sh.seq);
   p.Hq = static_cast<int>(sh.q_heads);

@@ -1,6 +1,6 @@
 // Device helpers of the sm_90a flash attention kernels (flash_attention_fwd_sm90.cu,
 // flash_attention_bwd_sm90.cu): the m64nNk16 BF16 wgmma forms that grouped_gemm_sm90_ptx.cuh lacks
-// (N = 64 from shared memory; A from registers, N = 64 and 128), 4-D TMA tile loads and stores,
+// (N = 64 from shared memory; A from registers, N = 64 and 128), 4-D TMA tile loads,
 // 1-D bulk loads, BF16 packing, exp2, and the host-side 4-D tensor map of a (B, S, H, D) tensor.
 // Only files compiled for sm_90a include this.
 #pragma once
@@ -130,30 +130,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
-// Shared `src` -> the box at (c0 innermost .. c3) of the 4-D tensor `map` (elements outside it are
-// dropped); kAdd: FP32 add into the existing values (performed in L2) instead of overwriting.
-template <bool kAdd>
-__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int32_t c0,
-                                             int32_t c1, int32_t c2, int32_t c3) {
-  if constexpr (kAdd)
-    asm volatile(
-        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, "
-        "%5}], [%1];" ::"l"(map),
-        "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-  else
-    asm volatile(
-        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(
-            map),
-        "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
-
-// The 4-D map {D, H, S, B} (innermost first) of a (B, S, H, D) tensor of BF16 or FP32 with boxes
-// of 128 bytes x 1 x `rows` x 1 (one 128-byte swizzled row per sequence position): a tile of one
-// head's rows. Rows past S of a batch row read as zeros and are dropped on stores.
-inline CUtensorMap make_head_map(const void* base, bool fp32, int64_t batch, int64_t seq,
-                                 int64_t heads, int64_t dim, int rows) {
+// The 4-D map {D, H, S, B} (innermost first) of a (B, S, H, D) BF16 tensor with boxes of
+// 64 x 1 x `rows` x 1 (one 128-byte swizzled row per sequence position): a tile of one head's
+// rows. Rows past S of a batch row arrive as zeros.
+inline CUtensorMap make_head_map(const uint16_t* base, int64_t batch, int64_t seq, int64_t heads,
+                                 int64_t dim, int rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q{};
@@ -163,20 +144,19 @@ inline CUtensorMap make_head_map(const void* base, bool fp32, int64_t batch, int
                   "the driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
   }();
-  const int64_t el = fp32 ? 4 : 2;
+  const int64_t el = 2;  // bytes per element
   CUtensorMap m;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(seq), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(dim * el),
                                  static_cast<cuuint64_t>(heads * dim * el),
                                  static_cast<cuuint64_t>(seq * heads * dim * el)};
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / el), 1, static_cast<cuuint32_t>(rows), 1};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(rows), 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult r =
-      encode(&m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-             const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<uint16_t*>(base), dims, strides,
+             box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   PACKMOE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ")");
   return m;
 }
