@@ -23,11 +23,12 @@ using namespace flash;
 template <int D>
 struct BwdLayout {
   static constexpr int kBN = 128, kBM = D == 128 ? 64 : 128, kBoxes = D / 64, kStages = 4;
-  static constexpr int kKvBytes = kBN * D * 2;   // K or V: D / 64 boxes of (128, 64)
-  static constexpr int kQBytes = kBM * D * 2;    // Q or dO of one stage: D / 64 boxes of (kBM, 64)
+  static constexpr int kKvBytes = kBN * D * 2;  // K or V: D / 64 boxes of (128, 64)
+  static constexpr int kQBytes = kBM * D * 2;   // Q or dO of one stage: D / 64 boxes of (kBM, 64)
   static constexpr int kK = 0, kV = kKvBytes, kQ = 2 * kKvBytes;
   static constexpr int kDo = kQ + kStages * kQBytes;
-  static constexpr int kRowF = kDo + kStages * kQBytes;  // per stage: lse2, Dl, doc (kBM words each)
+  static constexpr int kRowF =
+      kDo + kStages * kQBytes;  // per stage: lse2, Dl, doc (kBM words each)
   static constexpr int kRowBytes = 3 * kBM * 4;
   static constexpr int kBars = kRowF + kStages * kRowBytes;  // full_kv, full[kStages]
   static constexpr int kSmem = kBars + (1 + kStages) * 8;
@@ -39,10 +40,10 @@ struct BwdParams {
   int S, S_pad, Hq, group, n_tiles, m_tiles, batch_heads;
   float scale, scale_log2;
   bool has_doc;
-  const float* dl;        // (B, Hq, S_pad)
-  const float* lse2;      // (B, Hq, S_pad)
-  const int32_t* doc;     // (B, S_pad)
-  float* dk;              // (B, S, Hq, D): per query head (summed over each group afterwards)
+  const float* dl;     // (B, Hq, S_pad)
+  const float* lse2;   // (B, Hq, S_pad)
+  const int32_t* doc;  // (B, S_pad)
+  float* dk;           // (B, S, Hq, D): per query head (summed over each group afterwards)
   float* dv;
 };
 
@@ -81,7 +82,8 @@ __device__ __forceinline__ void load_step(const BwdParams& p, const StepLoad& sl
 // passed step it's barrier (so step it - 1, the stage's last user, is complete in both).
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    flash_dkdv_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+    flash_dkdv_kernel(const __grid_constant__ CUtensorMap tq,
+                      const __grid_constant__ CUtensorMap tk,
                       const __grid_constant__ CUtensorMap tv,
                       const __grid_constant__ CUtensorMap tdo, const BwdParams p) {
   using L = BwdLayout<D>;

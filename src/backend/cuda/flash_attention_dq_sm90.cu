@@ -42,8 +42,10 @@ __device__ __forceinline__ void load_kv(const CUtensorMap* tk, const CUtensorMap
   const int s = it % L::kStages, key0 = (n_hi - it) * L::kBN;
   mbar_arrive_expect_tx(&full[s], 2 * L::kKvBytes);
   for (int x = 0; x < L::kBoxes; ++x) {
-    tma_load_4d(smem + L::kK + s * L::kKvBytes + x * L::kBN * 128, tk, &full[s], 64 * x, g, key0, b);
-    tma_load_4d(smem + L::kV + s * L::kKvBytes + x * L::kBN * 128, tv, &full[s], 64 * x, g, key0, b);
+    tma_load_4d(smem + L::kK + s * L::kKvBytes + x * L::kBN * 128, tk, &full[s], 64 * x, g, key0,
+                b);
+    tma_load_4d(smem + L::kV + s * L::kKvBytes + x * L::kBN * 128, tv, &full[s], 64 * x, g, key0,
+                b);
   }
 }
 
@@ -80,7 +82,8 @@ __global__ void __launch_bounds__(256, 1)
       tma_load_4d(smem + L::kQ + x * L::kBM * 128, &tq, full_q, 64 * x, h, row0, b);
       tma_load_4d(smem + L::kDo + x * L::kBM * 128, &tdo, full_q, 64 * x, h, row0, b);
     }
-    for (int it = 0; it < min(n_count, L::kStages); ++it) load_kv<D>(&tk, &tv, smem, full, it, n_hi, g, b);
+    for (int it = 0; it < min(n_count, L::kStages); ++it)
+      load_kv<D>(&tk, &tv, smem, full, it, n_hi, g, b);
   }
   __syncthreads();
 
@@ -219,9 +222,8 @@ void launch_flash_dq_128(const FlashAttentionShape& shape, const uint16_t* q, co
   launch_dq<128>(shape, q, k, v, dout, dl, lse2, doc, has_doc, dq, stream);
 }
 void launch_flash_dq_64(const FlashAttentionShape& shape, const uint16_t* q, const uint16_t* k,
-                        const uint16_t* v, const uint16_t* dout, const float* dl,
-                        const float* lse2, const int32_t* doc, bool has_doc, float* dq,
-                        cudaStream_t stream) {
+                        const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
+                        const int32_t* doc, bool has_doc, float* dq, cudaStream_t stream) {
   launch_dq<64>(shape, q, k, v, dout, dl, lse2, doc, has_doc, dq, stream);
 }
 

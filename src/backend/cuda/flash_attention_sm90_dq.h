@@ -17,8 +17,7 @@ void launch_flash_dq_128(const FlashAttentionShape& shape, const uint16_t* q, co
                          const float* lse2, const int32_t* doc, bool has_doc, float* dq,
                          cudaStream_t stream);
 void launch_flash_dq_64(const FlashAttentionShape& shape, const uint16_t* q, const uint16_t* k,
-                        const uint16_t* v, const uint16_t* dout, const float* dl,
-                        const float* lse2, const int32_t* doc, bool has_doc, float* dq,
-                        cudaStream_t stream);
+                        const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
+                        const int32_t* doc, bool has_doc, float* dq, cudaStream_t stream);
 
 }  // namespace packmoe::cuda
