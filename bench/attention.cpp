@@ -5,7 +5,6 @@
 // case): forward 4 D P, backward 10 D P (Q K^T recomputed, dO V^T, P^T dO, dS^T Q, dS K). The
 // backward time includes its preprocessing kernel. Needs a CUDA build and a GPU.
 #include <CLI/CLI.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,7 +32,7 @@ struct Shape {
 };
 
 const Shape kShapes[] = {
-    {16, 512, 8, 2, 64, 0}, {4, 2048, 32, 4, 128, 0}, {1, 4096, 32, 4, 128, 0},
+    {16, 512, 8, 2, 64, 0},   {4, 2048, 32, 4, 128, 0}, {1, 4096, 32, 4, 128, 0},
     {1, 8192, 32, 4, 128, 0}, {1, 8192, 32, 4, 128, 8},
 };
 
@@ -103,8 +102,8 @@ double median_ms(F&& launch, const Options& o) {
 }
 
 void run_shape(const Shape& s, const Options& o) {
-  const cuda::FlashAttentionShape fs{s.B, s.S, s.Hq, s.Hkv, s.D,
-                                     static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)))};
+  const cuda::FlashAttentionShape fs{
+      s.B, s.S, s.Hq, s.Hkv, s.D, static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)))};
   const int64_t nq = s.B * s.S * s.Hq * s.D, nkv = s.B * s.S * s.Hkv * s.D;
   const float qa = 2.0f * std::pow(static_cast<float>(s.D), 0.25f) / std::sqrt(3.0f);
   uint16_t* q = upload(random_bf16(nq, 1, qa));
@@ -125,7 +124,8 @@ void run_shape(const Shape& s, const Options& o) {
   auto* dv = static_cast<float*>(alloc(nkv * 4));
   void* ws = alloc(cuda::flash_attention_backward_workspace_bytes(fs));
   const double fwd = median_ms(
-      [&] { check_ok(cuda::flash_attention_forward_sm90(fs, q, k, v, doc, out, lse, nullptr)); }, o);
+      [&] { check_ok(cuda::flash_attention_forward_sm90(fs, q, k, v, doc, out, lse, nullptr)); },
+      o);
   const double bwd = median_ms(
       [&] {
         check_ok(cuda::flash_attention_backward_sm90(fs, q, k, v, out, dout, lse, doc, dq, dk, dv,
@@ -155,8 +155,10 @@ int run(const Options& o) {
     std::fprintf(stderr, "packmoe: error: bench_attention needs a GPU\n");
     return 1;
   }
-  std::printf("# bench_attention: flash attention sm90, median of %d after %d warm-up; TFLOP/s:"
-              " fwd 4 D, bwd 10 D per causal pair\n", o.iters, o.warmup);
+  std::printf(
+      "# bench_attention: flash attention sm90, median of %d after %d warm-up; TFLOP/s:"
+      " fwd 4 D, bwd 10 D per causal pair\n",
+      o.iters, o.warmup);
   std::printf("%-40s %9s %9s %8s %8s\n", "shape", "fwd_ms", "bwd_ms", "fwd_TF", "bwd_TF");
   for (const Shape& s : kShapes) run_shape(s, o);
   return 0;

@@ -8,9 +8,8 @@
 // and Dl = dO . O then carries O's error into dS: R for dS includes sum_d |dO_id| R^O_id); FP32
 // accumulation and exp2 add ~1e-6 relative. 2^-7 = 4 BF16 units of the term sums leaves a margin
 // of 2 over those roundings. lse: |got - ref| <= 1e-4 (1 + |ref|). Skips without a GPU.
-#include <gtest/gtest.h>
-
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -159,7 +158,9 @@ Reference reference(const Inputs& in) {
         const int64_t j0 = in.doc.empty() ? 0 : in.doc[b * S + i];
         const double* qi = &q[((b * S + i) * Hq + h) * D];
         const double* doi = &dout[((b * S + i) * Hq + h) * D];
-        auto kv = [&](const std::vector<double>& t, int64_t j) { return &t[((b * S + j) * Hkv + g) * D]; };
+        auto kv = [&](const std::vector<double>& t, int64_t j) {
+          return &t[((b * S + j) * Hkv + g) * D];
+        };
         double mx = -INFINITY;
         for (int64_t j = j0; j <= i; ++j) {
           double d = 0.0;
@@ -217,7 +218,8 @@ size_t count_bad(const char* what, const std::vector<T>& got, const std::vector<
   double worst = 0.0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double g = conv(got[i]), err = std::fabs(g - ref[i]);
-    const double bound = rel_terms * (terms ? (*terms)[i] : 0.0) + rel_ref * std::fabs(ref[i]) + abs_tol;
+    const double bound =
+        rel_terms * (terms ? (*terms)[i] : 0.0) + rel_ref * std::fabs(ref[i]) + abs_tol;
     if (std::isfinite(g)) worst = std::max(worst, err / bound);
     if (!(err <= bound)) {
       if (bad < 3)

@@ -1,17 +1,17 @@
-// Flash attention backward for sm_90a, D = 64 or 128 (docs/attention-sm90.md). A preprocessing
-// kernel writes Dl = rowsum(dO * O) and lse log2(e); then one CTA per (128-key tile, query head):
-// thread 0 loads K, V of the head's KV head once and, per query tile, Q, dO, lse, Dl and the
-// document starts (TMA on mbarriers); two warpgroups of 64 keys each compute S^T = K Q^T and
-// dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q (wgmma, A from
-// registers), and dQ = dS K from dS in shared memory, staged in shared memory and added to dq by
-// TMA (reduce-add in L2). With GQA, dK / dV of each query head go to the workspace and a last
-// kernel sums each group's heads (per-head CTAs keep the causal work balanced over the GPU).
+// Flash attention backward for sm_90a, D = 64 or 128, the dK / dV half (docs/attention-sm90.md):
+// a preprocessing kernel writes Dl = rowsum(dO * O) and lse log2(e); then one CTA per (128-key
+// tile, query head): thread 0 loads K, V of the head's KV head once and, per query tile, Q, dO,
+// lse, Dl and the document starts (TMA on mbarriers, four stages); two warpgroups of 64 keys each
+// compute S^T = K Q^T and dP^T = V dO^T (wgmma), P^T and dS^T in registers, dV += P^T dO and
+// dK += dS^T Q (wgmma, A from registers). With GQA, dK / dV of each query head go to the workspace
+// and a last kernel sums each group's heads (per-head CTAs keep the causal work balanced over the
+// GPU). dQ has its own kernel (flash_attention_dq_sm90.cu): adding dS K into dq from every KV tile
+// costs a 32 KB FP32 reduction in L2 per 64 x 128 tile, and L2 reductions bound that design.
 // Invariant (deterministic, batch invariant): dK / dV sum in a fixed order (query tiles in
-// registers, then heads in order); each dQ part of (b, h, query tile m) is summed in global memory
-// in descending KV-tile order, on a per-part counter: a CTA adds its part on its turn (the first
-// stores) and counts it done one step later.
+// registers, then heads in order), never by atomics.
 #include "backend/cuda/flash_attention_sm90.h"
 #include "backend/cuda/flash_attention_sm90_device.cuh"
+#include "backend/cuda/flash_attention_sm90_dq.h"
 #include "backend/cuda/flash_attention_sm90_simple.h"
 
 namespace packmoe::cuda {
@@ -19,25 +19,18 @@ namespace {
 
 using namespace flash;
 
-// D = 128: 64 queries per step, each consumer warpgroup computes dQ for half of D; D = 64: 128
-// queries per step, each consumer warpgroup computes dQ for half of the queries.
+// 128 keys per CTA; per step 64 queries (D = 128) or 128 (D = 64): what the registers hold.
 template <int D>
 struct BwdLayout {
-  static constexpr int kBN = 128, kBM = D == 128 ? 64 : 128, kBoxes = D / 64;
-  static constexpr int kStages = D == 128 ? 3 : 2;  // what fits beside the rest
-  static constexpr int kKvBytes = kBN * D * 2;   // K or V: D / 64 boxes of (128, 64)
-  static constexpr int kQBytes = kBM * D * 2;    // Q or dO of one stage: D / 64 boxes of (kBM, 64)
-  static constexpr int kDsBytes = kBN * kBM * 2;  // dS^T (128 keys, kBM queries): kBM / 64 chunks
+  static constexpr int kBN = 128, kBM = D == 128 ? 64 : 128, kBoxes = D / 64, kStages = 4;
+  static constexpr int kKvBytes = kBN * D * 2;  // K or V: D / 64 boxes of (128, 64)
+  static constexpr int kQBytes = kBM * D * 2;   // Q or dO of one stage: D / 64 boxes of (kBM, 64)
   static constexpr int kK = 0, kV = kKvBytes, kQ = 2 * kKvBytes;
   static constexpr int kDo = kQ + kStages * kQBytes;
-  static constexpr int kDs = kDo + kStages * kQBytes;  // two buffers
-  static constexpr int kDq = kDs + 2 * kDsBytes;  // dQ (FP32): 2 parts of 64 x 64, 2 boxes each
-  static constexpr int kDqBytes = 2 * 64 * 64 * 4;
-  static constexpr int kRowF = kDq + kDqBytes;  // per stage: lse2, Dl, doc (kBM words each)
+  static constexpr int kRowF =
+      kDo + kStages * kQBytes;  // per stage: lse2, Dl, doc (kBM words each)
   static constexpr int kRowBytes = 3 * kBM * 4;
   static constexpr int kBars = kRowF + kStages * kRowBytes;  // full_kv, full[kStages]
-  // No alignment slack (D = 128 needs all but 700 bytes of the 227 KB): the kernel checks that
-  // dynamic shared memory starts 1024-byte aligned, as it does after the 1 KB the system reserves.
   static constexpr int kSmem = kBars + (1 + kStages) * 8;
   static_assert(kSmem <= 232448, "shared memory");
   static constexpr uint32_t kStageTx = 2 * kQBytes + kRowBytes;
@@ -47,12 +40,10 @@ struct BwdParams {
   int S, S_pad, Hq, group, n_tiles, m_tiles, batch_heads;
   float scale, scale_log2;
   bool has_doc;
-  const float* dl;        // (B, Hq, S_pad)
-  const float* lse2;      // (B, Hq, S_pad)
-  const int32_t* doc;     // (B, S_pad)
-  uint32_t* counters;     // (B, Hq, m_tiles, 2), zero at launch
-  float* dq;              // (B, S, Hq, D)
-  float* dk;              // (B, S, Hq, D): per query head (summed over each group afterwards)
+  const float* dl;     // (B, Hq, S_pad)
+  const float* lse2;   // (B, Hq, S_pad)
+  const int32_t* doc;  // (B, S_pad)
+  float* dk;           // (B, S, Hq, D): per query head (summed over each group afterwards)
   float* dv;
 };
 
@@ -84,18 +75,17 @@ __device__ __forceinline__ void load_step(const BwdParams& p, const StepLoad& sl
             L::kBM * 4, &full[s]);
 }
 
-// Two warpgroups, no producer or writer warps: ptxas keeps a wgmma kernel within the launch
-// bound's registers (docs/gemm-sm90.md; 384 threads give 168, and so do 288: 3 warps on one of
-// the 4 register-file quarters), and dK, dV, S^T and dP^T need ~200 live; 256 threads allow 255.
+// Two warpgroups, no producer warpgroup: ptxas keeps a wgmma kernel within the launch bound's
+// registers (docs/gemm-sm90.md; 384 threads give 168, and so do 288: 3 warps on one of the 4
+// register-file quarters), and dK, dV, S^T and dP^T need ~200 live; 256 threads allow 255.
 // Thread 0 issues every load, kStages deep: step it + kStages - 1 once both warpgroups have
-// passed step it's dS barrier (so step it - 1, the stage's last user, is complete in both).
-// Thread 0 of each warpgroup issues its dQ part's TMA add and waits for its completion only one
-// step later, so the L2 round trips of the ordered sum stay off the tensor-core path.
+// passed step it's barrier (so step it - 1, the stage's last user, is complete in both).
 template <int D>
 __global__ void __launch_bounds__(256, 1)
-    flash_bwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
-                     const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tdo,
-                     const __grid_constant__ CUtensorMap tdq, const BwdParams p) {
+    flash_dkdv_kernel(const __grid_constant__ CUtensorMap tq,
+                      const __grid_constant__ CUtensorMap tk,
+                      const __grid_constant__ CUtensorMap tv,
+                      const __grid_constant__ CUtensorMap tdo, const BwdParams p) {
   using L = BwdLayout<D>;
   extern __shared__ __align__(1024) uint8_t smem[];
   if ((smem_addr(smem) & 1023) != 0) __trap();
@@ -103,8 +93,8 @@ __global__ void __launch_bounds__(256, 1)
   uint64_t* full_kv = bars;
   uint64_t* full = bars + 1;  // [kStages]
 
-  // Highest KV tile first: a CTA waits only on CTAs of the next KV tile, which start earlier.
-  const int j = p.n_tiles - 1 - static_cast<int>(blockIdx.x) / p.batch_heads;
+  // Heaviest KV tiles (most query tiles under the causal mask) first.
+  const int j = static_cast<int>(blockIdx.x) / p.batch_heads;
   const int bh = static_cast<int>(blockIdx.x) % p.batch_heads;
   const int b = bh / p.Hq, h = bh % p.Hq, g = h / p.group;
   const int key0 = j * L::kBN;
@@ -131,19 +121,8 @@ __global__ void __launch_bounds__(256, 1)
     for (int it = 0; it < min(steps, L::kStages - 1); ++it) load_step<D>(p, sl, smem, full, it);
   }
   __syncthreads();
-  constexpr bool kSplitD = L::kBM == 64;  // dQ parts: halves of D (else halves of the queries)
 
   const int c = threadIdx.x / 128;  // keys [64 c, 64 c + 64) of the tile
-  // dQ part counter of step `it` (thread 0 of each warpgroup), and its turn: KV tiles n_hi(m),
-  // n_hi(m) - 1, ... (the highest one reaching query tile m goes first).
-  auto counter_of = [&](int it) {
-    const int m = m_first + it;
-    return p.counters + ((static_cast<int64_t>(b) * p.Hq + h) * p.m_tiles + m) * 2 + c;
-  };
-  auto turn_of = [&](int it) {
-    const int q0 = (m_first + it) * L::kBM;
-    return static_cast<uint32_t>((min(q0 + L::kBM, p.S) - 1) / L::kBN - j);
-  };
   const int t = threadIdx.x % 128, w = t / 32, l = t % 32;
   const uint32_t base = smem_addr(smem);
   int keys[2];
@@ -157,9 +136,6 @@ __global__ void __launch_bounds__(256, 1)
   mbar_wait(full_kv, 0);
   for (int it = 0; it < steps; ++it) {
     const int q0 = (m_first + it) * L::kBM, s = it % L::kStages;
-    const bool writer = t == 0;
-    uint32_t done = 0;  // loaded early: its latency hides under this step's work
-    if (writer) done = ld_acquire(counter_of(it));
     mbar_wait(&full[s], (it / L::kStages) & 1);
     const uint32_t sq = base + L::kQ + s * L::kQBytes, sdo = base + L::kDo + s * L::kQBytes;
     const float* lse2 = reinterpret_cast<const float*>(smem + L::kRowF + s * L::kRowBytes);
@@ -252,77 +228,10 @@ __global__ void __launch_bounds__(256, 1)
     }
     wgmma_commit();
 
-    // dS^T (BF16) to shared memory: chunks of 64 queries x 128 keys, one 128-byte swizzled row per
-    // key, the MN-major A operand of dQ = dS K. dsa[kk][r] holds row 8 (r % 2), columns 8 (r / 2).
-    const uint32_t sds = base + L::kDs + (it & 1) * L::kDsBytes;
-#pragma unroll
-    for (int kk = 0; kk < L::kBM / 16; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = r % 2, key = 64 * c + 16 * w + 8 * i + l / 4;
-        const int col = 16 * kk + 8 * (r / 2) + 2 * (l % 4), chunk = col / 64, qq = col % 64;
-        const uint32_t addr = sds + chunk * (L::kBN * 128) + key * 128 +
-                              ((((qq * 2) / 16) ^ (key % 8)) * 16) + (qq * 2) % 16;
-        st_shared_b32(addr, dsa[kk][r]);
-      }
-    fence_async_shared();
-    if (writer && it > 0) {  // step it - 1's dQ part: added (its staging buffer is free); count it
-      bulk_wait_all<false>();
-      fence_async_global();
-      red_release_add(counter_of(it - 1), 1);
-    }
-    named_barrier_sync(1, 256);  // both halves of dS^T are written; step it - 1 is complete
+    named_barrier_sync(1, 256);  // step it - 1 is complete in both warpgroups
     if (threadIdx.x == 0 && it + L::kStages - 1 < steps)
       load_step<D>(p, sl, smem, full, it + L::kStages - 1);
-
-    // dQ part of this warpgroup (64 queries x 64 dims) = dS (64, 128 keys) K (128 keys, 64).
-    const uint32_t sa = sds + (kSplitD ? 0 : c * L::kBN * 128);
-    const uint32_t sb = base + L::kK + (kSplitD ? c * L::kBN * 128 : 0);
-    float dqa[32];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < L::kBN / 16; ++kk)
-      wgmma_ss_n64<1, 1>(dqa, wgmma_desc(sa + kk * 2048, 8192, 1024),
-                         wgmma_desc(sb + kk * 2048, 8192, 1024), kk > 0 ? 1u : 0u);
-    wgmma_commit();
-    wgmma_wait<0>();
-
-    // Stage the scaled part: two boxes of (64 rows, 32 FP32), 128-byte swizzled like the TMA map.
-    const uint32_t sdq = base + L::kDq + c * 16384;
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int row = 16 * w + 8 * i + l / 4, col = 8 * jj + 2 * (l % 4), cc = col % 32;
-        const uint32_t addr =
-            sdq + (col / 32) * 8192 + row * 128 + (((cc / 4) ^ (row % 8)) * 16) + (cc % 4) * 4;
-        st_shared_v2_f32(addr, dqa[4 * jj + 2 * i] * p.scale, dqa[4 * jj + 2 * i + 1] * p.scale);
-      }
-    fence_async_shared();
-    named_barrier_sync(2 + c, 128);
-    if (writer) {  // on its turn: store (the first) or add the part
-      const uint32_t turn = turn_of(it);
-      uint32_t* counter = counter_of(it);
-      while (done < turn) {
-        __nanosleep(32);
-        done = ld_acquire(counter);
-      }
-      fence_async_global();
-      for (int x = 0; x < 2; ++x) {
-        const uint8_t* src = smem + L::kDq + c * 16384 + x * 8192;
-        const int col = (kSplitD ? 64 * c : 0) + 32 * x, row = q0 + (kSplitD ? 0 : 64 * c);
-        if (turn == 0)
-          tma_store_4d<false>(&tdq, src, col, h, row, b);
-        else
-          tma_store_4d<true>(&tdq, src, col, h, row, b);
-      }
-      bulk_commit();
-    }
-  }
-  if (t == 0 && steps > 0) {  // the last step's dQ part
-    bulk_wait_all<false>();
-    fence_async_global();
-    red_release_add(counter_of(steps - 1), 1);
+    wgmma_wait<0>();  // the A fragments of this step's wgmmas are free again
   }
 
   // dK (scaled) and dV of this warpgroup's 64 keys.
@@ -360,31 +269,28 @@ __global__ void sum_heads_kernel(const float4* dk_part, const float4* dv_part, f
   dv[i] = sv;
 }
 
-// Workspace: dl, lse2 (B, Hq, S_pad) FP32; doc (B, S_pad) int32; counters (B, Hq, m_tiles, 2);
-// with GQA on the tensor-core path, dk and dv per query head (B, S, Hq, D) FP32.
+// Workspace: dl, lse2 (B, Hq, S_pad) FP32; doc (B, S_pad) int32; with GQA on the tensor-core
+// path, dk and dv per query head (B, S, Hq, D) FP32.
 struct Workspace {
-  int64_t rows, doc, counters, parts;  // element counts
-  size_t bytes() const { return static_cast<size_t>(2 * rows + doc + counters + 2 * parts) * 4; }
+  int64_t rows, doc, parts;  // element counts
+  size_t bytes() const { return static_cast<size_t>(2 * rows + doc + 2 * parts) * 4; }
 };
 Workspace workspace_of(const FlashAttentionShape& s) {
   const int64_t s_pad = (s.seq + 127) / 128 * 128;
-  const int64_t m_tiles = s_pad / 64;  // enough for either query tile
   const bool parts = s.q_heads != s.kv_heads && (s.head_dim == 64 || s.head_dim == 128);
-  return {s.batch * s.q_heads * s_pad, s.batch * s_pad, s.batch * s.q_heads * m_tiles * 2,
+  return {s.batch * s.q_heads * s_pad, s.batch * s_pad,
           parts ? s.batch * s.seq * s.q_heads * s.head_dim : 0};
 }
 
 template <int D>
-void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uint16_t* k,
-                     const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
-                     const int32_t* doc, bool has_doc, uint32_t* counters, float* dq, float* dk,
-                     float* dv, cudaStream_t stream) {
+void launch_dkdv(const FlashAttentionShape& sh, const uint16_t* q, const uint16_t* k,
+                 const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
+                 const int32_t* doc, bool has_doc, float* dk, float* dv, cudaStream_t stream) {
   using L = BwdLayout<D>;
-  const CUtensorMap tq = make_head_map(q, false, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tdo = make_head_map(dout, false, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tk = make_head_map(k, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tv = make_head_map(v, false, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tdq = make_head_map(dq, true, sh.batch, sh.seq, sh.q_heads, D, 64);
+  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tdo = make_head_map(dout, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
+  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
   BwdParams p;
   p.S = static_cast<int>(sh.seq);
   p.S_pad = static_cast<int>((sh.seq + 127) / 128 * 128);
@@ -399,18 +305,16 @@ void launch_backward(const FlashAttentionShape& sh, const uint16_t* q, const uin
   p.dl = dl;
   p.lse2 = lse2;
   p.doc = doc;
-  p.counters = counters;
-  p.dq = dq;
   p.dk = dk;
   p.dv = dv;
   static bool configured = [] {
-    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(flash_bwd_kernel<D>,
+    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(flash_dkdv_kernel<D>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem));
     return true;
   }();
   (void)configured;
   const dim3 grid(static_cast<unsigned>(p.n_tiles * p.batch_heads));
-  flash_bwd_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, tdq, p);
+  flash_dkdv_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, p);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -431,19 +335,18 @@ Status flash_attention_backward_sm90(const FlashAttentionShape& shape, const uin
   float* dl = static_cast<float*>(workspace);
   float* lse2 = dl + ws.rows;
   int32_t* doc = reinterpret_cast<int32_t*>(lse2 + ws.rows);
-  uint32_t* counters = reinterpret_cast<uint32_t*>(doc + ws.doc);
-  float* dk_part = ws.parts ? reinterpret_cast<float*>(counters + ws.counters) : dk;
+  float* dk_part = ws.parts ? reinterpret_cast<float*>(doc + ws.doc) : dk;
   float* dv_part = ws.parts ? dk_part + ws.parts : dv;
   flash_backward_preprocess(shape, o, dout, lse, doc_start, dl, lse2, doc, stream);
   const bool has_doc = doc_start != nullptr;
   if (shape.head_dim == 128 || shape.head_dim == 64) {
-    PACKMOE_CUDA_CHECK(cudaMemsetAsync(counters, 0, static_cast<size_t>(ws.counters) * 4, stream));
-    if (shape.head_dim == 128)
-      launch_backward<128>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk_part,
-                           dv_part, stream);
-    else
-      launch_backward<64>(shape, q, k, v, dout, dl, lse2, doc, has_doc, counters, dq, dk_part,
-                          dv_part, stream);
+    if (shape.head_dim == 128) {
+      launch_dkdv<128>(shape, q, k, v, dout, dl, lse2, doc, has_doc, dk_part, dv_part, stream);
+      launch_flash_dq_128(shape, q, k, v, dout, dl, lse2, doc, has_doc, dq, stream);
+    } else {
+      launch_dkdv<64>(shape, q, k, v, dout, dl, lse2, doc, has_doc, dk_part, dv_part, stream);
+      launch_flash_dq_64(shape, q, k, v, dout, dl, lse2, doc, has_doc, dq, stream);
+    }
     if (ws.parts) {
       const int d4 = static_cast<int>(shape.head_dim / 4);
       const int64_t n = shape.batch * shape.seq * shape.kv_heads * d4;

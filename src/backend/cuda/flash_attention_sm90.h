@@ -26,9 +26,8 @@ struct FlashAttentionShape {
 // scaled scores of each query row. D 64 and 128 run on the tensor cores; any other D up to 256
 // runs a simple exact FP32 kernel (the tiny preset's D = 16).
 Status flash_attention_forward_sm90(const FlashAttentionShape& shape, const uint16_t* q,
-                                    const uint16_t* k, const uint16_t* v,
-                                    const int32_t* doc_start, uint16_t* o, float* lse,
-                                    cudaStream_t stream);
+                                    const uint16_t* k, const uint16_t* v, const int32_t* doc_start,
+                                    uint16_t* o, float* lse, cudaStream_t stream);
 
 // Bytes of device workspace flash_attention_backward_sm90 needs for `shape` (16-byte aligned).
 size_t flash_attention_backward_workspace_bytes(const FlashAttentionShape& shape);

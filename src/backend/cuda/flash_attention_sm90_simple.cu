@@ -113,8 +113,7 @@ __global__ void simple_dq_kernel(SimpleArgs a, const uint16_t* q, const uint16_t
 // dK, dV: one thread per (b, g, j); query heads of the group, then queries, in order.
 __global__ void simple_dkv_kernel(SimpleArgs a, const uint16_t* q, const uint16_t* k,
                                   const uint16_t* v, const uint16_t* dout, const float* dl,
-                                  const float* lse2, const int32_t* doc_pad, float* dk,
-                                  float* dv) {
+                                  const float* lse2, const int32_t* doc_pad, float* dk, float* dv) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(a.B) * a.Hkv * a.S) return;
   const int j = static_cast<int>(idx % a.S), g = static_cast<int>(idx / a.S % a.Hkv);
@@ -140,10 +139,14 @@ __global__ void simple_dkv_kernel(SimpleArgs a, const uint16_t* q, const uint16_
 }
 
 SimpleArgs simple_args(const FlashAttentionShape& s) {
-  return {static_cast<int>(s.batch),    static_cast<int>(s.seq),
-          static_cast<int>(s.q_heads),  static_cast<int>(s.kv_heads),
-          static_cast<int>(s.head_dim), static_cast<int>(s.q_heads / s.kv_heads),
-          static_cast<int>((s.seq + 127) / 128 * 128), s.scale};
+  return {static_cast<int>(s.batch),
+          static_cast<int>(s.seq),
+          static_cast<int>(s.q_heads),
+          static_cast<int>(s.kv_heads),
+          static_cast<int>(s.head_dim),
+          static_cast<int>(s.q_heads / s.kv_heads),
+          static_cast<int>((s.seq + 127) / 128 * 128),
+          s.scale};
 }
 
 unsigned blocks(int64_t threads, int per_block) {
@@ -193,8 +196,8 @@ void flash_simple_backward(const FlashAttentionShape& s, const uint16_t* q, cons
                            const float* lse2, const int32_t* doc_pad, float* dq, float* dk,
                            float* dv, cudaStream_t stream) {
   const SimpleArgs a = simple_args(s);
-  simple_dq_kernel<<<blocks(int64_t{a.B} * a.Hq * a.S, 128), 128, 0, stream>>>(
-      a, q, k, v, dout, dl, lse2, doc_pad, dq);
+  simple_dq_kernel<<<blocks(int64_t{a.B} * a.Hq * a.S, 128), 128, 0, stream>>>(a, q, k, v, dout, dl,
+                                                                               lse2, doc_pad, dq);
   PACKMOE_CUDA_CHECK_LAUNCH();
   simple_dkv_kernel<<<blocks(int64_t{a.B} * a.Hkv * a.S, 128), 128, 0, stream>>>(
       a, q, k, v, dout, dl, lse2, doc_pad, dk, dv);

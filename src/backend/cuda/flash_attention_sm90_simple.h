@@ -17,8 +17,8 @@ namespace packmoe::cuda {
 Status flash_check_shape(const FlashAttentionShape& shape);
 
 // Per (b, h, i) row: Dl = sum_d dO * O, lse2 = lse log2(e) (+inf past S), written over
-// S_pad = round_up(S, 128) rows per (b, h); doc_pad (B, S_pad): doc_start, padded with its last value
-// (or zeros without doc_start). Shared by both backward paths.
+// S_pad = round_up(S, 128) rows per (b, h); doc_pad (B, S_pad): doc_start, padded with its last
+// value (or zeros without doc_start). Shared by both backward paths.
 void flash_backward_preprocess(const FlashAttentionShape& shape, const uint16_t* o,
                                const uint16_t* dout, const float* lse, const int32_t* doc_start,
                                float* dl, float* lse2, int32_t* doc_pad, cudaStream_t stream);
