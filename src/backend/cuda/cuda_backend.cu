@@ -169,7 +169,7 @@ Status CudaBackend::swizzle_scales(const void* compact, int64_t rows, int64_t co
 }
 
 Status CudaBackend::grouped_gemm(const GroupedGemmArgs& args) {
-  return grouped_gemm_cublas(*this, args);
+  return grouped_gemm_cuda(*this, args);
 }
 
 Status CudaBackend::embedding(const EmbeddingArgs& args) { return embedding_sm90(*this, args); }
