@@ -118,9 +118,9 @@ Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double*
 Status nvfp4_decode_scales_sm90(CudaBackend& be, const float* amax, float* decode, int64_t groups);
 Status swizzle_scales_sm90(CudaBackend& be, const void* compact, int64_t rows, int64_t cols,
                            bool transpose, void* swizzled);
-// Grouped GEMM entry point (grouped_gemm_cublas.cu): operands dequantized exactly to BF16, then
-// the sm_90a wgmma kernel over all groups in one launch, or cuBLASLt per group (choose_impl).
-Status grouped_gemm_cublas(CudaBackend& be, const GroupedGemmArgs& args);
+// Grouped GEMM entry point (grouped_gemm_cuda.cu): operands dequantized exactly to BF16, then
+// the sm_90a wgmma kernel over all groups in one launch, or cuBLASLt per group (choose_path).
+Status grouped_gemm_cuda(CudaBackend& be, const GroupedGemmArgs& args);
 
 // The E4M3/E5M2 conversion the MXFP8 kernels use (hardware cvt.rn.satfinite) is bitwise equal to
 // the shared software codec over all FP32 inputs on this device (selftest.cu). Checked once per

@@ -30,7 +30,7 @@ const QuantizeKernels kQuantize{
 };
 
 const GemmKernels kGemm{
-    [](Backend& b, const GroupedGemmArgs& a) { return grouped_gemm_cublas(cuda(b), a); },
+    [](Backend& b, const GroupedGemmArgs& a) { return grouped_gemm_cuda(cuda(b), a); },
 };
 
 const MoeKernels kMoe{
