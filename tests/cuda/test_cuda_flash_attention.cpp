@@ -247,7 +247,6 @@ void check_against_reference(int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int6
   auto bf = [](uint16_t x) { return static_cast<double>(bf16_to_f32(x)); };
   auto fl = [](float x) { return static_cast<double>(x); };
   size_t bad = count_bad("o", out.o, ref.o, &ref.ro, bf, kTerms, kRef, kAbs);
-  std::vector<double> lse_terms(ref.lse.size(), 0.0);
   bad += count_bad("lse", out.lse, ref.lse, nullptr, fl, 0.0, 1e-4, 1e-4);
   bad += count_bad("dq", out.dq, ref.dq, &ref.rdq, fl, kTerms, kRef, kAbs);
   bad += count_bad("dk", out.dk, ref.dk, &ref.rdk, fl, kTerms, kRef, kAbs);
