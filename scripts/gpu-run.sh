@@ -75,6 +75,11 @@ if [ $run_peer = 1 ]; then
   else
     note "peer torch_moe_layer: FAILED or missing"
   fi
+  if [ -n "$PEERS" ] && python3 "$PEERS/torch_attention.py" >"$OUT/torch_attention.jsonl" 2>>"$OUT/peers.log"; then
+    note "peer torch_attention: ok"
+  else
+    note "peer torch_attention: FAILED or missing"
+  fi
   if [ -f bench/torch_grouped_gemm.py ]; then
     if python3 bench/torch_grouped_gemm.py --out "$OUT/torch_gemm_peers.json" >>"$OUT/peers.log" 2>&1; then
       peer_json[bench_grouped_gemm]="$OUT/torch_gemm_peers.json"; note "peer torch_grouped_gemm: ok"
@@ -91,6 +96,31 @@ if [ $run_bench = 1 ]; then
     [ -n "${peer_json[$name]:-}" ] && args+=(--peer-json "${peer_json[$name]}")
     { echo "## $name ${args[*]}"; "$b" "${args[@]}"; } >>"$OUT/bench.log" 2>&1 || note "$name: FAILED"
   done
+fi
+
+# Attention against the SDPA peer of the same call: ours / cuDNN and ours / FlashAttention-2 in
+# TFLOP/s (both count 4 D forward and 10 D backward FLOPs per causal pair).
+if [ $run_bench = 1 ] && [ -s "$OUT/torch_attention.jsonl" ]; then
+  python3 - "$OUT/bench.log" "$OUT/torch_attention.jsonl" >"$OUT/attention_ratios.txt" <<'PY'
+import json, re, sys
+ours = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"B(\d+)\s+S(\d+)\s+Hq(\d+)\s+Hkv(\d+)\s+D(\d+)\s+docs (\d+)\s+\S+\s+\S+\s+(\S+)\s+(\S+)", line)
+    if m and m.group(6) in ("0", "1"):
+        ours[tuple(int(m.group(i)) for i in range(1, 6))] = (float(m.group(7)), float(m.group(8)))
+peer = {}
+for line in open(sys.argv[2]):
+    r = json.loads(line)
+    if "fwd_TFLOPs" in r:
+        peer[(r["B"], r["S"], r["Hq"], r["Hkv"], r["D"], r["backend"])] = (r["fwd_TFLOPs"], r["bwd_TFLOPs"])
+print("attention (TFLOP/s): shape | ours fwd bwd | cudnn fwd bwd | flash fwd bwd | ours/cudnn | ours/flash")
+for k, (f, b) in sorted(ours.items()):
+    c, fl = peer.get(k + ("cudnn",)), peer.get(k + ("flash",))
+    rat = lambda p: "%.2f / %.2f" % (f / p[0], b / p[1]) if p else "-"
+    fmt = lambda p: "%.0f %.0f" % p if p else "-"
+    print("B%d S%d Hq%d Hkv%d D%d | %.0f %.0f | %s | %s | %s | %s" % (k + (f, b, fmt(c), fmt(fl), rat(c), rat(fl))))
+PY
+  note "attention vs SDPA: see attention_ratios.txt (also below)"
 fi
 
 # Training throughput: the small preset (about 100M parameters) on the byte corpus (text files
@@ -150,4 +180,5 @@ fi
   grep -E '\*\*\*Failed|FAILED' "$OUT/tests.log" 2>/dev/null | head -20
   echo "-- benchmarks"
   cat "$OUT/bench.log" 2>/dev/null
+  cat "$OUT/attention_ratios.txt" 2>/dev/null
 } | tee "$OUT/summary.txt"
