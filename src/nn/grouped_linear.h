@@ -37,20 +37,6 @@ struct GroupedLinearConfig {
   DType out_dtype = DType::kBF16;   // y and dx: kBF16 or kF32
 };
 
-// The copies of one activation (M, C), rows grouped by expert, that the GEMMs read. BF16: the
-// activation itself serves both operands: the caller's tensor when it owns its memory (kept
-// alive here, not copied), else a private copy.
-struct ActivationCopies {
-  GemmOperand rowwise;     // fprop X / dgrad dY (blocks along C)
-  GemmOperand columnwise;  // wgrad X / dY (blocks along the tokens)
-  std::vector<DeviceBuffer> row_memory;  // what only `rowwise` reads
-  std::vector<DeviceBuffer> col_memory;  // what `columnwise` reads
-  Tensor shared;                         // BF16: the caller's activation, read in place
-
-  // After fprop / dgrad: only the wgrad copy is kept (as TE does).
-  void release_rowwise();
-};
-
 class GroupedLinear {
  public:
   // init: (E, N, K) F32 on the host or in `backend`'s memory (GroupedParam keeps it until

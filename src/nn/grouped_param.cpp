@@ -1,94 +1,10 @@
-// GroupedParam storage, master/grad state transitions, and the one-call weight quantization.
+// GroupedParam: master/grad state transitions and the primary weight's way from FP32 (or gathered
+// images) into the recipe's copies (nn/linear_recipe.h does the quantization).
 #include "nn/grouped_param.h"
 
 #include <algorithm>
 
 namespace packmoe {
-namespace {
-
-Backend::CopyKind copy_kind(Device dst, Device src) {
-  if (src == Device::kCPU && dst != Device::kCPU) return Backend::CopyKind::kHostToDevice;
-  if (src != Device::kCPU && dst == Device::kCPU) return Backend::CopyKind::kDeviceToHost;
-  return Backend::CopyKind::kDeviceToDevice;
-}
-
-// The backend that performs a copy between two memories: the device side when there is one.
-Backend& copy_engine(Backend& dst, Backend& src) {
-  return dst.device() != Device::kCPU ? dst : src;
-}
-
-}  // namespace
-
-// ---- GroupedStorage -----------------------------------------------------------------------------
-
-GroupedStorage::GroupedStorage(Backend& memory, Layout layout, int64_t groups,
-                               size_t bytes_per_group)
-    : memory_(&memory), layout_(layout), bytes_per_group_(bytes_per_group) {
-  PACKMOE_CHECK(groups > 0 && bytes_per_group > 0, "empty grouped storage");
-  if (layout == Layout::kSingle) {
-    buffers_.emplace_back(memory, groups * bytes_per_group);
-    for (void* p : carve(buffers_[0].get(), groups, bytes_per_group)) ptrs_.push_back(p);
-  } else {
-    buffers_.reserve(groups);
-    for (int64_t e = 0; e < groups; ++e) {
-      buffers_.emplace_back(memory, bytes_per_group);
-      ptrs_.push_back(buffers_.back().get());
-    }
-  }
-}
-
-GroupedStorage GroupedStorage::view(Backend& memory, Layout layout, std::vector<void*> ptrs,
-                                    size_t bytes_per_group) {
-  PACKMOE_CHECK(!ptrs.empty() && bytes_per_group > 0, "empty grouped view");
-  for (size_t e = 0; e < ptrs.size(); ++e) {
-    PACKMOE_CHECK(ptrs[e] != nullptr, "grouped view: group " << e << " is null");
-    PACKMOE_CHECK(layout == Layout::kDiscrete ||
-                      ptrs[e] == static_cast<uint8_t*>(ptrs[0]) + e * bytes_per_group,
-                  "a single-layout view needs consecutive groups");
-  }
-  GroupedStorage v;
-  v.memory_ = &memory;
-  v.layout_ = layout;
-  v.bytes_per_group_ = bytes_per_group;
-  v.ptrs_ = std::move(ptrs);
-  return v;
-}
-
-void* GroupedStorage::packed() const {
-  PACKMOE_CHECK(allocated() && layout_ == Layout::kSingle, "packed() needs single-layout storage");
-  return ptrs_[0];
-}
-
-void GroupedStorage::zero() {
-  if (layout_ == Layout::kSingle && allocated()) {
-    memory_->fill_zero(ptrs_[0], groups() * bytes_per_group_);
-    return;
-  }
-  for (void* p : ptrs_) memory_->fill_zero(p, bytes_per_group_);
-}
-
-void GroupedStorage::release() {
-  buffers_.clear();
-  ptrs_.clear();
-}
-
-std::vector<uint8_t> GroupedStorage::download() const {
-  std::vector<uint8_t> host(groups() * bytes_per_group_);
-  for (int64_t e = 0; e < groups(); ++e)
-    memory_->copy(host.data() + e * bytes_per_group_, ptrs_[e], bytes_per_group_,
-                  Backend::CopyKind::kDeviceToHost);
-  return host;
-}
-
-void GroupedStorage::copy_from(const GroupedStorage& src) {
-  PACKMOE_CHECK(src.groups() == groups() && src.bytes_per_group() == bytes_per_group_,
-                "copy_from: " << src.groups() << " x " << src.bytes_per_group() << " bytes into "
-                              << groups() << " x " << bytes_per_group_);
-  const Backend::CopyKind kind = copy_kind(memory_->device(), src.memory().device());
-  Backend& engine = copy_engine(*memory_, src.memory());
-  for (int64_t e = 0; e < groups(); ++e) engine.copy(ptrs_[e], src.group(e), bytes_per_group_, kind);
-}
-
 // ---- GroupedParam -------------------------------------------------------------------------------
 
 GroupedParam::GroupedParam(Backend& backend, const QuantRecipe& recipe, PrimaryWeight primary,
@@ -113,20 +29,8 @@ GroupedParam::GroupedParam(Backend& backend, const QuantRecipe& recipe, PrimaryW
 
   main_grad_ = GroupedStorage(backend, layout, e_, nk * sizeof(float));
   main_grad_.zero();
+  ops_ = make_linear_recipe(backend, recipe, layout, e_, n_, k_);
   if (keeps_bf16()) bf16_ = GroupedStorage(backend, layout, e_, nk * 2);
-  if (quantized()) {
-    const bool mx = recipe_.recipe == Recipe::kMxfp8;
-    const size_t data = mx ? nk : nk / 2;
-    const size_t scale = mx ? nk / kMxfp8Block : nk / kNvfp4Block;
-    quant_.row_data = GroupedStorage(backend, layout, e_, data);
-    quant_.row_scale = GroupedStorage(backend, layout, e_, scale);
-    quant_.col_data = GroupedStorage(backend, layout, e_, data);
-    quant_.col_scale = GroupedStorage(backend, layout, e_, scale);
-    if (!mx) {
-      quant_.amax = GroupedStorage(backend, Layout::kSingle, e_, sizeof(float));
-      quant_.decode_scale = GroupedStorage(backend, Layout::kSingle, e_, sizeof(float));
-    }
-  }
   write_primary_from(init_);
 }
 
@@ -145,8 +49,8 @@ void GroupedParam::zero_grad() {
   PACKMOE_CHECK(grad_state_ == GradState::kSettled,
                 "zero_grad with a delayed wgrad pending would lose it: run backward_dw first");
   PACKMOE_CHECK(grad_binding_ == GradBinding::kOwned,
-                "zero_grad on a main_grad bound to a data-parallel grad buffer: the buffer's "
-                "zeroing is a transition of its state machine (DistOptimizer::prepare_forward); "
+                "zero_grad on a main_grad bound to an optimizer's grad buffer: the buffer's "
+                "zeroing is a transition of its state machine (the optimizer's prepare_forward); "
                 "zeroing it here could wipe parameters staged in it");
   main_grad_.zero();
 }
@@ -155,7 +59,7 @@ void GroupedParam::requantize_from_master() {
   PACKMOE_CHECK(master_state_ != MasterState::kInitHeld,
                 "requantize_from_master before create_master");
   PACKMOE_CHECK(master_state_ == MasterState::kMasterReady,
-                "requantize_from_master: the master is sharded (the distributed optimizer's "
+                "requantize_from_master: the master is sharded (the optimizer's "
                 "parameter gather writes the primary)");
   PACKMOE_CHECK(grad_state_ == GradState::kSettled,
                 "requantize_from_master with a delayed wgrad pending: its gradient would never "
@@ -166,7 +70,7 @@ void GroupedParam::requantize_from_master() {
 void GroupedParam::prepare_compute() {
   check_primary_current("prepare_compute");
   if (!quantized() || primary_ == PrimaryWeight::kLowPrecision) return;
-  quantize_weight(bf16_);
+  ops_->quantize_weight(bf16_);
   compute_state_ = ComputeCopyState::kCurrent;
 }
 
@@ -199,7 +103,7 @@ void GroupedParam::write_primary_from_bf16(const GroupedStorage& bf16) {
     bf16_.copy_from(bf16);
     compute_state_ = quantized() ? ComputeCopyState::kStale : ComputeCopyState::kCurrent;
   } else {
-    quantize_weight(bf16);
+    ops_->quantize_weight(bf16);
     compute_state_ = ComputeCopyState::kCurrent;
   }
   primary_state_ = PrimaryState::kCurrent;
@@ -207,8 +111,8 @@ void GroupedParam::write_primary_from_bf16(const GroupedStorage& bf16) {
 
 void GroupedParam::check_primary_current(const char* what) const {
   PACKMOE_CHECK(primary_state_ == PrimaryState::kCurrent,
-                what << ": the primary weight is older than the master (a distributed optimizer "
-                        "step awaits its parameter gather: call DistOptimizer::prepare_forward "
+                what << ": the primary weight is older than the master (an optimizer step "
+                        "awaits its parameter gather: call the optimizer's prepare_forward "
                         "before any forward)");
 }
 
@@ -218,20 +122,13 @@ std::string_view master_state_name(MasterState s) {
   switch (s) {
     case MasterState::kInitHeld: return "InitHeld (no master made yet)";
     case MasterState::kMasterReady: return "MasterReady";
-    case MasterState::kSharded: return "Sharded (a distributed optimizer holds it)";
-    case MasterState::kReplicated: return "Replicated (a distributed optimizer refreshes it)";
+    case MasterState::kSharded: return "Sharded (the optimizer holds it)";
+    case MasterState::kReplicated: return "Replicated (the optimizer refreshes it)";
   }
   return "?";
 }
 
-int64_t GroupedParam::shard_unit_rows() const {
-  switch (recipe_.recipe) {
-    case Recipe::kBF16: return 1;
-    case Recipe::kMxfp8: return kMxfp8Block;
-    case Recipe::kNvfp4: return kNvfp4Block;
-  }
-  return 1;
-}
+int64_t GroupedParam::shard_unit_rows() const { return ops_->shard_unit_rows(); }
 
 void GroupedParam::copy_high_precision(int64_t begin, int64_t count, float* dst) const {
   PACKMOE_CHECK(begin >= 0 && count >= 0 && begin + count <= e_ * n_ * k_,
@@ -300,15 +197,10 @@ void GroupedParam::mark_primary_awaiting_gather() {
 
 std::vector<PackedComponent> GroupedParam::packed_components() const {
   if (keeps_bf16()) return {{"bf16", 2, 1}};
-  if (recipe_.recipe == Recipe::kNvfp4) return {{"row_data", 1, 2}, {"row_scale", 1, kNvfp4Block}};
-  if (recipe_.mxfp8_weight_2d) return {{"row_data", 1, 1}, {"row_scale", 1, kMxfp8Block}};
-  return {{"row_data", 1, 1}, {"row_scale", 1, kMxfp8Block}, {"col_data", 1, 1},
-          {"col_scale", 1, kMxfp8Block}};
+  return ops_->packed_components();
 }
 
-bool GroupedParam::needs_global_amax() const {
-  return !keeps_bf16() && recipe_.recipe == Recipe::kNvfp4;
-}
+bool GroupedParam::needs_global_amax() const { return !keeps_bf16() && ops_->needs_global_amax(); }
 
 GroupedMatrices GroupedParam::row_groups(const void* bf16_rows, int64_t r0, int64_t r1,
                                          int64_t& first_expert) const {
@@ -333,7 +225,7 @@ void GroupedParam::rows_amax(const void* bf16_rows, int64_t r0, int64_t r1, floa
   PACKMOE_CHECK(needs_global_amax(), "rows_amax: only NVFP4 primaries have a per-expert amax");
   int64_t e0 = 0;
   const GroupedMatrices in = row_groups(bf16_rows, r0, r1, e0);
-  check_op(ops::nvfp4_amax(*backend_, in, amax + e0), "rows amax (nvfp4)");
+  ops_->rows_amax(in, amax + e0);
 }
 
 void GroupedParam::quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, const float* amax,
@@ -345,40 +237,21 @@ void GroupedParam::quantize_rows(const void* bf16_rows, int64_t r0, int64_t r1, 
   int64_t e0 = 0;
   const GroupedMatrices in = row_groups(bf16_rows, r0, r1, e0);
   // Output pointer of group g in image c: the group's first row at its offset in the pack.
-  auto outputs = [&](size_t c) {
-    std::vector<void*> out;
+  std::vector<std::vector<void*>> outputs(comps.size());
+  for (size_t c = 0; c < comps.size(); ++c) {
     int64_t row = r0;
     for (int64_t rows : in.rows) {
-      out.push_back(static_cast<uint8_t*>(images[c]) +
-                    row * k_ * comps[c].bytes_num / comps[c].bytes_den);
+      outputs[c].push_back(static_cast<uint8_t*>(images[c]) +
+                           row * k_ * comps[c].bytes_num / comps[c].bytes_den);
       row += rows;
     }
-    return out;
-  };
+  }
   if (keeps_bf16()) {
-    backend_->copy(outputs(0)[0], bf16_rows, (r1 - r0) * k_ * 2,
+    backend_->copy(outputs[0][0], bf16_rows, (r1 - r0) * k_ * 2,
                    Backend::CopyKind::kDeviceToDevice);
     return;
   }
-  if (recipe_.recipe == Recipe::kMxfp8) {
-    Mxfp8Config cfg = mxfp8_config(recipe_, TensorRole::kWeight);
-    Mxfp8Outputs out{outputs(0), outputs(1), {}, {}, {}, {}};
-    cfg.columnwise = !cfg.two_d;  // a 2D columnwise copy is derived after the gather
-    if (cfg.columnwise) {
-      out.col_data = outputs(2);
-      out.col_scale = outputs(3);
-    }
-    check_op(ops::quantize_mxfp8(*backend_, in, cfg, out), "row-range quantize (mxfp8)");
-    return;
-  }
-  PACKMOE_CHECK(amax != nullptr, "quantize_rows (nvfp4) needs the pack's (E,) amax");
-  Nvfp4Config cfg = nvfp4_config(recipe_, TensorRole::kWeight, 0);
-  cfg.columnwise = false;  // the transposed copy is derived after the gather
-  cfg.amax = amax + e0;
-  Nvfp4Outputs out;  // no row_amax: it would only echo the given one
-  out.row_data = outputs(0);
-  out.row_scale = outputs(1);
-  check_op(ops::quantize_nvfp4(*backend_, in, cfg, out), "row-range quantize (nvfp4)");
+  ops_->quantize_rows(in, amax ? amax + e0 : nullptr, outputs);
 }
 
 void GroupedParam::write_primary_from_packed(const std::vector<const void*>& images,
@@ -387,80 +260,17 @@ void GroupedParam::write_primary_from_packed(const std::vector<const void*>& ima
   PACKMOE_CHECK(images.size() == comps.size(),
                 "write_primary_from_packed: " << images.size() << " images for " << comps.size()
                                               << " components");
-  // Component c of the pack into its storage: one copy (kSingle) or one per expert.
-  auto fill = [&](GroupedStorage& dst, size_t c) {
-    const size_t bytes = static_cast<size_t>(n_ * k_ * comps[c].bytes_num / comps[c].bytes_den);
-    PACKMOE_CHECK(dst.bytes_per_group() == bytes, "component " << comps[c].name << " size");
-    const uint8_t* src = static_cast<const uint8_t*>(images[c]);
-    if (dst.layout() == Layout::kSingle) {
-      backend_->copy(dst.packed(), src, e_ * bytes, Backend::CopyKind::kDeviceToDevice);
-      return;
-    }
-    for (int64_t e = 0; e < e_; ++e)
-      backend_->copy(dst.group(e), src + e * bytes, bytes, Backend::CopyKind::kDeviceToDevice);
-  };
   if (keeps_bf16()) {
-    fill(bf16_, 0);
+    for (int64_t e = 0; e < e_; ++e)
+      backend_->copy(bf16_.group(e), static_cast<const uint8_t*>(images[0]) + e * n_ * k_ * 2,
+                     n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
     compute_state_ = quantized() ? ComputeCopyState::kStale : ComputeCopyState::kCurrent;
     primary_state_ = PrimaryState::kCurrent;
     return;
   }
-  fill(quant_.row_data, 0);
-  fill(quant_.row_scale, 1);
-  const bool nv = recipe_.recipe == Recipe::kNvfp4;
-  if (nv || recipe_.mxfp8_weight_2d) {
-    Weight2dCopies w;
-    w.format = nv ? Tiled2dFormat::kNvfp4 : Tiled2dFormat::kMxfp8;
-    w.rows = n_;
-    w.cols = k_;
-    w.row_data = quant_.row_data.const_ptrs();
-    w.row_scale = quant_.row_scale.const_ptrs();
-    w.col_data = quant_.col_data.ptrs();
-    w.col_scale = quant_.col_scale.ptrs();
-    check_op(ops::weight_2d_columnwise(*backend_, w), "columnwise copy of a 2D weight");
-  } else {
-    fill(quant_.col_data, 2);
-    fill(quant_.col_scale, 3);
-  }
-  if (nv) {
-    PACKMOE_CHECK(amax != nullptr, "write_primary_from_packed (nvfp4) needs the (E,) amax");
-    backend_->copy(quant_.amax.packed(), amax, e_ * sizeof(float),
-                   Backend::CopyKind::kDeviceToDevice);
-    check_op(ops::nvfp4_decode_scales(*backend_, static_cast<const float*>(quant_.amax.packed()),
-                                           static_cast<float*>(quant_.decode_scale.packed()), e_),
-             "weight decode scales (nvfp4)");
-  }
+  ops_->write_packed(images, amax);
   compute_state_ = ComputeCopyState::kCurrent;
   primary_state_ = PrimaryState::kCurrent;
-}
-
-void GroupedParam::quantize_weight(const GroupedStorage& bf16) {
-  GroupedMatrices in;  // E x (N, K) BF16
-  in.dtype = DType::kBF16;
-  in.cols = k_;
-  in.data = bf16.const_ptrs();
-  in.rows.assign(e_, n_);
-  if (recipe_.recipe == Recipe::kMxfp8) {
-    Mxfp8Outputs out{quant_.row_data.ptrs(), quant_.row_scale.ptrs(), quant_.col_data.ptrs(),
-                     quant_.col_scale.ptrs(), {}, {}};
-    check_op(ops::quantize_mxfp8(*backend_, in, mxfp8_config(recipe_, TensorRole::kWeight), out),
-             "weight quantize (mxfp8)");
-    return;
-  }
-  // 2D tiles: the columnwise amax equals the rowwise one (formats/nvfp4.h), so it is not kept.
-  DeviceBuffer col_amax(*backend_, e_ * sizeof(float));  // (E,) F32
-  Nvfp4Outputs out;
-  out.row_data = quant_.row_data.ptrs();
-  out.row_scale = quant_.row_scale.ptrs();
-  out.row_amax = quant_.amax.packed();
-  out.col_data = quant_.col_data.ptrs();
-  out.col_scale = quant_.col_scale.ptrs();
-  out.col_amax = col_amax.get();
-  check_op(ops::quantize_nvfp4(*backend_, in, nvfp4_config(recipe_, TensorRole::kWeight, 0), out),
-           "weight quantize (nvfp4)");
-  check_op(ops::nvfp4_decode_scales(*backend_, static_cast<const float*>(quant_.amax.packed()),
-                                         static_cast<float*>(quant_.decode_scale.packed()), e_),
-           "weight decode scales (nvfp4)");
 }
 
 GemmOperand GroupedParam::fprop_weight() const {
@@ -468,32 +278,14 @@ GemmOperand GroupedParam::fprop_weight() const {
   PACKMOE_CHECK(compute_state_ == ComputeCopyState::kCurrent,
                 "fprop_weight: compute copies are stale (prepare_compute not run since the weight "
                 "changed)");
-  GemmOperand o;
-  o.format = operand_format(recipe_.recipe);
-  if (!quantized()) {
-    o.data = bf16_.const_ptrs();
-    return o;
-  }
-  o.data = quant_.row_data.const_ptrs();
-  o.scale = quant_.row_scale.const_ptrs();
-  if (recipe_.recipe == Recipe::kNvfp4) o.decode_scale = quant_.decode_scale.packed();
-  return o;
+  return ops_->fprop_weight(bf16_);
 }
 
 GemmOperand GroupedParam::dgrad_weight() const {
   check_primary_current("dgrad_weight");
   PACKMOE_CHECK(compute_state_ == ComputeCopyState::kCurrent,
                 "dgrad_weight: compute copies are stale (the weight changed after forward)");
-  GemmOperand o;
-  o.format = operand_format(recipe_.recipe);
-  if (!quantized()) {
-    o.data = bf16_.const_ptrs();
-    return o;
-  }
-  o.data = quant_.col_data.const_ptrs();
-  o.scale = quant_.col_scale.const_ptrs();
-  if (recipe_.recipe == Recipe::kNvfp4) o.decode_scale = quant_.decode_scale.packed();
-  return o;
+  return ops_->dgrad_weight(bf16_);
 }
 
 const GroupedStorage& GroupedParam::master() const {
@@ -514,18 +306,10 @@ GroupedStorage& GroupedParam::master() {
 
 std::vector<NamedStorage> GroupedParam::weight_components() const {
   std::vector<NamedStorage> out;
-  const NamedStorage all[] = {{"bf16", &bf16_},
-                              {"row_data", &quant_.row_data},
-                              {"row_scale", &quant_.row_scale},
-                              {"col_data", &quant_.col_data},
-                              {"col_scale", &quant_.col_scale},
-                              {"amax", &quant_.amax},
-                              {"decode_scale", &quant_.decode_scale}};
+  if (bf16_.allocated()) out.push_back({"bf16", &bf16_});
   // Compute copies of a high-precision primary hold nothing meaningful while stale.
-  const bool quant_meaningful = primary_ == PrimaryWeight::kLowPrecision ||
-                                compute_state_ == ComputeCopyState::kCurrent;
-  for (const NamedStorage& s : all)
-    if (s.storage->allocated() && (s.storage == &bf16_ || quant_meaningful)) out.push_back(s);
+  if (primary_ == PrimaryWeight::kLowPrecision || compute_state_ == ComputeCopyState::kCurrent)
+    for (const NamedStorage& s : ops_->components()) out.push_back(s);
   return out;
 }
 
@@ -537,23 +321,6 @@ void GroupedParam::mark_wgrad_pending() {
 void GroupedParam::mark_wgrad_settled() {
   PACKMOE_CHECK(grad_state_ == GradState::kWgradPending, "no delayed wgrad to settle");
   grad_state_ = GradState::kSettled;
-}
-
-// ---- elementwise ops on grouped storage ---------------------------------------------------------
-
-void cast_f32_to_bf16(const GroupedStorage& src, const GroupedStorage& dst) {
-  PACKMOE_CHECK(&src.memory() == &dst.memory(), "cast_f32_to_bf16: operands in different memories");
-  check_op(ops::cast_f32_to_bf16(dst.memory(), segments<const float>(src), segments<uint16_t>(dst)),
-           "cast_f32_to_bf16");
-}
-
-void add_f32(const GroupedStorage& dst, const GroupedStorage& src) {
-  PACKMOE_CHECK(&src.memory() == &dst.memory(), "add_f32: operands in different memories");
-  check_op(ops::add_f32(dst.memory(), segments<float>(dst), segments<const float>(src)), "add_f32");
-}
-
-void check_op(const Status& s, const char* what) {
-  PACKMOE_CHECK(s.is_ok(), what << ": " << s.message());
 }
 
 }  // namespace packmoe

@@ -1,12 +1,14 @@
 // GroupedParam: the packed expert weight (E, N, K) of one grouped linear: its primary weight in the
-// recipe's format, the FP32 master, the FP32 main_grad and, until the master exists, the FP32 init.
-// Invariants: every low-precision copy comes from ONE quantize call over all E experts (or, in a
-// data-parallel gather, one per rank's row range, with the same bytes); the master is made once,
-// from the original init (never from dequantized values), here or sharded in dist/; per-expert
-// views are pointers into storage they do not own; single and discrete layouts feed the same ops.
+// recipe's format (the copies belong to its LinearRecipe), the FP32 master, the FP32 main_grad
+// and, until the master exists, the FP32 init. Invariants: every low-precision copy comes from ONE
+// quantize call over all E experts (or, in a data-parallel gather, one per rank's row range, with
+// the same bytes); the master is made once, from the original init (never from dequantized
+// values), here or by the optimizer that holds it (dist/dist_optimizer.h, sharded over its ranks);
+// per-expert views are pointers into storage they do not own; both layouts feed the same ops.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -14,63 +16,11 @@
 #include "backend/backend.h"
 #include "backend/device_buffer.h"
 #include "core/tensor.h"
+#include "nn/grouped_storage.h"
+#include "nn/linear_recipe.h"
 #include "nn/recipe.h"
 
 namespace packmoe {
-
-enum class Layout {
-  kSingle,    // one allocation per component, expert e at offset e * bytes_per_group
-  kDiscrete,  // E allocations per component (the way most frameworks store experts)
-};
-
-// E groups of equal byte size in one backend's memory, in either layout. group(e) is a view.
-class GroupedStorage {
- public:
-  GroupedStorage() = default;
-  GroupedStorage(Backend& memory, Layout layout, int64_t groups, size_t bytes_per_group);
-  // E views of `memory` owned elsewhere (a data-parallel grad buffer): nothing is allocated or
-  // freed. kSingle views must be consecutive (group e at ptrs[0] + e * bytes_per_group).
-  static GroupedStorage view(Backend& memory, Layout layout, std::vector<void*> ptrs,
-                             size_t bytes_per_group);
-
-  bool allocated() const { return !ptrs_.empty(); }
-  Layout layout() const { return layout_; }
-  int64_t groups() const { return static_cast<int64_t>(ptrs_.size()); }
-  size_t bytes_per_group() const { return bytes_per_group_; }
-  Backend& memory() const { return *memory_; }
-  void* group(int64_t e) const { return ptrs_.at(e); }
-  const std::vector<void*>& ptrs() const { return ptrs_; }  // (E,) the views
-  std::vector<const void*> const_ptrs() const { return {ptrs_.begin(), ptrs_.end()}; }
-  // Base of the one (E, ...) allocation (or consecutive views); kSingle only.
-  void* packed() const;
-
-  void zero();
-  void release();  // frees the memory (views: forgets them); allocated() becomes false
-  // Group-major host copy: what the packed buffer holds, whichever the layout.
-  std::vector<uint8_t> download() const;
-  // Group by group from `src` (same group count and size), across memories (host <-> device).
-  void copy_from(const GroupedStorage& src);
-
- private:
-  Backend* memory_ = nullptr;
-  Layout layout_ = Layout::kSingle;
-  size_t bytes_per_group_ = 0;
-  std::vector<DeviceBuffer> buffers_;  // 1 (kSingle) or E (kDiscrete); none for views
-  std::vector<void*> ptrs_;            // (E,)
-};
-
-// The quantized copies of a packed (E, N, K) weight; the GEMM operand table in
-// backend/ops/gemm.h says which GEMM reads which. The NVFP4 per-expert scalars are one (E,)
-// array in BOTH layouts: every op takes them as a single (G,) array (Nvfp4Outputs::row_amax,
-// GemmOperand::decode_scale), so E separate 4-byte allocations would only add gather copies.
-struct QuantizedWeight {
-  GroupedStorage row_data;      // MXFP8 (N, K) E4M3       NVFP4 (N, K/2) bytes
-  GroupedStorage row_scale;     // MXFP8 (N, K/32) E8M0    NVFP4 (N, K/16) E4M3
-  GroupedStorage col_data;      // MXFP8 (N, K)            NVFP4 (K, N/2) bytes, transposed
-  GroupedStorage col_scale;     // MXFP8 (N/32, K) E8M0    NVFP4 (K, N/16) E4M3
-  GroupedStorage amax;          // NVFP4 (E,) F32; 2D weights: the same for both copies
-  GroupedStorage decode_scale;  // NVFP4 (E,) F32 S_dec = nvfp4_decode_scale(amax)
-};
 
 // Where the FP32 master stands. Transitions: kInitHeld -> kMasterReady (create_master), and
 // kInitHeld or kMasterReady -> kSharded (release_for_sharded_master) or -> kReplicated
@@ -78,28 +28,19 @@ struct QuantizedWeight {
 enum class MasterState {
   kInitHeld,     // the FP32 init is kept; no master yet
   kMasterReady,  // the master was made from the init; the init is released
-  kSharded,      // a distributed optimizer (dist/) holds the master of its shard; none is kept here
-  // A distributed optimizer holds the master of its shard, and this param keeps a full FP32 copy
+  kSharded,      // the optimizer (dist/) holds the master of its shard; none is kept here
+  // The optimizer holds the master of its shard, and this param keeps a full FP32 copy
   // that the optimizer's gather refreshes: for layers that read the FP32 weight itself (norms,
   // the embedding table: nn/layer_ops.h f32_weight).
   kReplicated,
 };
 std::string_view master_state_name(MasterState s);
 
-// Whether the primary weight was made from the latest master. Only a distributed optimizer makes
-// it stale: its step updates the sharded master, and the parameter gather writes the primary.
+// Whether the primary weight was made from the latest master. Only an optimizer that holds the
+// master makes it stale: its step updates the master, and its parameter gather writes the primary.
 enum class PrimaryState {
   kCurrent,         // made from the init or the latest master
   kAwaitingGather,  // the master moved on; the gather has not written the primary yet
-};
-
-// One component of a primary weight as a flat image over the (E * N) rows of the pack, row-major
-// like the single layout: n elements of the pack take n * bytes_num / bytes_den bytes, so rows
-// [r0, r1) occupy bytes [r0 * K * num / den, r1 * K * num / den) of the image.
-struct PackedComponent {
-  const char* name;
-  int64_t bytes_num;
-  int64_t bytes_den;
 };
 
 // Whether main_grad holds every gradient the layer has computed.
@@ -111,17 +52,12 @@ enum class GradState {
 // Who owns main_grad's memory. Transition: kOwned -> kBound (bind_main_grad), once.
 enum class GradBinding {
   kOwned,  // the param's own storage; zero_grad() zeroes it
-  kBound,  // views of a data-parallel grad buffer, zeroed only by its state machine (dist/)
+  kBound,  // views of the optimizer's grad buffer, zeroed only by its state machine (dist/)
 };
 
 // Whether the compute copies the GEMMs read match the current weight (high-precision primary
 // with a quantized recipe re-quantizes at every forward; every other case is always current).
 enum class ComputeCopyState { kStale, kCurrent };
-
-struct NamedStorage {
-  std::string name;
-  const GroupedStorage* storage;
-};
 
 class GroupedParam {
  public:
@@ -160,7 +96,7 @@ class GroupedParam {
   // (one call over the pack); otherwise nothing to do.
   void prepare_compute();
 
-  // ---- sharded master and the parameter gather (dist/DistOptimizer) ----------------------------
+  // ---- a master held by the optimizer, and the parameter gather (dist/dist_optimizer.h) -------
   // Rows of one quantization block of the weight along N (MXFP8 32, NVFP4 16, BF16 1): a shard
   // boundary inside the pack falls on a multiple of it, so a rank quantizes its rows alone.
   int64_t shard_unit_rows() const;
@@ -216,7 +152,7 @@ class GroupedParam {
   GemmOperand dgrad_weight() const;  // W columnwise
 
   const GroupedStorage& init() const { return init_; }    // (E, N, K) F32, until create_master
-  // (E, N, K) F32, after create_master; a current replica under a distributed optimizer.
+  // (E, N, K) F32, after create_master; a current replica under the optimizer.
   const GroupedStorage& master() const;
   GroupedStorage& master();
   const GroupedStorage& main_grad() const { return main_grad_; }  // (E, N, K) F32
@@ -225,15 +161,17 @@ class GroupedParam {
   // comparisons and checkpoints.
   std::vector<NamedStorage> weight_components() const;
 
+  // The recipe's weight copies and activation quantization (GroupedLinear's too).
+  const LinearRecipe& recipe_ops() const { return *ops_; }
+
  private:
   friend class GroupedLinear;  // the only writer of main_grad and producer of delayed wgrads
   void mark_wgrad_pending();
   void mark_wgrad_settled();
 
-  bool quantized() const { return recipe_.recipe != Recipe::kBF16; }
+  bool quantized() const { return ops_->quantized(); }
   bool keeps_bf16() const { return !quantized() || primary_ == PrimaryWeight::kHighPrecision; }
   void write_primary_from(const GroupedStorage& f32);  // (E, N, K) F32 -> primary weight
-  void quantize_weight(const GroupedStorage& bf16);    // (E, N, K) BF16 -> quant_, one call
   void check_primary_current(const char* what) const;
   // Rows [r0, r1) of the flat (E*N, K) pack as groups of whole experts' row ranges (BF16 input
   // at bf16_rows); first_expert receives the expert of group 0.
@@ -255,27 +193,8 @@ class GroupedParam {
   GroupedStorage master_;     // (E, N, K) F32
   GroupedStorage main_grad_;  // (E, N, K) F32
   GroupedStorage bf16_;       // (E, N, K) BF16 param (bf16 recipe or high-precision primary)
-  QuantizedWeight quant_;     // primary (low precision) or compute copies (high precision)
+  // The recipe; its copies are the primary (low precision) or compute copies (high precision).
+  std::unique_ptr<LinearRecipe> ops_;
 };
-
-// ---- Elementwise ops on grouped storage --------------------------------------------------------
-// Adapters from GroupedStorage to the backend's segment-list ops (backend/ops/elementwise.h): one call
-// over all E groups, whichever the layout. Both operands must live in the same backend's memory.
-
-// The groups of `s` as a segment list of T elements (bytes_per_group / sizeof(T) each).
-template <typename T>
-Segments<T> segments(const GroupedStorage& s) {
-  Segments<T> out;
-  out.n = static_cast<int64_t>(s.bytes_per_group() / sizeof(T));
-  for (void* p : s.ptrs()) out.ptr.push_back(static_cast<T*>(p));
-  return out;
-}
-
-// dst = bf16(src) (RNE); src (G, n) F32, dst (G, n) BF16.
-void cast_f32_to_bf16(const GroupedStorage& src, const GroupedStorage& dst);
-// dst += src, (G, n) F32 each.
-void add_f32(const GroupedStorage& dst, const GroupedStorage& src);
-// PACKMOE_CHECK that an op the layer issued with checked shapes succeeded.
-void check_op(const Status& s, const char* what);
 
 }  // namespace packmoe

@@ -266,10 +266,14 @@ Result<StepResult> Trainer::train_step() {
   r.loss = global[0] / n;
   r.aux_loss = global[1] / n;
   r.lr = schedule_.at(r.step);
-  optimizer_->set_lr(static_cast<float>(r.lr));
-  const DistStepResult d = optimizer_->step(config_.grad_clip);
-  r.grad_norm = d.grad_norm;
-  if (!std::isfinite(r.loss) || !d.applied) {
+  // The global loss is the same on every rank, so all of them refuse the step together.
+  DistStepResult d;
+  if (std::isfinite(r.loss)) {
+    optimizer_->set_lr(static_cast<float>(r.lr));
+    d = optimizer_->step(config_.grad_clip);
+    r.grad_norm = d.grad_norm;
+  }
+  if (!d.applied) {
     std::ostringstream e;
     e << "step " << r.step << ": non-finite loss " << r.loss << " or grad norm " << r.grad_norm
       << "; nothing was updated (try a lower lr)";

@@ -113,7 +113,7 @@ class Trainer {
   // A x (forward + backward(1 / (A x ranks))) into the grad buffer; the global mean loss and grad
   // norm (the same on every rank); clip coefficient; lr of step step() + 1; the optimizer step
   // (the weights reach the model at the next forward). A non-finite loss or grad norm is an
-  // error. Collective.
+  // error and nothing is updated (the trainer is then not to be stepped again). Collective.
   Result<StepResult> train_step();
   // Mean lm loss over the fixed validation batches: forwards only, no gradient, no optimizer
   // update, no sampler change; every rank evaluates them all. eval_interval = 0 (no validation

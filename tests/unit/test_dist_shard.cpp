@@ -388,7 +388,7 @@ TEST(GroupedParamBoundGrad, MainGradViewsExternalMemoryInBothLayouts) {
     EXPECT_EQ(p.grad_binding(), GradBinding::kBound);
     EXPECT_EQ(p.main_grad().ptrs(), views);
     EXPECT_EQ(p.main_grad().layout(), layout);
-    EXPECT_DEATH(p.zero_grad(), "zero_grad on a main_grad bound to a data-parallel grad buffer");
+    EXPECT_DEATH(p.zero_grad(), "zero_grad on a main_grad bound to an optimizer's grad buffer");
     EXPECT_DEATH(p.bind_main_grad(views), "already bound");
     const_cast<GroupedStorage&>(p.main_grad()).zero();  // writes through the views only
     EXPECT_TRUE(

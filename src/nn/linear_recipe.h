@@ -1,0 +1,125 @@
+// LinearRecipe: what one precision recipe does for a grouped linear, one class per recipe
+// (nn/recipe_bf16.h, nn/recipe_mxfp8.h, nn/recipe_nvfp4.h): the weight's quantized copies it owns,
+// their quantization from a BF16 pack (one launch) or a row range of it (a data-parallel shard),
+// their assembly from gathered images, the GEMM operands, and the activation copies per role.
+// Invariant: GroupedParam and GroupedLinear never branch on the recipe; every quantizer setting
+// comes from nn/recipe.h, so both layouts and both backends quantize alike.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/device_buffer.h"
+#include "backend/ops/gemm.h"
+#include "core/tensor.h"
+#include "nn/grouped_storage.h"
+#include "nn/recipe.h"
+
+namespace packmoe {
+
+// The quantized copies of a packed (E, N, K) weight; the GEMM operand table in
+// backend/ops/gemm.h says which GEMM reads which. The NVFP4 per-expert scalars are one (E,)
+// array in BOTH layouts: every op takes them as a single (G,) array (Nvfp4Outputs::row_amax,
+// GemmOperand::decode_scale), so E separate 4-byte allocations would only add gather copies.
+struct QuantizedWeight {
+  GroupedStorage row_data;      // MXFP8 (N, K) E4M3       NVFP4 (N, K/2) bytes
+  GroupedStorage row_scale;     // MXFP8 (N, K/32) E8M0    NVFP4 (N, K/16) E4M3
+  GroupedStorage col_data;      // MXFP8 (N, K)            NVFP4 (K, N/2) bytes, transposed
+  GroupedStorage col_scale;     // MXFP8 (N/32, K) E8M0    NVFP4 (K, N/16) E4M3
+  GroupedStorage amax;          // NVFP4 (E,) F32; 2D weights: the same for both copies
+  GroupedStorage decode_scale;  // NVFP4 (E,) F32 S_dec = nvfp4_decode_scale(amax)
+};
+
+// One component of a primary weight as a flat image over the (E * N) rows of the pack, row-major
+// like the single layout: n elements of the pack take n * bytes_num / bytes_den bytes, so rows
+// [r0, r1) occupy bytes [r0 * K * num / den, r1 * K * num / den) of the image.
+struct PackedComponent {
+  const char* name;
+  int64_t bytes_num;
+  int64_t bytes_den;
+};
+
+// The copies of one activation (M, C), rows grouped by expert, that the GEMMs read. BF16: the
+// activation itself serves both operands: the caller's tensor when it owns its memory (kept
+// alive here, not copied), else a private copy.
+struct ActivationCopies {
+  GemmOperand rowwise;     // fprop X / dgrad dY (blocks along C)
+  GemmOperand columnwise;  // wgrad X / dY (blocks along the tokens)
+  std::vector<DeviceBuffer> row_memory;  // what only `rowwise` reads
+  std::vector<DeviceBuffer> col_memory;  // what `columnwise` reads
+  Tensor shared;                         // BF16: the caller's activation, read in place
+
+  // After fprop / dgrad: only the wgrad copy is kept (as TE does).
+  void release_rowwise();
+};
+
+class LinearRecipe {
+ public:
+  virtual ~LinearRecipe() = default;
+  LinearRecipe(const LinearRecipe&) = delete;
+  LinearRecipe& operator=(const LinearRecipe&) = delete;
+
+  const QuantRecipe& config() const { return q_; }
+  // False (BF16): the GEMMs read the BF16 weight itself, and the weight calls below that take
+  // or make quantized copies are PACKMOE_CHECK errors.
+  virtual bool quantized() const = 0;
+  // Rows of one quantization block of the weight along N (MXFP8 32, NVFP4 16, BF16 1).
+  virtual int64_t shard_unit_rows() const = 0;
+
+  // ---- the weight's quantized copies, (E, N, K) ------------------------------------------------
+  // bf16: E groups of (N, K) BF16 (any layout) -> every copy, one quantize launch over the pack.
+  virtual void quantize_weight(const GroupedStorage& bf16) = 0;
+  // What a low-precision gather carries per element, in image order (GroupedParam's docs).
+  virtual std::vector<PackedComponent> packed_components() const = 0;
+  // NVFP4: the per-expert amax must be agreed on before rows are quantized.
+  virtual bool needs_global_amax() const = 0;
+  // amax[g] = the amax of rows group g (an expert's rows). One launch.
+  virtual void rows_amax(const GroupedMatrices& rows, float* amax) const = 0;
+  // rows (BF16, groups of whole blocks) quantized exactly as the whole pack would be (NVFP4:
+  // with amax[g] of each group's expert) into outputs[c][g]: component c of packed_components(),
+  // group g's first row in its image. One launch.
+  virtual void quantize_rows(const GroupedMatrices& rows, const float* amax,
+                             const std::vector<std::vector<void*>>& outputs) const = 0;
+  // The copies from whole images (+ NVFP4's (E,) amax): copies, the columnwise copy of 2D
+  // weights derived in one launch.
+  virtual void write_packed(const std::vector<const void*>& images, const float* amax) = 0;
+  // The grouped GEMM's weight operands (backend/ops/gemm.h): the quantized copies, or (BF16)
+  // the BF16 weight `bf16`.
+  virtual GemmOperand fprop_weight(const GroupedStorage& bf16) const = 0;  // W rowwise
+  virtual GemmOperand dgrad_weight(const GroupedStorage& bf16) const = 0;  // W columnwise
+  // The allocated copies by name, in the order row_data, row_scale, col_data, col_scale, amax,
+  // decode_scale (for byte comparisons and checkpoints).
+  virtual std::vector<NamedStorage> components() const = 0;
+
+  // ---- activations -----------------------------------------------------------------------------
+  // a: (M, C) BF16 in the backend's memory, rows grouped by m (host counts); its rowwise and
+  // columnwise copies for `role`, one quantize call. M == 0 gives operands of null pointers that
+  // no GEMM reads. sr_offset: NVFP4 gradients' stochastic rounding (ignored otherwise).
+  virtual ActivationCopies activation_copies(TensorRole role, const Tensor& a,
+                                             const std::vector<int64_t>& m,
+                                             uint64_t sr_offset) const = 0;
+
+ protected:
+  LinearRecipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e, int64_t n,
+               int64_t k)
+      : backend_(&backend), q_(q), layout_(layout), e_(e), n_(n), k_(k) {}
+  // Image `src` (E groups of dst.bytes_per_group(), group-major) into dst: one copy (single
+  // layout) or one per expert.
+  void fill(GroupedStorage& dst, const void* src) const;
+  // An activation a (M, C) BF16 as the groups of rows m: the quantizers' input.
+  static GroupedMatrices activation_rows(const Tensor& a, const std::vector<int64_t>& m);
+
+  Backend* backend_;
+  QuantRecipe q_;
+  Layout layout_;
+  int64_t e_, n_, k_;
+};
+
+// The recipe q.recipe names, for an (E, N, K) weight in `backend`'s memory and `layout` (its
+// quantized copies are allocated now).
+std::unique_ptr<LinearRecipe> make_linear_recipe(Backend& backend, const QuantRecipe& q,
+                                                 Layout layout, int64_t e, int64_t n, int64_t k);
+
+}  // namespace packmoe

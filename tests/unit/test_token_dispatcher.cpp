@@ -1,0 +1,89 @@
+// The MoEBlock's TokenDispatcher seam: a dispatcher that moves the expert MLP's rows through memory
+// of its own (as an all-to-all would: fresh buffers both ways) gives bitwise the outputs, input
+// gradients and main_grads of the local identity, in every recipe; it is called once per forward
+// and once per backward in each direction, with the routing plan's padded counts.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <random>
+
+#include "common/moe_block_harness.h"
+#include "nn/token_dispatcher.h"
+
+namespace packmoe {
+namespace {
+
+using testing::bytes_of;
+
+struct Calls {
+  int dispatches = 0, combines = 0;
+  std::vector<int64_t> last_counts;
+};
+
+// Copies rows into a fresh tensor on the way to the experts and on the way back.
+class CopyingDispatcher final : public TokenDispatcher {
+ public:
+  CopyingDispatcher(Backend& b, Calls* calls) : b_(&b), calls_(calls) {}
+  ExpertRows dispatch(const Tensor& rows, const std::vector<int64_t>& counts) override {
+    ++calls_->dispatches;
+    calls_->last_counts = counts;
+    return {copy(rows), counts};
+  }
+  Tensor combine(const Tensor& rows) override {
+    ++calls_->combines;
+    return copy(rows);
+  }
+
+ private:
+  Tensor copy(const Tensor& t) const {
+    Tensor out = Tensor::empty(*b_, t.dtype(), t.shape());
+    if (t.nbytes()) b_->copy(out.data(), t.data(), t.nbytes(), Backend::CopyKind::kDeviceToDevice);
+    return out;
+  }
+  Backend* b_;
+  Calls* calls_;
+};
+
+TEST(TokenDispatcher, ACopyingDispatcherEqualsTheLocalOneBitwise) {
+  Backend& b = cpu_backend();
+  for (Recipe r : {Recipe::kBF16, Recipe::kMxfp8, Recipe::kNvfp4}) {
+    SCOPED_TRACE(recipe_name(r));
+    std::mt19937 rng(777 + static_cast<int>(r));
+    const MoEBlockInit init = testing::make_parity_init(rng);
+    const testing::Case c{r, PrimaryWeight::kLowPrecision, true, false};
+    MoEBlock local(b, testing::parity_config(c, Layout::kSingle), init);
+    MoEBlock seam(b, testing::parity_config(c, Layout::kSingle), init);
+    Calls calls;
+    seam.set_token_dispatcher(std::make_unique<CopyingDispatcher>(b, &calls));
+    for (float mean : {0.0f, 1.0f}) {  // every expert busy, then one starved
+      const Tensor x = testing::random_activation(b, rng, DType::kBF16, mean);   // (T, H)
+      const Tensor dy = testing::random_activation(b, rng, DType::kF32, 0.0f);   // (T, H)
+      EXPECT_TRUE(bytes_of(b, local.forward(x)) == bytes_of(b, seam.forward(x))) << "y";
+      EXPECT_EQ(calls.last_counts, seam.plan().padded_counts);
+      EXPECT_TRUE(bytes_of(b, local.backward(dy, GradAccum::kAccumulate)) ==
+                  bytes_of(b, seam.backward(dy, GradAccum::kAccumulate)))
+          << "dx";
+      const std::vector<GroupedParam*> a = local.params(), s = seam.params();
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_TRUE(a[i]->main_grad().download() == s[i]->main_grad().download())
+            << testing::kParamNames[i] << " main_grad";
+    }
+    EXPECT_EQ(calls.dispatches, 4);  // per micro-batch: xp forward, dyp backward
+    EXPECT_EQ(calls.combines, 4);    // yp forward, dxp backward
+  }
+}
+
+TEST(TokenDispatcher, ChangesOnlyBetweenSteps) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  Backend& b = cpu_backend();
+  std::mt19937 rng(5);
+  const testing::Case c{Recipe::kBF16, PrimaryWeight::kLowPrecision, true, false};
+  MoEBlock block(b, testing::parity_config(c, Layout::kSingle), testing::make_parity_init(rng));
+  block.forward(testing::random_activation(b, rng, DType::kBF16, 0.0f));
+  Calls calls;
+  EXPECT_DEATH(block.set_token_dispatcher(std::make_unique<CopyingDispatcher>(b, &calls)),
+               "only between steps");
+}
+
+}  // namespace
+}  // namespace packmoe
