@@ -527,22 +527,29 @@ Status run_train(const TrainArgs& args) {
   if (comm)
     PACKMOE_RETURN_IF_ERROR(set.trainer->enable_data_parallel(*comm, set.config.gather_mode));
   if (comm && set.start.checkpoint)
-    PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), set.trainer->load_checkpoint(*set.start.checkpoint)));
+    PACKMOE_RETURN_IF_ERROR(
+        agreed(comm.get(), set.trainer->load_checkpoint(*set.start.checkpoint)));
 
   // ---- outputs ----
   const Start& start = set.start;
   const std::optional<train::TrainerCheckpoint>& checkpoint = start.checkpoint;
   const train::TrainConfig& config = set.config;
   const std::optional<ModelConfig> model = set.model;
-  if (rank0 && args.overwrite && !checkpoint)
-    PACKMOE_RETURN_IF_ERROR(io::remove_checkpoints(args.save_dir));
-  std::error_code ec;
-  fs::create_directories(args.out, ec);
-  if (ec) return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
   const std::string config_path = (fs::path(args.out) / "config.json").string();
   const std::string metrics_path = (fs::path(args.out) / "metrics.jsonl").string();
   const std::string plot_path = (fs::path(args.out) / "loss.svg").string();
-  if (rank0) PACKMOE_RETURN_IF_ERROR(train::save_model_config(*model, config_path));
+  // Rank 0 writes; the ranks agree on the outcome, so a failure here ends every rank together.
+  auto write_outputs = [&]() -> Status {
+    if (!rank0) return Status::ok();
+    if (args.overwrite && !checkpoint)
+      PACKMOE_RETURN_IF_ERROR(io::remove_checkpoints(args.save_dir));
+    std::error_code ec;
+    fs::create_directories(args.out, ec);
+    if (ec)
+      return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
+    return train::save_model_config(*model, config_path);
+  };
+  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), write_outputs()));
 
   const train::ParameterCount params = train::parameter_count(*model);
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",

@@ -273,7 +273,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
 
     if (!offsets_it->is_array() || offsets_it->size() != 2 ||
         !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned()) {
-      return tfail("\"data_offsets\" must be two non-negative integers, got " + json_brief(*offsets_it));
+      return tfail("\"data_offsets\" must be two non-negative integers, got " +
+                   json_brief(*offsets_it));
     }
     p.begin = (*offsets_it)[0].get<uint64_t>();
     p.end = (*offsets_it)[1].get<uint64_t>();
