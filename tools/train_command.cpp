@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -20,6 +21,7 @@
 #include "io/hf_weights.h"
 #include "io/output_dir.h"
 #include "io/read_file.h"
+#include "io/state_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
 #include "tools/commands.h"
@@ -391,6 +393,15 @@ Result<SetUp> set_up(const TrainArgs& args, Backend* backend, bool data_parallel
                                       {"optimizer_steps", checkpoint->optimizer_steps}})
       if (Status s = train::check_step_count(name, value); !s)
         return Status::error(state + s.message());
+    // Masters and moments finite, second moments >= 0: found now, not as a NaN loss steps later.
+    PACKMOE_RETURN_IF_ERROR(io::check_finite(
+        checkpoint->masters, (fs::path(checkpoint->dir) / io::kHfWeightsFile).string()));
+    std::set<std::string> second_moments;
+    for (const auto& [name, t] : checkpoint->masters)
+      second_moments.insert(train::exp_avg_sq_name(name));
+    PACKMOE_RETURN_IF_ERROR(io::check_finite(
+        checkpoint->moments, checkpoint->dir + ": AdamW moments",
+        [&](const std::string& name) { return second_moments.count(name) > 0; }));
   }
 
   train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
@@ -467,6 +478,7 @@ Result<SetUp> set_up(const TrainArgs& args, Backend* backend, bool data_parallel
   if (set.start.hf_model) {
     Result<ModelWeights> w = io::load_hf_weights(args.init_from_hf, *model);
     if (!w) return Status::error("--init-from-hf: " + w.status().message());
+    PACKMOE_RETURN_IF_ERROR(io::check_finite(w.value(), "--init-from-hf " + args.init_from_hf));
     hf_weights = std::move(w.value());
   }
 

@@ -239,8 +239,9 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
       }
       continue;
     }
+    const std::string& tensor = name;  // a lambda may not capture a structured binding (clang 14)
     auto tfail = [&](const std::string& problem) {
-      return fail("tensor '" + printable(name) + "': " + problem);
+      return fail("tensor '" + printable(tensor) + "': " + problem);
     };
     if (!value.is_object()) return tfail("header entry is not a JSON object");
     // Other keys are ignored, as the reference reader does.
