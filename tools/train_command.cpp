@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -21,6 +22,7 @@
 #include "io/hf_weights.h"
 #include "io/output_dir.h"
 #include "io/read_file.h"
+#include "io/state_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
 #include "tools/commands.h"
@@ -423,6 +425,15 @@ Result<SetUp> set_up(const TrainArgs& args) {
                                       {"optimizer_steps", checkpoint->optimizer_steps}})
       if (Status s = train::check_step_count(name, value); !s)
         return Status::error(state + s.message());
+    // Masters and moments finite, second moments >= 0: found now, not as a NaN loss steps later.
+    PACKMOE_RETURN_IF_ERROR(io::check_finite(
+        checkpoint->masters, (fs::path(checkpoint->dir) / io::kHfWeightsFile).string()));
+    std::set<std::string> second_moments;
+    for (const auto& [name, t] : checkpoint->masters)
+      second_moments.insert(train::exp_avg_sq_name(name));
+    PACKMOE_RETURN_IF_ERROR(io::check_finite(
+        checkpoint->moments, checkpoint->dir + ": AdamW moments",
+        [&](const std::string& name) { return second_moments.count(name) > 0; }));
   }
 
   train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
@@ -499,6 +510,7 @@ Result<SetUp> set_up(const TrainArgs& args) {
   if (set.start.hf_model) {
     Result<ModelWeights> w = io::load_hf_weights(args.init_from_hf, *model);
     if (!w) return Status::error("--init-from-hf: " + w.status().message());
+    PACKMOE_RETURN_IF_ERROR(io::check_finite(w.value(), "--init-from-hf " + args.init_from_hf));
     hf_weights = std::move(w.value());
   }
 
@@ -573,15 +585,21 @@ Status run_train(const TrainArgs& args) {
   const std::optional<train::TrainerCheckpoint>& checkpoint = start.checkpoint;
   const train::TrainConfig& config = set.config;
   const std::optional<ModelConfig> model = set.model;
-  if (rank0 && args.overwrite && !checkpoint)
-    PACKMOE_RETURN_IF_ERROR(io::remove_checkpoints(args.save_dir));
-  std::error_code ec;
-  fs::create_directories(args.out, ec);
-  if (ec) return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
   const std::string config_path = (fs::path(args.out) / "config.json").string();
   const std::string metrics_path = (fs::path(args.out) / "metrics.jsonl").string();
   const std::string plot_path = (fs::path(args.out) / "loss.svg").string();
-  if (rank0) PACKMOE_RETURN_IF_ERROR(train::save_model_config(*model, config_path));
+  // Rank 0 writes; the ranks agree on the outcome, so a failure here ends every rank together.
+  auto write_outputs = [&]() -> Status {
+    if (!rank0) return Status::ok();
+    if (args.overwrite && !checkpoint)
+      PACKMOE_RETURN_IF_ERROR(io::remove_checkpoints(args.save_dir));
+    std::error_code ec;
+    fs::create_directories(args.out, ec);
+    if (ec)
+      return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
+    return train::save_model_config(*model, config_path);
+  };
+  PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), write_outputs()));
 
   const train::ParameterCount params = train::parameter_count(*model);
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",

@@ -199,7 +199,8 @@ void Communicator::watchdog_loop() {
     if (since != 0 && now_ns() - since > timeout_ns) {
       std::ostringstream why;
       why << "not complete after " << timeout
-          << " s (the watchdog's limit: --comm-timeout or PACKMOE_COMM_TIMEOUT_S): another rank is not in the same call (missing, stuck "
+          << " s (the watchdog's limit: --comm-timeout or PACKMOE_COMM_TIMEOUT_S): another rank "
+             "is not in the same call (missing, stuck "
              "or dead)";
       fail_at(inflight_seq_.load(), call_op_name(inflight_op_.load()), why.str());
     }

@@ -239,8 +239,9 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
       }
       continue;
     }
+    const std::string& tensor = name;  // a lambda may not capture a structured binding (clang 14)
     auto tfail = [&](const std::string& problem) {
-      return fail("tensor '" + printable(name) + "': " + problem);
+      return fail("tensor '" + printable(tensor) + "': " + problem);
     };
     if (!value.is_object()) return tfail("header entry is not a JSON object");
     // Other keys are ignored, as the reference reader does.
@@ -273,7 +274,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<uint8_t> bytes,
 
     if (!offsets_it->is_array() || offsets_it->size() != 2 ||
         !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned()) {
-      return tfail("\"data_offsets\" must be two non-negative integers, got " + json_brief(*offsets_it));
+      return tfail("\"data_offsets\" must be two non-negative integers, got " +
+                   json_brief(*offsets_it));
     }
     p.begin = (*offsets_it)[0].get<uint64_t>();
     p.end = (*offsets_it)[1].get<uint64_t>();

@@ -78,18 +78,26 @@ Result<StateTensors> read_state_tensors(const std::string& path,
     }
     Tensor t = Tensor::empty(cpu_backend(), s.dtype, s.shape);
     if (t.nbytes()) std::memcpy(t.data(), e->bytes.data(), t.nbytes());
-    // Optimizer moments are finite (a NaN would surface steps later, after outputs were written).
-    if (s.dtype == DType::kF32) {
-      const float* v = t.data_as<float>();
-      for (int64_t i = 0; i < t.numel(); ++i)
-        if (!std::isfinite(v[i]))
-          return Status::error(path + ": tensor " + quoted(s.name) + " holds " +
-                               (std::isnan(v[i]) ? "NaN" : "an infinity") + " at element " +
-                               std::to_string(i));
-    }
     out.emplace(s.name, std::move(t));
   }
   return out;
+}
+
+Status check_finite(const std::map<std::string, Tensor>& tensors, const std::string& where,
+                    const std::function<bool(const std::string&)>& non_negative) {
+  for (const auto& [name, t] : tensors) {
+    if (t.dtype() != DType::kF32) continue;
+    const float* v = t.data_as<float>();
+    const bool positive = non_negative && non_negative(name);
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (std::isfinite(v[i]) && !(positive && v[i] < 0)) continue;
+      const char* what = std::isnan(v[i]) ? "NaN" : std::isinf(v[i]) ? "an infinity"
+                                                                    : "a negative value";
+      return Status::error(where + ": tensor " + quoted(name) + " holds " + what + " at element " +
+                           std::to_string(i));
+    }
+  }
+  return Status::ok();
 }
 
 Status write_json_file(const std::string& path, const Json& doc) {

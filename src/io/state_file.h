@@ -4,6 +4,7 @@
 // error line naming the file and the tensor; both writers replace their target atomically.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
@@ -28,6 +29,13 @@ Status write_state_tensors(const std::string& path, const StateTensors& tensors)
 // exactly `expected`: a missing, unexpected, misshapen or other-dtype tensor is an error.
 Result<StateTensors> read_state_tensors(const std::string& path,
                                         std::span<const StateTensorSpec> expected);
+
+// An error naming `where`, the tensor and the element unless every F32 value of `tensors` is
+// finite (and >= 0 where non_negative(name) says so, e.g. AdamW's second moments): loaded
+// masters and moments are checked before a run starts, not found steps later as a NaN loss.
+// The readers above keep every bit as stored; this is the check a run applies to what they read.
+Status check_finite(const std::map<std::string, Tensor>& tensors, const std::string& where,
+                    const std::function<bool(const std::string&)>& non_negative = {});
 
 // Pretty-printed JSON with a final newline, written atomically.
 Status write_json_file(const std::string& path, const nlohmann::json& doc);

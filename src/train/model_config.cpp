@@ -59,9 +59,9 @@ Status positive(const char* name, double v) {
   return Status::error(std::string(name) + " = " + str(v) + " must be positive");
 }
 
-// An upper bound of every weight's element count, and of the parameter count in bytes of FP32 master, gradient and two
-// AdamW moments, fit in int64 (so parameter_count and every allocation size are exact); whether
-// the machine holds them is check_model_fits's question.
+// An upper bound of every weight's element count, and of the parameter count times 16 bytes (FP32
+// master, gradient and two AdamW moments), fit in int64 (so parameter_count and every allocation
+// size are exact); whether the machine holds them is check_model_fits's question.
 Status check_sizes(const ModelConfig& c) {
   const int64_t H = c.hidden_size, hd = c.head_dim;
   const int64_t F = std::max(c.intermediate_size, c.moe_intermediate_size);
@@ -85,9 +85,8 @@ Status check_sizes(const ModelConfig& c) {
 Status check_model_fits(const ModelConfig& c, int64_t bytes_available) {
   const ParameterCount n = parameter_count(c);  // exact: validate() bounded it
   return check_fits(checked_mul(n.total, kBytesPerParameter), bytes_available,
-                    "the model's " + std::to_string(n.total) + " parameters (" +
-                        std::to_string(kBytesPerParameter) +
-                        " bytes each: FP32 master, gradient and two AdamW moments)");
+                    "the model's " + std::to_string(n.total) + " parameters (one FP32 copy, " +
+                        std::to_string(kBytesPerParameter) + " bytes each)");
 }
 
 Status validate(const ModelConfig& c) {
@@ -238,17 +237,20 @@ json model_config_to_json(const ModelConfig& c, DType weights_dtype) {
 
 namespace {
 
-// Never a recursive dump of an untrusted value (core/json_limits.h).
-std::string describe(const json& v) { return json_brief(v); }
+// The type and a short form of the value; never a recursive dump (core/json_limits.h).
+std::string describe(const json& v) {
+  return v.is_structured() ? json_brief(v) : std::string(v.type_name()) + " " + json_brief(v);
+}
 
 // Absent and null both leave the default: HF writes null for unset optional fields.
 Status read_int(const json& j, const char* key, int64_t& out) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return Status::ok();
-  if (!it->is_number_integer() ||
-      (it->is_number_unsigned() && it->get<uint64_t>() > uint64_t{INT64_MAX}))
-    return Status::error(std::string(key) + " must be an integer of at most 2^63 - 1 (got " +
-                         describe(*it) + ")");
+  if (!it->is_number_integer())
+    return Status::error(std::string(key) + " must be an integer (got " + describe(*it) + ")");
+  if (it->is_number_unsigned() && it->get<uint64_t>() > uint64_t{INT64_MAX})
+    return Status::error(std::string(key) + " must be at most 2^63 - 1 (got " + describe(*it) +
+                         ")");
   out = it->get<int64_t>();
   return Status::ok();
 }

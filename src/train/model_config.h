@@ -33,8 +33,10 @@ ParameterCount parameter_count(const ModelConfig& config);
 // "num_key_value_heads = 3 must divide num_attention_heads = 32".
 Status validate(const ModelConfig& config);
 
-// Host bytes a training run holds per parameter at least: FP32 master, gradient, two moments.
-inline constexpr int64_t kBytesPerParameter = 16;
+// Bytes per parameter that any reader or trainer of a model holds at least: one FP32 copy (the
+// masters a checkpoint or Hugging Face reader allocates; the FP32 gradient buffer every training
+// rank holds whole, whatever the sharding). A lower bound, so it never refuses a model that fits.
+inline constexpr int64_t kBytesPerParameter = 4;
 // An error unless the model's parameters (kBytesPerParameter each) fit in `bytes_available`
 // (e.g. host_memory_bytes()): a model too large for the machine is refused before allocation.
 Status check_model_fits(const ModelConfig& config, int64_t bytes_available);

@@ -41,8 +41,9 @@ Status type_error(const std::string& key, const char* want, const json& v) {
 }
 
 Status read(const std::string& key, const json& v, int64_t* out) {
-  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}))
-    return type_error(key, "an integer of at most 2^63 - 1", v);
+  if (!v.is_number_integer()) return type_error(key, "an integer", v);
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX})
+    return type_error(key, "at most 2^63 - 1", v);
   *out = v.get<int64_t>();
   return Status::ok();
 }
@@ -129,10 +130,10 @@ Status check_run_fits(const TrainConfig& c, const ModelConfig& m, int64_t bytes_
       checked_mul(m.num_hidden_layers, m.hidden_size).value_or(-1));
   const std::optional<int64_t> activations =
       per_token ? checked_product({c.micro_batch_size, c.seq_len, *per_token, 4}) : std::nullopt;
+  const int64_t model_bytes =
+      checked_mul(parameter_count(m).total, kBytesPerParameter).value_or(-1);
   const std::optional<int64_t> total =
-      activations ? checked_add(*activations,
-                                checked_mul(parameter_count(m).total, kBytesPerParameter).value_or(-1))
-                  : std::nullopt;
+      activations ? checked_add(*activations, model_bytes) : std::nullopt;
   return check_fits(total, bytes_available,
                     "a micro-batch of " + std::to_string(c.micro_batch_size) + " x " +
                         std::to_string(c.seq_len) + " tokens (activations, with the model)");

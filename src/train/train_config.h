@@ -46,7 +46,7 @@ struct TrainConfig {
 inline constexpr int kMaxStepsBits = 40;  // steps, warmup, decay, eval / log intervals
 inline constexpr int kMaxAccumBits = 20;  // grad_accum_steps, eval_batches
 inline constexpr int kMaxRowsBits = 31;   // micro_batch_size, and its tokens B x S
-inline constexpr int64_t kMaxRanks = int64_t{1} << 20;  // data-parallel ranks, for token counts
+inline constexpr int64_t kMaxRanks = int64_t{1} << 10;  // data-parallel ranks, for token counts
 
 // One error per bad value, naming the field, e.g. "micro_batch_size = 0 must be >= 1";
 // also seq_len <= the model's max_position_embeddings, and the token counts of a micro-batch, a

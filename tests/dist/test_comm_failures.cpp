@@ -137,7 +137,8 @@ TEST(TrainJob, OneRanksSetUpErrorIsPrintedOnceByItAndEndsTheJob) {
   const fs::path dir = train_dir();
   // Rank 1's --data is missing; rank 0's is fine.
   const Outcome o = run_train_job(
-      dir, std::string("D=$DIR/corpus.txt; [ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && D=$DIR/missing.txt; ") +
+      dir, std::string("D=$DIR/corpus.txt; ") +
+               "[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && D=$DIR/missing.txt; " +
                "exec $CLI train --steps 2 --data text:$D --out $DIR/out" + kTrainFlags);
   EXPECT_NE(o.status, 0) << o.output;
   EXPECT_NE(o.status, 124) << "the job hung:\n" << o.output;

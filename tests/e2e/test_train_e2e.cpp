@@ -1,8 +1,8 @@
 // End-to-end training of the tiny preset on the CPU, on the fortunes byte corpus: the loss falls
 // by a stated margin within 30 steps in every recipe; single and discrete layouts give bitwise the
 // same run; train -> eval -> train is bitwise train-only; a run is bitwise reproducible, also with
-// other OpenMP and OpenBLAS thread counts. "Bitwise" compares bytes: losses, grad norms, FP32 masters, AdamW
-// moments.
+// other OpenMP and OpenBLAS thread counts. "Bitwise" compares bytes: losses, grad norms, FP32
+// masters, AdamW moments.
 #include <gtest/gtest.h>
 #include <omp.h>
 

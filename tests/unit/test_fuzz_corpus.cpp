@@ -91,7 +91,8 @@ void run_corpus(const Target& t, int mutations, double budget_s) {
 TEST(FuzzCorpus, EveryParserReturnsOnEveryInput) {
   for (const Target& t : targets()) {
     SCOPED_TRACE(t.name);
-    const bool slow = std::string(t.name) == "trainer_state" || std::string(t.name) == "complete_json";
+    const std::string name = t.name;
+    const bool slow = name == "trainer_state" || name == "complete_json";  // a checkpoint each
     run_corpus(t, slow ? 300 : 3000, 6.0);
   }
 }

@@ -254,17 +254,18 @@ TEST(ModelConfig, EveryValidationError) {
 
   // Not an object / not JSON / no file, and head_dim absent with an indivisible hidden size.
   EXPECT_EQ(parse_model_config("[1, 2]").status().message(),
-            "config.json must be a JSON object (got array [1,2])");
+            "config.json must be a JSON object (got an array of 2 values)");
   EXPECT_NE(parse_model_config("{\"hidden_size\": ")
                 .status()
                 .message()
-                .find("config.json is not valid JSON: "),
+                .find("config.json: not valid JSON: "),
             std::string::npos);
   EXPECT_EQ(
       parse_model_config(R"({"hidden_size": 100, "num_attention_heads": 32})").status().message(),
       "head_dim is absent and hidden_size = 100 is not a multiple of num_attention_heads = 32");
   EXPECT_EQ(load_model_config("/nonexistent/config.json").status().message(),
-            "cannot open model config '/nonexistent/config.json'");
+            "cannot open model config: /nonexistent/config.json: cannot open: No such file or "
+            "directory");
   // A file error names the file.
   fs::path path = temp_dir() / "config.json";
   std::ofstream(path) << R"({"num_experts": 2, "num_experts_per_tok": 3})";
