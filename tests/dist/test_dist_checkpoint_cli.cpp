@@ -174,13 +174,17 @@ TEST_F(DistCheckpointCli, CrashThenResumeWithAnotherRankCountContinuesTheRun) {
 TEST_F(DistCheckpointCli, KilledRankLeavesOnlyCompleteCheckpointsAndTheRunResumes) {
   const fs::path root = dir_ / "ckpt";
   std::mt19937_64 rng(std::random_device{}());
-  const int sleep_ms = 1000 + static_cast<int>(rng() % 1000);
-  const std::string script = ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " +
-                             ctest_env("PACKMOE_CLI") + " " + common(2, 1, 100000) +
-                             " --save-interval 1 --keep-last 3 --save-dir " + root.string() +
-                             " --out " + (dir_ / "out").string() + " > " + (dir_ / "log").string() +
-                             " 2>&1 & m=$!; sleep " + std::to_string(sleep_ms / 1000.0) +
-                             "; kill -9 $(pgrep -P $m | tail -1); wait $m";
+  // The kill lands a random 0-1 s after the first checkpoint exists (a checkpoint is saved every
+  // step, so mostly mid-save); waiting for it rather than a fixed time keeps a loaded machine,
+  // whose start-up takes longer, from killing the job before it saved anything.
+  const int sleep_ms = static_cast<int>(rng() % 1000);
+  const std::string script =
+      ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + ctest_env("PACKMOE_CLI") + " " +
+      common(2, 1, 100000) + " --save-interval 1 --keep-last 3 --save-dir " + root.string() +
+      " --out " + (dir_ / "out").string() + " > " + (dir_ / "log").string() +
+      " 2>&1 & m=$!; for i in $(seq 900); do ls " + root.string() +
+      " 2>/dev/null | grep -q ^step- && break; sleep 0.1; done; sleep " +
+      std::to_string(sleep_ms / 1000.0) + "; kill -9 $(pgrep -P $m | tail -1); wait $m";
   const int status = std::system(("timeout 120 bash -c '" + script + "'").c_str());
   EXPECT_NE(status, 0) << "the killed job must fail";
   int64_t newest = 0;
@@ -194,7 +198,7 @@ TEST_F(DistCheckpointCli, KilledRankLeavesOnlyCompleteCheckpointsAndTheRunResume
     if (c.is_ok()) newest = std::max(newest, c.value().step);
   }
   std::printf(
-      "[dist ckpt cli] killed after %d ms: newest checkpoint step %lld, %d temporary "
+      "[dist ckpt cli] killed %d ms after the first checkpoint: newest checkpoint step %lld, %d temporary "
       "directories left\n",
       sleep_ms, static_cast<long long>(newest), tmp_dirs);
   const RunResult resumed =
