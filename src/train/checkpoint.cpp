@@ -13,10 +13,12 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/backend.h"
+#include "core/json_limits.h"
 #include "io/atomic_file.h"
 #include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
 #include "io/safetensors.h"
+#include "train/train_config.h"
 
 namespace packmoe::train {
 namespace {
@@ -92,7 +94,7 @@ class StateReader {
 
   Status object(const json& j, const std::string& field) const {
     if (j.is_object()) return Status::ok();
-    return error(field + " must be a JSON object (got " + j.dump() + ")");
+    return error(field + " must be a JSON object (got " + json_brief(j) + ")");
   }
   const json* find(const json& j, const std::string& parent, const char* key, Status* s) const {
     auto it = j.find(key);
@@ -112,7 +114,7 @@ class StateReader {
                         v->get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()});
     if (!fits || v->get<int64_t>() < lo)
       return error(parent + key + " must be an integer >= " + std::to_string(lo) + " (got " +
-                   v->dump() + ")");
+                   json_brief(*v) + ")");
     *out = v->get<int64_t>();
     return Status::ok();
   }
@@ -151,7 +153,7 @@ Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* 
     PACKMOE_RETURN_IF_ERROR(r.object(e, at));
     if (!e.contains("name") || e["name"] != specs[p].name)
       return r.error(at + "name must be \"" + specs[p].name + "\" (got " +
-                     (e.contains("name") ? e["name"].dump() : std::string("none")) +
+                     (e.contains("name") ? json_brief(e["name"]) : std::string("none")) +
                      "): a plan of another model");
     ParamGeometry g;
     int64_t offset = 0;
@@ -226,6 +228,11 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
     return r.error("step " + std::to_string(c->step) + " differs from the step " +
                    std::to_string(marker_step) + " of " + io::kCheckpointMarker);
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "optimizer_steps", 0, &c->optimizer_steps));
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"step", c->step}, {"optimizer_steps", c->optimizer_steps}}) {
+    const Status range = check_step_count(name, value);
+    if (!range.is_ok()) return r.error(range.message());
+  }
   PACKMOE_RETURN_IF_ERROR(r.int_at_least(j, "", "world_size", 1, &c->world_size));
   if (c->world_size > kMaxWorldSize)
     return r.error("world_size " + std::to_string(c->world_size) + " is out of range");
