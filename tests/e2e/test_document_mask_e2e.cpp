@@ -3,7 +3,6 @@
 // end-of-document token), its loss falls, and the mask changes the run; bad combinations of the
 // masking flags are one error line.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "common/run_cli.h"
+#include "common/test_files.h"
 #include "train/metrics.h"
 
 namespace fs = std::filesystem;
@@ -21,15 +21,7 @@ using packmoe::test::run_cli;
 
 namespace {
 
-fs::path temp_dir() {
-  const char* env = std::getenv("PACKMOE_TEST_TMP");
-  const fs::path base = env ? fs::path(env) : fs::temp_directory_path();
-  const fs::path dir = base / ("document_mask_" + std::to_string(::getpid()) + "_" +
-                               ::testing::UnitTest::GetInstance()->current_test_info()->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+fs::path temp_dir() { return packmoe::test::make_test_dir("document_mask_"); }
 
 // 400 short fortune-format documents, so every 64-token row crosses document boundaries.
 std::string corpus_flag(const fs::path& dir) {
