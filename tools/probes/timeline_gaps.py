@@ -3,11 +3,12 @@
 
 An iteration runs from one marker record to the next: by default the device-to-host copy of
 1032 bytes with which each MoE layer forward fetches its E + 1 = 129 expert counts
-(bench_moe_block's qwen3 shape). The report is the iteration's span, the time some kernel or copy
+(bench_moe_block's qwen3 shape); with --marker-kernel NAME, the first of each run of kernels whose
+mangled name contains NAME (e.g. adamw_kernel: one training step to the next). The report is the iteration's span, the time some kernel or copy
 ran (busy) and the rest (idle), the largest idle gaps with what followed each, and the busy time
 per kernel (demangled by c++filt when it is installed) or copy.
 
-Usage: timeline_gaps.py TIMELINE [--marker-bytes N] [--iteration I] [--top N]
+Usage: timeline_gaps.py TIMELINE [--marker-bytes N | --marker-kernel NAME] [--iteration I] [--top N]
 """
 import argparse
 import collections
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("timeline")
     ap.add_argument("--marker-bytes", type=int, default=1032,
                     help="bytes of the device-to-host copy that starts each iteration")
+    ap.add_argument("--marker-kernel", default=None,
+                    help="instead: each run of kernels whose mangled name contains this starts one")
     ap.add_argument("--iteration", type=int, default=-2,
                     help="which iteration (Python index over the marker intervals; default: the "
                          "next to last complete one)")
@@ -67,10 +70,15 @@ def main():
     a = ap.parse_args()
 
     records = read_records(a.timeline)
-    marker = "kind2 bytes%d" % a.marker_bytes
-    marks = [i for i, r in enumerate(records) if r[2] == "C" and r[3] == marker]
+    if a.marker_kernel:
+        marker = a.marker_kernel
+        hit = [r[2] == "K" and marker in r[3] for r in records]
+        marks = [i for i in range(len(records)) if hit[i] and (i == 0 or not hit[i - 1])]
+    else:
+        marker = "kind2 bytes%d" % a.marker_bytes
+        marks = [i for i, r in enumerate(records) if r[2] == "C" and r[3] == marker]
     if len(marks) < 2:
-        sys.exit("timeline_gaps: fewer than two '%s' copies in %s" % (marker, a.timeline))
+        sys.exit("timeline_gaps: fewer than two '%s' markers in %s" % (marker, a.timeline))
     intervals = list(zip(marks, marks[1:]))
     first, last = intervals[a.iteration]
     segment = records[first:last]
