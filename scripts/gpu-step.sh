@@ -60,7 +60,7 @@ for p in $presets; do
       tps=$(sed -nE 's/.*tokens\/s: ([0-9]+).*/\1/p' <<<"$line")
       mem=$(grep -oE "peak [^|]*" <<<"$line" | head -1)
       label=packmoe-$r; [ ${#tl[@]} -gt 0 ] && label="packmoe-$r(traced)"
-      row "$p ga$ga $label|${ms:-FAILED}|${tps:-0}|${mem:--}")
+      row "$p ga$ga $label|${ms:-FAILED}|${tps:-0}|${mem:--}"
       if [ ${#tl[@]} -gt 0 ] && [ -s "$corpus/tl.txt" ]; then
         python3 tools/probes/timeline_gaps.py "$corpus/tl.txt" --marker-kernel adamw_kernel --top 30 \
           >"$OUT/timeline_${p}_ga$ga.txt" 2>&1
@@ -75,7 +75,7 @@ for p in $presets; do
       ms=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$j" 2>/dev/null)
       tps=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["tokens_per_s"])' "$j" 2>/dev/null)
       mem=$(python3 -c 'import json,sys; print("peak %s GiB" % json.loads(sys.argv[1])["peak_mem_GiB"])' "$j" 2>/dev/null)
-      row "$p ga$ga torch-$m|${ms:-FAILED}|${tps:-0}|${mem:--}")
+      row "$p ga$ga torch-$m|${ms:-FAILED}|${tps:-0}|${mem:--}"
     done
   done
 done
