@@ -32,4 +32,20 @@ PACKMOE_HD Acc sum_r32(int64_t n, Term term) {
   return lane[0];
 }
 
+// Blocked R32 over rows r = 0..n-1 (reductions across many rows, e.g. a norm weight's gradient):
+// rows are cut into blocks of kReduceRowBlock; block b's partial is the R32 sum of its rows'
+// terms; the result is the sequential sum of the partials in block order (acc = +0, then
+// acc = acc + partial_b). A GPU reduces the blocks in parallel; the bits depend on n alone.
+inline constexpr int64_t kReduceRowBlock = 1024;
+
+template <typename Acc = float, typename Term>
+PACKMOE_HD Acc sum_blocked_r32(int64_t n, Term term) {
+  Acc acc = 0;
+  for (int64_t b0 = 0; b0 < n; b0 += kReduceRowBlock) {
+    const int64_t len = n - b0 < kReduceRowBlock ? n - b0 : kReduceRowBlock;
+    acc = acc + sum_r32<Acc>(len, [&](int64_t i) { return term(b0 + i); });
+  }
+  return acc;
+}
+
 }  // namespace packmoe

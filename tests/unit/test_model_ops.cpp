@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -364,6 +365,32 @@ TEST(ModelOps, Errors) {
   expect_error(validate_cross_entropy_backward(cb), "dloss");
   c.loss = nullptr;
   expect_error(validate_cross_entropy(c), "loss is null");
+}
+
+// dweight's order, written out here with plain loops (backend/reduce_order.h's definition):
+// blocks of 1024 rows, 32 strided lanes per block, the halving tree, then the block partials in
+// order. N = 2500: two full blocks and a partial one.
+TEST(ModelOps, RmsNormDweightBlockedOrder) {
+  std::mt19937 rng(fresh_seed());
+  const int64_t N = 2500, D = 3;
+  const auto x = randn(N * D, rng), w = randn(D, rng), dy = randn(N * D, rng);
+  std::vector<float> y(N * D), rstd(N), dx(N * D), dw(D);
+  ASSERT_TRUE(rms_norm_cpu({N, D, 1e-6f, x.data(), w.data(), y.data(), rstd.data()}).is_ok());
+  ASSERT_TRUE(rms_norm_backward_cpu(
+                  {N, D, x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data()})
+                  .is_ok());
+  for (int64_t d = 0; d < D; ++d) {
+    float total = 0.0f;
+    for (int64_t b0 = 0; b0 < N; b0 += 1024) {
+      float lane[32] = {};
+      for (int64_t r = b0; r < std::min(N, b0 + 1024); ++r)
+        lane[(r - b0) % 32] += dy[r * D + d] * (x[r * D + d] * rstd[r]);
+      for (int off = 16; off >= 1; off /= 2)
+        for (int l = 0; l < off; ++l) lane[l] += lane[l + off];
+      total += lane[0];
+    }
+    EXPECT_EQ(std::memcmp(&total, &dw[d], sizeof(float)), 0) << d << ": " << total << " vs " << dw[d];
+  }
 }
 
 TEST(ModelOps, BackwardThreadCountIndependence) {

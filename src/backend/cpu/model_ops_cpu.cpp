@@ -136,10 +136,11 @@ Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
       for (int64_t d = 0; d < D; ++d) dx[d] = (g[d] - n[d] * c) * rstd;
     }
   }
-  // dweight: one column per iteration, rows in the R32 order (strided reads; a reference only).
+  // dweight: one column per iteration, rows in the blocked R32 order (strided reads; a reference
+  // only).
 #pragma omp parallel for schedule(static)
   for (int64_t d = 0; d < D; ++d)
-    a.dweight[d] = sum_r32(a.rows, [&](int64_t r) {
+    a.dweight[d] = sum_blocked_r32(a.rows, [&](int64_t r) {
       return a.dy[r * D + d] * (a.x[r * D + d] * a.rstd[r]);
     });
   return Status::ok();

@@ -161,26 +161,29 @@ __global__ void __launch_bounds__(Config::kThreads)
   }
 }
 
-// dweight: CTA = 32 columns; warp w is R32 lane w over the rows (r = w, w + 32, ...), lane x its
-// column, so each warp load is 32 contiguous floats. The tree runs in shared memory.
+// dweight, stage 1: CTA (column block of 32, row block b of kReduceRowBlock rows); warp w is R32
+// lane w over the block's rows (r = b0 + w, b0 + w + 32, ...), lane x its column, so each warp
+// load is 32 contiguous floats; the tree runs in shared memory. partial: (blocks, D).
 __global__ void __launch_bounds__(Config::kColThreads)
-    rms_norm_backward_dweight_kernel(const __grid_constant__ RmsNormBackwardArgs a) {
+    rms_norm_dweight_blocks_kernel(const __grid_constant__ RmsNormBackwardArgs a, float* partial) {
   __shared__ float red[32][33];
   const int x = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int64_t D = a.dim, N = a.rows;
+  const int64_t D = a.dim;
   const int64_t d = static_cast<int64_t>(blockIdx.x) * 32 + x;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.y) * kReduceRowBlock;
+  const int64_t end = a.rows - b0 < kReduceRowBlock ? a.rows : b0 + kReduceRowBlock;
   auto term = [&](int64_t r) { return a.dy[r * D + d] * (a.x[r * D + d] * a.rstd[r]); };
   float acc = 0.0f;
   if (d < D) {
-    int64_t r = w;
-    for (; r + 96 < N; r += 128) {  // four rows' loads in flight ahead of the ordered adds
+    int64_t r = b0 + w;
+    for (; r + 96 < end; r += 128) {  // four rows' loads in flight ahead of the ordered adds
       const float t0 = term(r), t1 = term(r + 32), t2 = term(r + 64), t3 = term(r + 96);
       acc = acc + t0;
       acc = acc + t1;
       acc = acc + t2;
       acc = acc + t3;
     }
-    for (; r < N; r += 32) acc = acc + term(r);
+    for (; r < end; r += 32) acc = acc + term(r);
   }
   red[w][x] = acc;
   __syncthreads();
@@ -188,7 +191,17 @@ __global__ void __launch_bounds__(Config::kColThreads)
     if (w < off) red[w][x] = red[w][x] + red[w + off][x];
     __syncthreads();
   }
-  if (w == 0 && d < D) a.dweight[d] = red[0][x];
+  if (w == 0 && d < D) partial[blockIdx.y * D + d] = red[0][x];
+}
+
+// dweight, stage 2: one thread per column, the block partials in block order from +0.
+__global__ void __launch_bounds__(Config::kThreads)
+    rms_norm_dweight_sum_kernel(const float* partial, int64_t blocks, int64_t D, float* dweight) {
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (d >= D) return;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) acc = acc + partial[b * D + d];
+  dweight[d] = acc;
 }
 
 // ---- RoPE ---------------------------------------------------------------------------------------
@@ -350,8 +363,16 @@ Status rms_norm_backward_sm90(CudaBackend& be, const RmsNormBackwardArgs& a) {
   rms_norm_backward_dx_kernel<<<blocks_for(a.rows, Config::kWarps), Config::kThreads, 0,
                                 be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  rms_norm_backward_dweight_kernel<<<blocks_for(a.dim, 32), Config::kColThreads, 0, be.stream()>>>(
-      a);
+  const int64_t blocks = (a.rows + kReduceRowBlock - 1) / kReduceRowBlock;
+  if (blocks > 65535)
+    return Status::error("rms_norm_backward: " + std::to_string(a.rows) + " rows exceed " +
+                         std::to_string(65535 * kReduceRowBlock) + " (the dweight grid)");
+  auto* partial = static_cast<float*>(be.workspace(blocks * a.dim * sizeof(float)));  // (blocks, D)
+  rms_norm_dweight_blocks_kernel<<<dim3(blocks_for(a.dim, 32), static_cast<unsigned>(blocks)),
+                                   Config::kColThreads, 0, be.stream()>>>(a, partial);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  rms_norm_dweight_sum_kernel<<<blocks_for(a.dim, Config::kThreads), Config::kThreads, 0,
+                                be.stream()>>>(partial, blocks, a.dim, a.dweight);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

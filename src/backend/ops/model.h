@@ -105,7 +105,7 @@ struct RmsNormArgs {
 //   g[d]     = dy[d] * weight[d]
 //   c        = (R32 sum_d g[d] * n[d]) / float(D)
 //   dx[d]    = (g[d] - n[d] * c) * rstd[r]
-//   dweight[d] = R32 sum over rows r of dy[r, d] * n[r, d]
+//   dweight[d] = blocked R32 sum (backend/reduce_order.h) over rows r of dy[r, d] * n[r, d]
 struct RmsNormBackwardArgs {
   int64_t rows = 0;               // N
   int64_t dim = 0;                // D
