@@ -1,6 +1,9 @@
 // Model: builds the layers from a ModelWeights map and runs the decoder's forward / backward.
-// The host only checks the batch, builds the RoPE table and reads back the losses.
+// The host only checks the batch and builds the RoPE table; the losses stay in the backend's
+// memory until the caller reads them (read_losses), so a micro-batch never waits on the device.
 #include "nn/model.h"
+
+#include <cstring>
 
 #include "nn/decoder_layer.h"
 #include "nn/layer_ops.h"
@@ -217,6 +220,12 @@ void Model::set_grad_sr_offset(uint64_t offset) {
 }
 
 Result<ForwardLosses> Model::forward(const Batch& batch) {
+  Result<QueuedLosses> queued = queue_forward(batch);
+  if (!queued) return queued.status();
+  return read_losses(*backend_, {queued.value()})[0];
+}
+
+Result<QueuedLosses> Model::queue_forward(const Batch& batch) {
   const ModelConfig& c = config_;
   const int64_t B = batch.batch, S = batch.seq, T = B * S, V = c.vocab_size;
   if (B <= 0 || S <= 0)
@@ -281,16 +290,21 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   e.out = x.data_as<float>();
   check_op(ops::embedding(b, e), "embedding");
 
-  ForwardLosses losses;
+  QueuedLosses losses;
   losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
+  losses.values = Tensor::empty(b, DType::kI64, {2});  // lm F32 | aux F32 | target tokens I64
+  b.fill_zero(losses.values.data(), losses.values.nbytes());
+  float* const loss_values = losses.values.data_as<float>();
   for (auto& layer : m.layers) {
     x = layer->forward(x, B, S, m.rope);
-    if (layer->moe() && losses.aux_coef != 0.0f) losses.aux_loss += layer->moe()->aux_loss();
+    if (layer->moe() && losses.aux_coef != 0.0f) {  // aux += the layer's, in layer order
+      const Segments<float> aux{{loss_values + 1}, 1};
+      const Segments<const float> layer_aux{{layer->moe()->aux_loss_device().data_as<const float>()}, 1};
+      check_op(ops::add_f32(b, aux, layer_aux), "aux loss sum");
+    }
   }
   m.logits = m.lm_head->forward(to_bf16(b, m.final_norm->forward(x)), {T});  // (T, V)
 
-  const Tensor loss = Tensor::empty(b, DType::kF32, {1});
-  const Tensor valid = Tensor::empty(b, DType::kI64, {1});
   m.ce_max = Tensor::empty(b, DType::kF32, {T});
   m.ce_sum = Tensor::empty(b, DType::kF32, {T});
   CrossEntropyArgs ce;
@@ -298,15 +312,36 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   ce.vocab = V;
   ce.logits = m.logits.data_as<const float>();
   ce.targets = m.targets.data_as<const int32_t>();
-  ce.loss = loss.data_as<float>();
-  ce.valid = valid.data_as<int64_t>();
+  ce.loss = loss_values;
+  ce.valid = losses.values.data_as<int64_t>() + 1;
   ce.row_max = m.ce_max.data_as<float>();
   ce.row_sum = m.ce_sum.data_as<float>();
   check_op(ops::cross_entropy(b, ce), "cross_entropy");
-  b.copy(&losses.lm_loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
-  b.copy(&losses.target_tokens, valid.data(), sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
   state_ = ModelState::kForwardDone;
   return losses;
+}
+
+std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued) {
+  constexpr size_t kBytes = 2 * sizeof(int64_t);  // one QueuedLosses::values
+  std::vector<uint8_t> host(queued.size() * kBytes);
+  if (queued.size() == 1) {
+    b.copy(host.data(), queued[0].values.data(), kBytes, Backend::CopyKind::kDeviceToHost);
+  } else if (!queued.empty()) {  // gathered on the device first: one wait for all of them
+    const Tensor all = Tensor::empty(b, DType::kI64, {static_cast<int64_t>(2 * queued.size())});
+    for (size_t i = 0; i < queued.size(); ++i)
+      b.copy(all.data_as<uint8_t>() + i * kBytes, queued[i].values.data(), kBytes,
+             Backend::CopyKind::kDeviceToDevice);
+    b.copy(host.data(), all.data(), host.size(), Backend::CopyKind::kDeviceToHost);
+  }
+  std::vector<ForwardLosses> out(queued.size());
+  for (size_t i = 0; i < queued.size(); ++i) {
+    const uint8_t* v = host.data() + i * kBytes;
+    std::memcpy(&out[i].lm_loss, v, sizeof(float));
+    std::memcpy(&out[i].aux_loss, v + sizeof(float), sizeof(float));
+    std::memcpy(&out[i].target_tokens, v + sizeof(int64_t), sizeof(int64_t));
+    out[i].aux_coef = queued[i].aux_coef;
+  }
+  return out;
 }
 
 void Model::backward(float loss_scale) {

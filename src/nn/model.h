@@ -88,6 +88,15 @@ struct ForwardLosses {
   float total() const { return lm_loss + aux_coef * aux_loss; }
 };
 
+// The losses of one micro-batch in the backend's memory (Model::queue_forward): nothing waited for
+// them. read_losses brings any number of them to the host with one wait.
+struct QueuedLosses {
+  Tensor values;  // (2,) I64: lm_loss F32 | aux_loss F32 (0 without the aux loss) | target_tokens I64
+  float aux_coef = 0;
+};
+// The host values of `queued`, in order (a trainer: once per optimizer step).
+std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued);
+
 class DecoderLayer;   // nn/decoder_layer.h
 class GroupedLinear;  // nn/grouped_linear.h
 
@@ -136,9 +145,11 @@ class Model {
   // whole random state of a run, so a checkpoint needs none.
   void set_grad_sr_offset(uint64_t offset);
 
-  // Forward of one micro-batch; returns its losses (one host sync). Allowed from any state: a
-  // forward never followed by backward (eval) is dropped by the next forward. Bad ids / targets
-  // are a Status error before anything is computed.
+  // Forward of one micro-batch; returns its losses in the backend's memory (no host wait).
+  // Allowed from any state: a forward never followed by backward (eval) is dropped by the next
+  // forward. Bad ids / targets are a Status error before anything is computed.
+  Result<QueuedLosses> queue_forward(const Batch& batch);
+  // The same, then the losses read on the host (one wait).
   Result<ForwardLosses> forward(const Batch& batch);
   // Backward of the last forward for the loss loss_scale * (lm_loss + coef * aux_loss): every
   // gradient is ADDED into its main_grad. Only from kForwardDone (-> kIdle).
