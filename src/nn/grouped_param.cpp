@@ -261,9 +261,12 @@ void GroupedParam::write_primary_from_packed(const std::vector<const void*>& ima
                 "write_primary_from_packed: " << images.size() << " images for " << comps.size()
                                               << " components");
   if (keeps_bf16()) {
-    for (int64_t e = 0; e < e_; ++e)
-      backend_->copy(bf16_.group(e), static_cast<const uint8_t*>(images[0]) + e * n_ * k_ * 2,
-                     n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
+    if (bf16_.layout() == Layout::kSingle)  // the image is (E, N, K) packed too: one copy
+      backend_->copy(bf16_.packed(), images[0], e_ * n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
+    else
+      for (int64_t e = 0; e < e_; ++e)
+        backend_->copy(bf16_.group(e), static_cast<const uint8_t*>(images[0]) + e * n_ * k_ * 2,
+                       n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
     compute_state_ = quantized() ? ComputeCopyState::kStale : ComputeCopyState::kCurrent;
     primary_state_ = PrimaryState::kCurrent;
     return;

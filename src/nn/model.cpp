@@ -339,27 +339,18 @@ void Model::backward(float loss_scale) {
     grad_ready(m.layer_params[i].first, m.layer_params[i].second);
   }
 
-  // The table's gradient is summed over this micro-batch's tokens from zero, then added to
-  // main_grad as one sum, as the GEMM epilogues add theirs: so N data-parallel ranks, each adding
-  // its micro-batch's sum, give bitwise what one process accumulating the N micro-batches gives
-  // (docs/dist.md; tied, the LM head's sum lands between them and only the bound holds).
-  const Tensor dtable = Tensor::empty(b, DType::kF32, {V, H});
-  b.fill_zero(dtable.data(), dtable.nbytes());
+  // The op sums each row's tokens of this micro-batch from zero, then adds the sum to main_grad,
+  // as the GEMM epilogues add theirs: so N data-parallel ranks, each adding its micro-batch's sum,
+  // give bitwise what one process accumulating the N micro-batches gives (docs/dist.md; tied, the
+  // LM head's sum lands between them and only the bound holds).
   EmbeddingBackwardArgs eb;
   eb.tokens = T;
   eb.vocab = V;
   eb.hidden = H;
   eb.ids = m.ids.data_as<const int32_t>();
   eb.dout = dx.data_as<const float>();
-  eb.dtable = dtable.data_as<float>();
+  eb.dtable = f32_grad(m.embedding());
   check_op(ops::embedding_backward(b, eb), "embedding_backward");
-  Segments<float> grad;
-  grad.ptr.push_back(f32_grad(m.embedding()));
-  grad.n = V * H;
-  Segments<const float> sum;
-  sum.ptr.push_back(dtable.data_as<const float>());
-  sum.n = V * H;
-  check_op(ops::add_f32(b, grad, sum), "embedding gradient accumulation");
   grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;
 }

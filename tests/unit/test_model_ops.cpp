@@ -367,6 +367,30 @@ TEST(ModelOps, Errors) {
   expect_error(validate_cross_entropy(c), "loss is null");
 }
 
+// embedding_backward adds each id's sum (from +0, ascending t) onto a non-zero table; rows of ids
+// that do not occur keep their bits.
+TEST(ModelOps, EmbeddingBackwardAddsEachIdsSum) {
+  std::mt19937 rng(fresh_seed());
+  const int64_t T = 40, V = 9, H = 5;
+  const auto dout = randn(T * H, rng), table0 = randn(V * H, rng);
+  std::vector<int32_t> ids(T);
+  for (int64_t t = 0; t < T; ++t) ids[t] = static_cast<int32_t>(rng() % (V - 2));  // V-2, V-1 unused
+  std::vector<float> dtable = table0;
+  ASSERT_TRUE(embedding_backward_cpu({T, V, H, ids.data(), dout.data(), dtable.data()}).is_ok());
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t h = 0; h < H; ++h) {
+      float sum = 0.0f;
+      bool seen = false;
+      for (int64_t t = 0; t < T; ++t)
+        if (ids[t] == v) {
+          sum += dout[t * H + h];
+          seen = true;
+        }
+      const float want = seen ? table0[v * H + h] + sum : table0[v * H + h];
+      EXPECT_EQ(std::memcmp(&want, &dtable[v * H + h], sizeof(float)), 0) << v << "," << h;
+    }
+}
+
 // dweight's order, written out here with plain loops (backend/reduce_order.h's definition):
 // blocks of 1024 rows, 32 strided lanes per block, the halving tree, then the block partials in
 // order. N = 2500: two full blocks and a partial one.

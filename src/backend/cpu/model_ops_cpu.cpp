@@ -88,16 +88,24 @@ Status embedding_cpu(const EmbeddingArgs& a) {
 
 Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_ids("embedding_backward", a.ids, a.tokens, a.vocab));
-  const int64_t H = a.hidden;
-  constexpr int64_t kBlock = 64;  // columns per thread task: t stays ascending inside each column
-  const int64_t blocks = (H + kBlock - 1) / kBlock;
+  const int64_t H = a.hidden, T = a.tokens;
+  // The token positions grouped by id, ascending t inside each id (a stable sort by id).
+  std::vector<int64_t> order(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return a.ids[x] < a.ids[y]; });
+  std::vector<int64_t> starts;  // first position of each id's segment in `order`
+  for (int64_t p = 0; p < T; ++p)
+    if (p == 0 || a.ids[order[p]] != a.ids[order[p - 1]]) starts.push_back(p);
+  const int64_t segments = static_cast<int64_t>(starts.size());
 #pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t h0 = blk * kBlock, h1 = std::min(H, h0 + kBlock);
-    for (int64_t t = 0; t < a.tokens; ++t) {
-      float* dst = a.dtable + static_cast<int64_t>(a.ids[t]) * H;  // (H)
-      const float* src = a.dout + t * H;                             // (H)
-      for (int64_t h = h0; h < h1; ++h) dst[h] = dst[h] + src[h];
+  for (int64_t g = 0; g < segments; ++g) {
+    const int64_t p0 = starts[g], p1 = g + 1 < segments ? starts[g + 1] : T;
+    float* dst = a.dtable + static_cast<int64_t>(a.ids[order[p0]]) * H;  // (H)
+    for (int64_t h = 0; h < H; ++h) {
+      float s = 0.0f;
+      for (int64_t p = p0; p < p1; ++p) s = s + a.dout[order[p] * H + h];
+      dst[h] = dst[h] + s;
     }
   }
   return Status::ok();

@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(Config::kThreads)
 }
 
 // After the stable sort of (id, t) by id: the thread of a segment's first position p sums column h
-// of its tokens in sorted (= increasing t) order onto dtable; the others return.
+// of its tokens in sorted (= increasing t) order from +0 and adds the sum onto dtable; the others
+// return.
 __global__ void __launch_bounds__(Config::kThreads)
     embedding_backward_kernel(const uint32_t* sorted_ids, const int32_t* sorted_t, int64_t tokens,
                               int64_t hidden, const float* dout, float* dtable) {
@@ -116,10 +117,10 @@ __global__ void __launch_bounds__(Config::kThreads)
   const uint32_t v = sorted_ids[p];
   if (p > 0 && sorted_ids[p - 1] == v) return;
   float* dst = dtable + static_cast<int64_t>(v) * hidden + h;
-  float acc = *dst;
+  float acc = 0.0f;
   for (int64_t q = p; q < tokens && sorted_ids[q] == v; ++q)
     acc = acc + dout[static_cast<int64_t>(sorted_t[q]) * hidden + h];
-  *dst = acc;
+  *dst = *dst + acc;
 }
 
 // ---- RMSNorm ------------------------------------------------------------------------------------

@@ -52,14 +52,19 @@ struct AdamWArgs {
   Segments<float> exp_avg;     // m, in place
   Segments<float> exp_avg_sq;  // v, in place
   Segments<const float> grad;  // main_grad
+  // Optional (no pointers: none): bf16[i] = f32_to_bf16(updated param[i]) (RNE), the bytes
+  // cast_f32_to_bf16 of the updated param would write, in the same pass.
+  Segments<uint16_t> bf16;
 };
 
 // Sum of squares for the global gradient norm, in FP64 (each x * x is exact in FP64: 24-bit
 // significands multiply into 48 bits). Each segment is cut into chunks of kSumSquaresChunk
 // elements (the last may be shorter); a chunk's sum is the R32 sum of reduce_order.h over its
-// elements' squares, in FP64; the result is the sequential FP64 sum (from +0) of the chunk sums in
-// (segment, chunk) order. Zero segments or n = 0 give +0.
-inline constexpr int64_t kSumSquaresChunk = 65536;
+// elements' squares, in FP64; the result is the R32 sum, in FP64, of the chunk sums in (segment,
+// chunk) order. Zero segments or n = 0 give +0. (The chunk is short enough that a 100M-parameter
+// model's gradient has thousands of chunks for the GPU's warps to share; the second R32 level keeps
+// the sum over a 3B model's 10^5 or so chunks a warp-wide job.)
+inline constexpr int64_t kSumSquaresChunk = 4096;
 
 // Same segment count and length everywhere; touches no memory.
 Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t> counts,

@@ -67,10 +67,13 @@ struct EmbeddingArgs {
   float* out = nullptr;           // (T, H)
 };
 
-// Backward: dtable is ADDED into (the table's gradient can collect several calls, and zeroing all
-// of (V, H) per call would cost more than the op): for every (v, h), in increasing t over the
-// tokens with ids[t] = v:  dtable[v, h] = dtable[v, h] + dout[t, h]. A scatter in a fixed order, no
-// atomics (a CUDA version sorts the (id, t) pairs and sums each id's segment in t order).
+// Backward: the call's sum is ADDED into dtable (the table's gradient collects several calls, and
+// zeroing all of (V, H) per call would cost more than the op): for every (v, h) with some token of
+// id v, s = +0, then s = s + dout[t, h] in increasing t over the tokens with ids[t] = v, then
+// dtable[v, h] = dtable[v, h] + s; rows of ids that do not occur are not touched. So one call over
+// N micro-batches' tokens and N calls give different sums, but N data-parallel ranks each adding
+// its call's s give what one process adding N calls' s gives. A scatter in a fixed order, no
+// atomics (both backends sort the (id, t) pairs and sum each id's segment in t order).
 struct EmbeddingBackwardArgs {
   int64_t tokens = 0;            // T
   int64_t vocab = 0;             // V
