@@ -292,7 +292,8 @@ TEST(CudaModelOps, SumSquares) {
   struct Case {
     int64_t G, n;
   };
-  // Zero segments, empty segments, n around the chunk size, more segments than travel inline.
+  // Zero segments, empty segments, n around the chunk size, more segments than travel inline,
+  // more chunks than one group.
   for (const Case& c : std::vector<Case>{{0, 10},
                                          {1, 0},
                                          {3, 0},
@@ -302,7 +303,8 @@ TEST(CudaModelOps, SumSquares) {
                                          {2, 65537},
                                          {9, 1000},
                                          {2, 200001},
-                                         {20, 70001}}) {
+                                         {20, 70001},
+                                         {3, 2000001}}) {  // 1467 chunks: two groups
     Twin<float> x(*gpu, rand_floats(c.G * c.n, rng, 2.0f));  // (G, n) packed, odd n unaligned
     Twin<double> out(*gpu, 1);
     Segments<const float> hs, ds;

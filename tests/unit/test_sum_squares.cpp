@@ -71,8 +71,8 @@ double chunk_by_lanes(const float* x, int64_t n) {
   return by_lanes(n, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; });
 }
 
-// Chunks of kSumSquaresChunk per segment; the tree again over the chunk sums in (segment, chunk)
-// order.
+// Chunks of kSumSquaresChunk per segment; the chunk sums in (segment, chunk) order in groups of
+// kSumSquaresGroup, the tree over each group, then the tree over the group sums.
 double by_chunks(const std::vector<std::vector<float>>& segs) {
   std::vector<double> partial;
   for (const std::vector<float>& s : segs)
@@ -81,7 +81,13 @@ double by_chunks(const std::vector<std::vector<float>>& segs) {
           std::min<int64_t>(kSumSquaresChunk, static_cast<int64_t>(s.size() - first));
       partial.push_back(chunk_by_lanes(s.data() + first, len));
     }
-  return by_lanes(static_cast<int64_t>(partial.size()), [&](int64_t c) { return partial[c]; });
+  std::vector<double> group;
+  for (size_t first = 0; first < partial.size(); first += kSumSquaresGroup) {
+    const int64_t len =
+        std::min<int64_t>(kSumSquaresGroup, static_cast<int64_t>(partial.size() - first));
+    group.push_back(by_lanes(len, [&](int64_t c) { return partial[first + c]; }));
+  }
+  return by_lanes(static_cast<int64_t>(group.size()), [&](int64_t g) { return group[g]; });
 }
 
 Segments<const float> segments_of(const std::vector<std::vector<float>>& segs) {
@@ -106,7 +112,7 @@ TEST(SumSquares, ChunkR32OrderBitwise) {
     size_t n;
   };
   // Below, at and above one lane round and one chunk; several chunks per segment; more than 32
-  // chunks (the second tree's lanes loop).
+  // chunks (the second tree's lanes loop); one whole group; more than one group.
   for (const Case& c : std::vector<Case>{{1, 1},
                                          {1, 31},
                                          {2, 33},
@@ -114,7 +120,10 @@ TEST(SumSquares, ChunkR32OrderBitwise) {
                                          {1, static_cast<size_t>(kSumSquaresChunk)},
                                          {2, static_cast<size_t>(kSumSquaresChunk) + 1},
                                          {3, 3 * static_cast<size_t>(kSumSquaresChunk) - 7},
-                                         {2, 40 * static_cast<size_t>(kSumSquaresChunk) + 5}}) {
+                                         {2, 40 * static_cast<size_t>(kSumSquaresChunk) + 5},
+                                         {1, static_cast<size_t>(kSumSquaresChunk * kSumSquaresGroup)},
+                                         {2, static_cast<size_t>(kSumSquaresChunk *
+                                                                 (kSumSquaresGroup + 40)) + 3}}) {
     const std::vector<std::vector<float>> segs = rand_segments(c.groups, c.n, rng);
     double got = -1.0;
     ASSERT_TRUE(sum_squares_cpu(segments_of(segs), &got).is_ok());

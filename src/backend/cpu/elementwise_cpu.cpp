@@ -52,7 +52,12 @@ Status sum_squares_cpu(const Segments<const float>& x, double* out) {
       return v * v;
     });
   }
-  *out = sum_r32<double>(chunks, [&](int64_t c) { return partial[c]; });
+  const int64_t groups = (chunks + kSumSquaresGroup - 1) / kSumSquaresGroup;
+  *out = sum_r32<double>(groups, [&](int64_t g) {
+    const int64_t first = g * kSumSquaresGroup;
+    return sum_r32<double>(std::min(kSumSquaresGroup, chunks - first),
+                           [&](int64_t c) { return partial[first + c]; });
+  });
   return Status::ok();
 }
 

@@ -209,11 +209,26 @@ __global__ void __launch_bounds__(Config::kThreads)
   if (lane == 0) partial[c] = acc;
 }
 
-// sum_squares, stage 2: one warp, the R32 sum of the partials in (segment, chunk) order: lane l
-// adds partials l, l + 32, ... (coalesced), then the butterfly.
-__global__ void sum_squares_total_kernel(const double* partial, int64_t chunks, double* out) {
+// sum_squares, stage 2: one warp per group of kSumSquaresGroup chunk sums, their R32 sum (lane l
+// adds chunk sums l, l + 32, ... of the group, coalesced, then the butterfly) into group_sum.
+__global__ void __launch_bounds__(Config::kThreads)
+    sum_squares_groups_kernel(const double* partial, int64_t chunks, int64_t groups,
+                              double* group_sum) {
+  const int lane = threadIdx.x & 31;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (g >= groups) return;
+  const int64_t first = g * kSumSquaresGroup;
+  const int64_t n = chunks - first < kSumSquaresGroup ? chunks - first : kSumSquaresGroup;
   double acc = 0.0;
-  for (int64_t c = threadIdx.x; c < chunks; c += 32) acc = acc + partial[c];
+  for (int64_t c = lane; c < n; c += 32) acc = acc + partial[first + c];
+  acc = r32_butterfly(acc);
+  if (lane == 0) group_sum[g] = acc;
+}
+
+// sum_squares, stage 3: one warp, the R32 sum of the group sums.
+__global__ void sum_squares_total_kernel(const double* group_sum, int64_t groups, double* out) {
+  double acc = 0.0;
+  for (int64_t g = threadIdx.x; g < groups; g += 32) acc = acc + group_sum[g];
   acc = r32_butterfly(acc);
   if (threadIdx.x == 0) *out = acc;
 }
@@ -273,11 +288,17 @@ Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double*
   const int64_t cps = (x.n + kSumSquaresChunk - 1) / kSumSquaresChunk;
   const int64_t chunks = G * cps;
   const SegTable<1> t = make_table<1>(be, {as_void(x.ptr)}, x.n);
-  auto* partial = static_cast<double*>(be.workspace(static_cast<size_t>(chunks) * sizeof(double)));
+  const int64_t groups = (chunks + kSumSquaresGroup - 1) / kSumSquaresGroup;
+  auto* partial = static_cast<double*>(
+      be.workspace(static_cast<size_t>(chunks + groups) * sizeof(double)));  // chunks, then groups
+  double* group_sum = partial + chunks;
   sum_squares_chunks_kernel<<<grid_for(chunks, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
       t, cps, chunks, partial);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  sum_squares_total_kernel<<<1, 32, 0, be.stream()>>>(partial, chunks, out);
+  sum_squares_groups_kernel<<<grid_for(groups, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
+      partial, chunks, groups, group_sum);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  sum_squares_total_kernel<<<1, 32, 0, be.stream()>>>(group_sum, groups, out);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
