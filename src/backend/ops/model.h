@@ -2,7 +2,8 @@
 // RoPE, causal GQA attention core and shifted-label cross-entropy, their argument checks and the
 // host RoPE table. Invariant: as in backend/ops/moe.h, every result is the exact FP32 arithmetic written
 // here (fixed reduction orders, moe_exp_f32 / model_log_f32, no FMA, no libm on a device path), so
-// any backend can reproduce the CPU reference's bits whatever its thread count. All tensors FP32.
+// any backend can reproduce the CPU reference's bits whatever its thread count; attention and
+// cross_entropy say where CUDA only keeps a bound. Tensors FP32 unless marked BF16.
 #pragma once
 
 #include <cstdint>
