@@ -51,7 +51,8 @@ Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
                                 std::optional<float> loss_scale, const LmHeadChunking& chunking) {
   Backend& b = head.backend();
   const int64_t V = head.n(), H = head.k(), Q = chunking.block_tokens;
-  PACKMOE_CHECK(head.experts() == 1, "lm_head_loss: the head has one group, got " << head.experts());
+  PACKMOE_CHECK(head.experts() == 1,
+                "lm_head_loss: the head has one group, got " << head.experts());
   PACKMOE_CHECK(h.dtype() == DType::kBF16 && h.rank() == 2 && h.dim(1) == H && h.dim(0) > 0,
                 "lm_head_loss: h must be (T, " << H << ") bf16, got " << shape_string(h.shape()));
   PACKMOE_CHECK(h.device() == b.device(), "lm_head_loss: h is not in the head's backend memory");
@@ -66,9 +67,9 @@ Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
   for (int64_t t = 0; t < T; ++t) {
     if (targets[t] == kIgnoreIndex) continue;
     if (targets[t] < 0 || targets[t] >= V)
-      return Status::error("lm_head_loss: target " + std::to_string(targets[t]) +
-                           " at position " + std::to_string(t) + " outside [0, " +
-                           std::to_string(V) + ") and not the ignore index -100");
+      return Status::error("lm_head_loss: target " + std::to_string(targets[t]) + " at position " +
+                           std::to_string(t) + " outside [0, " + std::to_string(V) +
+                           ") and not the ignore index -100");
     ++out.valid;
   }
   const bool train = loss_scale.has_value();
@@ -101,7 +102,7 @@ Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
   for (int64_t t0 = 0; t0 < T; t0 += C) {
     const int64_t rows = std::min(C, T - t0);
     const std::vector<int64_t> m = block_counts(rows, Q);  // this chunk's blocks
-    GroupedGemmArgs f;  // logits (rows, V) = h (rows, H) . W^T
+    GroupedGemmArgs f;                                     // logits (rows, V) = h (rows, H) . W^T
     f.op = GemmOp::kFprop;
     f.n = V;
     f.k = H;

@@ -28,9 +28,9 @@ struct LmHeadChunking {
 };
 
 struct LmHeadLoss {
-  float loss = 0.0f;   // mean cross-entropy over the non-ignored targets (+0 when there are none)
-  int64_t valid = 0;   // non-ignored targets
-  Tensor dh;           // (T, H) F32: d(loss_scale * loss) / dh; training only
+  float loss = 0.0f;  // mean cross-entropy over the non-ignored targets (+0 when there are none)
+  int64_t valid = 0;  // non-ignored targets
+  Tensor dh;          // (T, H) F32: d(loss_scale * loss) / dh; training only
 };
 
 // head: the (1, V, H) BF16 LM head (the tied embedding too). h: (T, H) BF16 in its backend's

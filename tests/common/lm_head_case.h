@@ -21,10 +21,10 @@ namespace packmoe::lm_head_case {
 
 struct Case {
   int64_t T = 0, V = 0, H = 0;
-  std::vector<float> w;         // (V, H) F32 init (its BF16 rounding is the GEMM weight)
-  std::vector<uint16_t> h;      // (T, H) BF16
-  std::vector<int32_t> targets; // (T), -100 ignored
-  std::vector<float> grad0;     // (V, H) main_grad before the call
+  std::vector<float> w;          // (V, H) F32 init (its BF16 rounding is the GEMM weight)
+  std::vector<uint16_t> h;       // (T, H) BF16
+  std::vector<int32_t> targets;  // (T), -100 ignored
+  std::vector<float> grad0;      // (V, H) main_grad before the call
   float loss_scale = 0.5f;
 };
 
@@ -73,8 +73,8 @@ inline Reference reference(const Case& c) {
     for (int64_t e = 0; e < V; ++e) sum += std::exp(z[e] - m);
     r.loss += std::log(sum) + m - z[c.targets[t]];
     for (int64_t e = 0; e < V; ++e) {
-      const double d = (std::exp(z[e] - m) / sum - (e == c.targets[t] ? 1.0 : 0.0)) *
-                       c.loss_scale / static_cast<double>(n);
+      const double d = (std::exp(z[e] - m) / sum - (e == c.targets[t] ? 1.0 : 0.0)) * c.loss_scale /
+                       static_cast<double>(n);
       for (int64_t k = 0; k < H; ++k) {
         r.dh[t * H + k] += d * w[e * H + k];
         r.dw[e * H + k] += d * h[t * H + k];
@@ -87,8 +87,8 @@ inline Reference reference(const Case& c) {
 
 // The head param of a case on `b`, main_grad = grad0.
 inline std::unique_ptr<GroupedParam> make_head(Backend& b, const Case& c) {
-  Tensor init = Tensor::view(const_cast<float*>(c.w.data()), DType::kF32, {1, c.V, c.H},
-                             Device::kCPU);
+  Tensor init =
+      Tensor::view(const_cast<float*>(c.w.data()), DType::kF32, {1, c.V, c.H}, Device::kCPU);
   auto p = std::make_unique<GroupedParam>(b, QuantRecipe{Recipe::kBF16, false, 0},
                                           PrimaryWeight::kHighPrecision, Layout::kSingle, init);
   p->create_master();
@@ -113,11 +113,10 @@ inline std::vector<float> floats(const std::vector<uint8_t>& bytes) {
 
 inline HeadRun run_head(Backend& b, const Case& c, bool train, const LmHeadChunking& chunking) {
   auto head = make_head(b, c);
-  const Tensor h = b.to_device(Tensor::view(const_cast<uint16_t*>(c.h.data()), DType::kBF16,
-                                            {c.T, c.H}, Device::kCPU));
-  Result<LmHeadLoss> r =
-      lm_head_loss(*head, h, c.targets, train ? std::optional<float>(c.loss_scale) : std::nullopt,
-                   chunking);
+  const Tensor h = b.to_device(
+      Tensor::view(const_cast<uint16_t*>(c.h.data()), DType::kBF16, {c.T, c.H}, Device::kCPU));
+  Result<LmHeadLoss> r = lm_head_loss(
+      *head, h, c.targets, train ? std::optional<float>(c.loss_scale) : std::nullopt, chunking);
   EXPECT_TRUE(r.is_ok()) << r.status().message();
   HeadRun out;
   if (!r.is_ok()) return out;

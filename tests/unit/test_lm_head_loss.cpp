@@ -61,7 +61,8 @@ TEST(LmHeadLoss, DefaultBlocksAcrossTwoBlocks) {
   const Case c = lm_head_case::random_case(rng, kLmHeadBlockTokens + 200, 40, 24, 0.1);
   const HeadRun def = lm_head_case::run_head(b, c, true, {});
   expect_near_reference(c, def);
-  const HeadRun two = lm_head_case::run_head(b, c, true, {kLmHeadBlockTokens, 2 * kLmHeadBlockTokens});
+  const HeadRun two =
+      lm_head_case::run_head(b, c, true, {kLmHeadBlockTokens, 2 * kLmHeadBlockTokens});
   EXPECT_TRUE(lm_head_case::same_bytes(def, two));
 }
 
@@ -100,14 +101,13 @@ TEST(LmHeadLoss, BadTargetIsAnErrorBeforeAnyWrite) {
   Case c = lm_head_case::random_case(rng, 70, 40, 8, 0.0);
   c.targets[65] = 40;
   auto head = lm_head_case::make_head(b, c);
-  const Tensor h = b.to_device(
-      Tensor::view(c.h.data(), DType::kBF16, {c.T, c.H}, Device::kCPU));
+  const Tensor h = b.to_device(Tensor::view(c.h.data(), DType::kBF16, {c.T, c.H}, Device::kCPU));
   const Result<LmHeadLoss> r = lm_head_loss(*head, h, c.targets, 1.0f, {32, 32});
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("target 40 at position 65"), std::string::npos)
       << r.status().message();
-  EXPECT_TRUE(lm_head_case::same_bytes(lm_head_case::floats(head->main_grad().download()),
-                                       c.grad0));
+  EXPECT_TRUE(
+      lm_head_case::same_bytes(lm_head_case::floats(head->main_grad().download()), c.grad0));
 }
 
 }  // namespace
