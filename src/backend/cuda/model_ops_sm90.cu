@@ -3,7 +3,7 @@
 // each value is backend/ops/model.h's exact FP32 arithmetic (R32 = strided lanes + xor butterfly or 32
 // explicit partials, maxima in index order, moe_exp_f32 / model_log_f32, --fmad=false), so every
 // op writes the CPU reference's bytes, but for cross_entropy (an online max / sum in one read of
-// the row: deterministic, within a stated bound of the CPU). Bad ids / targets: a check kernel's flag is read back (one
+// the row, the hardware exp: deterministic, within a stated bound of the CPU). Bad ids / targets: a check kernel's flag is read back (one
 // sync) and the CPU's error Status is returned before anything is written.
 #include <cuda_runtime.h>
 
@@ -220,15 +220,19 @@ __global__ void __launch_bounds__(Config::kThreads)
 constexpr int kCeThreads = 512;  // one row per CTA: 16 warps
 constexpr int kCeWarps = kCeThreads / 32;
 
+// The hardware exp (ex2.approx: about 2 ulp, subnormals flushed): the kernel is bound by the
+// exponentials as much as by the bytes, and its results are held to a bound, not to the CPU's bits.
+__device__ __forceinline__ float ce_exp(float x) { return __expf(x); }
+
 // (m, s) of a running softmax: s = sum of exp(x - m) over the values seen. A rescale when the
 // maximum grows is one extra rounding; NaN inputs make s NaN (loss and dlogits NaN, never a
 // silently finite value). An empty part is (-Inf, 0).
 __device__ __forceinline__ void online_add(float& m, float& s, float x) {
   if (x > m) {
-    s = (s == 0.0f ? 0.0f : s * moe_exp_f32(m - x)) + 1.0f;
+    s = (s == 0.0f ? 0.0f : s * ce_exp(m - x)) + 1.0f;
     m = x;
   } else {
-    s = s + moe_exp_f32(x - m);
+    s = s + ce_exp(x - m);
   }
 }
 
@@ -236,8 +240,8 @@ __device__ __forceinline__ void online_add(float& m, float& s, float x) {
 // every lane with the same value.
 __device__ __forceinline__ void online_merge(float& m, float& s, float mb, float sb) {
   const float M = mb > m ? mb : m;
-  const float ta = s == 0.0f ? 0.0f : s * moe_exp_f32(m - M);
-  const float tb = sb == 0.0f ? 0.0f : sb * moe_exp_f32(mb - M);
+  const float ta = s == 0.0f ? 0.0f : s * ce_exp(m - M);
+  const float tb = sb == 0.0f ? 0.0f : sb * ce_exp(mb - M);
   m = M;
   s = ta + tb;
 }
@@ -251,42 +255,49 @@ __device__ __forceinline__ void online_butterfly(float& m, float& s) {
   }
 }
 
-// kVec values per load: 4 (float4 loads, 4 BF16 stores of 8 bytes; V % 4 == 0 and 16-byte
-// aligned bases) or 1.
-template <int kVec>
-struct CeVec;
-template <>
-struct CeVec<4> {
-  __device__ static void load(const float* z, int64_t u, float (&x)[4]) {
+// Each thread takes groups of 4 consecutive logits (group u = elements 4u .. 4u + 3 < V), groups
+// tid, tid + 512, ...: float4 loads and 8-byte BF16 stores when V % 4 == 0 and both bases are
+// 16-byte aligned, else 4 scalar accesses; the same elements in the same order either way, so the
+// alignment does not change a bit.
+template <bool kVec4>
+__device__ __forceinline__ void ce_load(const float* z, int64_t V, int64_t u, float (&x)[4]) {
+  if constexpr (kVec4) {
     const float4 v = reinterpret_cast<const float4*>(z)[u];
     x[0] = v.x;
     x[1] = v.y;
     x[2] = v.z;
     x[3] = v.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = 4 * u + j < V ? z[4 * u + j] : 0.0f;
   }
-  __device__ static void store(uint16_t* d, int64_t u, const uint16_t (&y)[4]) {
+}
+
+template <bool kVec4>
+__device__ __forceinline__ void ce_store(uint16_t* d, int64_t V, int64_t u,
+                                         const uint16_t (&y)[4]) {
+  if constexpr (kVec4) {
     uint2 w;
     w.x = static_cast<uint32_t>(y[0]) | (static_cast<uint32_t>(y[1]) << 16);
     w.y = static_cast<uint32_t>(y[2]) | (static_cast<uint32_t>(y[3]) << 16);
     reinterpret_cast<uint2*>(d)[u] = w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (4 * u + j < V) d[4 * u + j] = y[j];
   }
-};
-template <>
-struct CeVec<1> {
-  __device__ static void load(const float* z, int64_t u, float (&x)[1]) { x[0] = z[u]; }
-  __device__ static void store(uint16_t* d, int64_t u, const uint16_t (&y)[1]) { d[u] = y[0]; }
-};
+}
 
-// One CTA per token row: pass 1 reads the row once for (m, s) (thread i takes units i, i + 512,
-// ...; then the warp butterflies and warp 0 merges the 16 warps in a fixed tree), the loss uses
-// the target logit; pass 2 reads it again and writes dlogits. Row-local and in a fixed order:
-// deterministic and batch-invariant. An ignored row is not read.
-template <int kVec>
+// One CTA per token row: pass 1 reads the row once for (m, s) (then the warp butterflies and
+// warp 0 merges the 16 warps in a fixed tree), the loss uses the target logit; pass 2 reads it
+// again and writes dlogits. Row-local and in a fixed order: deterministic and batch-invariant. An
+// ignored row is not read.
+template <bool kVec4>
 __global__ void __launch_bounds__(kCeThreads)
     cross_entropy_kernel(const __grid_constant__ CrossEntropyArgs a) {
   __shared__ float part_m[kCeWarps], part_s[kCeWarps];
   const int64_t t = blockIdx.x;
-  const int64_t V = a.vocab, units = V / kVec;
+  const int64_t V = a.vocab, groups = (V + 3) / 4;
   const float* z = a.logits + t * V;  // (V)
   const int32_t tgt = a.targets[t];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -294,19 +305,20 @@ __global__ void __launch_bounds__(kCeThreads)
   if (tgt == a.ignore_index) {  // uniform over the CTA: loss +0, dlogits +0, the row unread
     if (threadIdx.x == 0) a.loss[t] = 0.0f;
     if (dz != nullptr)
-      for (int64_t u = threadIdx.x; u < units; u += kCeThreads) {
-        const uint16_t y[kVec] = {};
-        CeVec<kVec>::store(dz, u, y);
+      for (int64_t u = threadIdx.x; u < groups; u += kCeThreads) {
+        const uint16_t y[4] = {};
+        ce_store<kVec4>(dz, V, u, y);
       }
     return;
   }
 
   float m = -f32_from_bits(0x7F800000u), s = 0.0f;
-  for (int64_t u = threadIdx.x; u < units; u += kCeThreads) {
-    float x[kVec];
-    CeVec<kVec>::load(z, u, x);
+  for (int64_t u = threadIdx.x; u < groups; u += kCeThreads) {
+    float x[4];
+    ce_load<kVec4>(z, V, u, x);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) online_add(m, s, x[j]);
+    for (int j = 0; j < 4; ++j)
+      if (kVec4 || 4 * u + j < V) online_add(m, s, x[j]);
   }
   online_butterfly(m, s);
   if (lane == 0) {
@@ -328,18 +340,18 @@ __global__ void __launch_bounds__(kCeThreads)
   __syncthreads();
   m = part_m[0];
   s = part_s[0];
-  const float g = a.grad_scale;
-  for (int64_t u = threadIdx.x; u < units; u += kCeThreads) {
-    float x[kVec];
-    uint16_t y[kVec];
-    CeVec<kVec>::load(z, u, x);
+  const float g = a.grad_scale, inv_s = 1.0f / s;
+  for (int64_t u = threadIdx.x; u < groups; u += kCeThreads) {
+    float x[4];
+    uint16_t y[4];
+    ce_load<kVec4>(z, V, u, x);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int64_t e = u * kVec + j;
-      const float p = moe_exp_f32(x[j] - m) / s;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t e = 4 * u + j;
+      const float p = ce_exp(x[j] - m) * inv_s;
       y[j] = f32_to_bf16((e == tgt ? p - 1.0f : p) * g);
     }
-    CeVec<kVec>::store(dz, u, y);
+    ce_store<kVec4>(dz, V, u, y);
   }
 }
 
@@ -441,9 +453,9 @@ Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a) {
                    (a.dlogits == nullptr || cuda::aligned16(a.dlogits));
   const unsigned grid = static_cast<unsigned>(a.tokens);  // < 2^24 (validated)
   if (vec)
-    cross_entropy_kernel<4><<<grid, kCeThreads, 0, be.stream()>>>(a);
+    cross_entropy_kernel<true><<<grid, kCeThreads, 0, be.stream()>>>(a);
   else
-    cross_entropy_kernel<1><<<grid, kCeThreads, 0, be.stream()>>>(a);
+    cross_entropy_kernel<false><<<grid, kCeThreads, 0, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

@@ -218,9 +218,9 @@ struct AttentionBackwardArgs {
 //   dlogits[t, e] = bf16((moe_exp_f32(z[e] - m) / s - [e == target]) * g)   (+0 rows if ignored)
 // dlogits may be null (evaluation: the loss only). CPU: exactly this. CUDA (one row per CTA, one
 // read of the row for m, s and the target logit, a second to write dlogits): m and s by an online
-// max / rescaled sum over fixed thread strides and a fixed tree, so deterministic and row-local
-// (batch-invariant) but not the CPU's bits: s within a few FP32 ulps, so loss within 1e-5 of it and
-// dlogits within one BF16 ulp (tests/cuda/test_cuda_model_ops.cpp states the bounds).
+// max / rescaled sum over fixed thread strides and a fixed tree, the hardware exp and a reciprocal
+// of s, so deterministic and row-local (batch-invariant) but not the CPU's bits: the loss within
+// 1e-5 of it and each dlogit within one BF16 ulp (tests/cuda/test_cuda_model_ops.cpp).
 struct CrossEntropyArgs {
   int64_t tokens = 0;  // T (rows of this call)
   int64_t vocab = 0;   // V
