@@ -4,6 +4,7 @@
 
 #include "nn/decoder_layer.h"
 #include "nn/layer_ops.h"
+#include "nn/lm_head_loss.h"
 
 namespace packmoe {
 
@@ -20,11 +21,11 @@ struct Model::Impl {
   int64_t rope_batch = 0, rope_seq = 0;
   PositionTables rope;
 
-  // Saved by forward.
-  int64_t tokens = 0;               // T
-  Tensor ids, targets;              // (T) I32
-  Tensor logits;                    // (T, V) F32
-  Tensor ce_max, ce_sum;            // (T)
+  // Saved by a training forward.
+  int64_t tokens = 0;     // T
+  float loss_scale = 0;   // of the backward it began
+  Tensor ids;             // (T) I32
+  Tensor dlm;             // (T, H) F32: the LM head's dgrad, computed with the loss
 
   const GroupedParam& embedding() const { return embed ? *embed : lm_head->param(); }
 };
@@ -216,7 +217,16 @@ void Model::set_grad_sr_offset(uint64_t offset) {
   for (GroupedLinear* l : linears_) l->set_grad_sr_offset(offset);
 }
 
-Result<ForwardLosses> Model::forward(const Batch& batch) {
+Result<ForwardLosses> Model::forward(const Batch& batch) { return run_forward(batch, std::nullopt); }
+
+Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale) {
+  return run_forward(batch, loss_scale);
+}
+
+Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float> loss_scale) {
+  PACKMOE_CHECK(state_ != ModelState::kForwardDone,
+                "forward after a training forward whose backward has not run: the LM head's "
+                "gradient is already in main_grad, so that backward is owed");
   const ModelConfig& c = config_;
   const int64_t B = batch.batch, S = batch.seq, T = B * S, V = c.vocab_size;
   if (B <= 0 || S <= 0)
@@ -268,8 +278,6 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
   m.tokens = T;
   m.ids = b.to_device(Tensor::view(const_cast<int32_t*>(batch.inputs.data()), DType::kI32, {T},
                                    Device::kCPU));
-  m.targets = b.to_device(Tensor::view(const_cast<int32_t*>(batch.targets.data()), DType::kI32,
-                                       {T}, Device::kCPU));
 
   Tensor x = Tensor::empty(b, DType::kF32, {T, H});
   EmbeddingArgs e;
@@ -287,52 +295,35 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
     x = layer->forward(x, B, S, m.rope);
     if (layer->moe() && losses.aux_coef != 0.0f) losses.aux_loss += layer->moe()->aux_loss();
   }
-  m.logits = m.lm_head->forward(to_bf16(b, m.final_norm->forward(x)), {T});  // (T, V)
-
-  const Tensor loss = Tensor::empty(b, DType::kF32, {1});
-  const Tensor valid = Tensor::empty(b, DType::kI64, {1});
-  m.ce_max = Tensor::empty(b, DType::kF32, {T});
-  m.ce_sum = Tensor::empty(b, DType::kF32, {T});
-  CrossEntropyArgs ce;
-  ce.tokens = T;
-  ce.vocab = V;
-  ce.logits = m.logits.data_as<const float>();
-  ce.targets = m.targets.data_as<const int32_t>();
-  ce.loss = loss.data_as<float>();
-  ce.valid = valid.data_as<int64_t>();
-  ce.row_max = m.ce_max.data_as<float>();
-  ce.row_sum = m.ce_sum.data_as<float>();
-  check_op(ops::cross_entropy(b, ce), "cross_entropy");
-  b.copy(&losses.lm_loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
-  b.copy(&losses.target_tokens, valid.data(), sizeof(int64_t), Backend::CopyKind::kDeviceToHost);
-  state_ = ModelState::kForwardDone;
+  // The LM head and the loss in chunks of tokens (nn/lm_head_loss.h); training also runs the
+  // head's backward here, since the loss scale is known: its weight gradient is added into
+  // main_grad now and dh waits for backward().
+  Result<LmHeadLoss> head =
+      lm_head_loss(m.lm_head->param(), to_bf16(b, m.final_norm->forward(x)), batch.targets,
+                   loss_scale);
+  if (!head) return head.status();
+  losses.lm_loss = head.value().loss;
+  losses.target_tokens = head.value().valid;
+  if (loss_scale) {
+    m.loss_scale = *loss_scale;
+    m.dlm = std::move(head.value().dh);
+    state_ = ModelState::kForwardDone;
+  }
   return losses;
 }
 
-void Model::backward(float loss_scale) {
+void Model::backward() {
   PACKMOE_CHECK(state_ == ModelState::kForwardDone,
-                "Model backward needs a forward first (and runs once per forward)");
+                "Model backward needs a training forward first (and runs once per forward)");
   Backend& b = *backend_;
   Impl& m = *impl_;
   const ModelConfig& c = config_;
   const int64_t T = m.tokens, V = c.vocab_size, H = c.hidden_size;
+  const float loss_scale = m.loss_scale;
 
-  const Tensor dlogits = Tensor::empty(b, DType::kF32, {T, V});
-  CrossEntropyBackwardArgs ce;
-  ce.tokens = T;
-  ce.vocab = V;
-  ce.dloss = loss_scale;
-  ce.logits = m.logits.data_as<const float>();
-  ce.targets = m.targets.data_as<const int32_t>();
-  ce.row_max = m.ce_max.data_as<const float>();
-  ce.row_sum = m.ce_sum.data_as<const float>();
-  ce.dlogits = dlogits.data_as<float>();
-  check_op(ops::cross_entropy_backward(b, ce), "cross_entropy_backward");
-  m.logits = m.ce_max = m.ce_sum = Tensor{};
-
-  Tensor dlm = m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate);  // (T, H)
   if (m.embed) grad_ready(m.lm_head_param, m.lm_head_param + 1);  // tied: after the embedding
-  Tensor dx = m.final_norm->backward(dlm);  // (T, H)
+  Tensor dx = m.final_norm->backward(m.dlm);  // (T, H)
+  m.dlm = Tensor{};
   grad_ready(m.final_norm_param, m.final_norm_param + 1);
   for (size_t i = m.layers.size(); i-- > 0;) {
     dx = m.layers[i]->backward(dx, loss_scale);

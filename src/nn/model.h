@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,8 +109,8 @@ struct NamedParam {
 using GradReadyHook = std::function<void(size_t param_index)>;
 
 enum class ModelState {
-  kIdle,         // nothing saved
-  kForwardDone,  // activations of the last forward are saved; backward may run
+  kIdle,         // no backward owed (an evaluation forward leaves the model here)
+  kForwardDone,  // a training forward's activations are saved; its backward must run next
 };
 
 class Model {
@@ -136,14 +137,20 @@ class Model {
   // whole random state of a run, so a checkpoint needs none.
   void set_grad_sr_offset(uint64_t offset);
 
-  // Forward of one micro-batch; returns its losses (one host sync). Allowed from any state: a
-  // forward never followed by backward (eval) is dropped by the next forward. Bad ids / targets
-  // are a Status error before anything is computed.
+  // Evaluation forward of one micro-batch: its losses (one host sync), no gradient; kIdle stays
+  // kIdle. Bad ids / targets are a Status error before anything is computed.
   Result<ForwardLosses> forward(const Batch& batch);
-  // Backward of the last forward for the loss loss_scale * (lm_loss + coef * aux_loss): every
-  // gradient is ADDED into its main_grad. Only from kForwardDone (-> kIdle).
-  // Fires the grad-ready hook (if any) for each parameter as its gradient becomes final.
-  void backward(float loss_scale);
+  // Training forward: the losses, and the first part of the backward of the loss
+  // loss_scale * (lm_loss + coef * aux_loss): the LM head and the cross-entropy run fused in
+  // chunks of tokens (nn/lm_head_loss.h), so the head's weight gradient is ADDED into its main_grad
+  // here (call it where a backward may write gradients: after DistOptimizer::prepare_backward).
+  // kIdle -> kForwardDone; any forward from kForwardDone is a PACKMOE_CHECK error (that backward
+  // is owed).
+  Result<ForwardLosses> forward(const Batch& batch, float loss_scale);
+  // The rest of the training forward's backward: every gradient is ADDED into its main_grad.
+  // Only from kForwardDone (-> kIdle). Fires the grad-ready hook (if any) for each parameter as
+  // its gradient becomes final (the LM head's first, as before).
+  void backward();
   void zero_grad();  // every main_grad = 0
   // Installs (or, empty, removes) the hook backward fires per parameter: data parallelism starts
   // a bucket's gradient reduce-scatter as soon as all its parameters are final.
@@ -158,6 +165,7 @@ class Model {
   std::vector<GroupedLinear*> linears_;  // every GroupedLinear (set_grad_sr_offset)
   GradReadyHook grad_ready_;
   void grad_ready(size_t first, size_t end) const;  // the hook for params() [first, end)
+  Result<ForwardLosses> run_forward(const Batch& batch, std::optional<float> loss_scale);
 
   struct Impl;  // layers and saved activations (nn/model.cpp)
   std::unique_ptr<Impl> impl_;

@@ -247,10 +247,11 @@ Result<StepResult> Trainer::train_step() {
     }
     set_sr_offset(*model_, r.step, micro * world + rank);
     optimizer_->prepare_forward();
-    Result<ForwardLosses> losses = model_->forward(batch);
-    if (!losses) return losses.status();
+    // Before the forward: the training forward already adds the LM head's gradient.
     optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
-    model_->backward(optimizer_->loss_scale(A));
+    Result<ForwardLosses> losses = model_->forward(batch, optimizer_->loss_scale(A));
+    if (!losses) return losses.status();
+    model_->backward();
     sums[0] += losses.value().lm_loss;
     sums[1] += losses.value().aux_loss;
     r.tokens += batch.batch * batch.seq * world;

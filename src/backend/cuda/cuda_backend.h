@@ -152,6 +152,6 @@ Status rope_sm90(CudaBackend& be, const RopeArgs& a, bool inverse);  // inverse:
 Status attention_sm90(CudaBackend& be, const AttentionArgs& a);
 Status attention_backward_sm90(CudaBackend& be, const AttentionBackwardArgs& a);
 Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a);
-Status cross_entropy_backward_sm90(CudaBackend& be, const CrossEntropyBackwardArgs& a);
+Status cross_entropy_mean_sm90(CudaBackend& be, const CrossEntropyMeanArgs& a);
 
 }  // namespace packmoe

@@ -75,9 +75,7 @@ const ModelKernels kModel{
     [](Backend& b, const AttentionArgs& a) { return attention_sm90(cuda(b), a); },
     [](Backend& b, const AttentionBackwardArgs& a) { return attention_backward_sm90(cuda(b), a); },
     [](Backend& b, const CrossEntropyArgs& a) { return cross_entropy_sm90(cuda(b), a); },
-    [](Backend& b, const CrossEntropyBackwardArgs& a) {
-      return cross_entropy_backward_sm90(cuda(b), a);
-    },
+    [](Backend& b, const CrossEntropyMeanArgs& a) { return cross_entropy_mean_sm90(cuda(b), a); },
 };
 
 const OpKernels kCudaKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel};
