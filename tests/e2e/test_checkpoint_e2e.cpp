@@ -352,24 +352,36 @@ TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
                    recommit(good, root("version"),
                             [&](const fs::path& d) {
                               set_json(d / kTrainerStateFile,
-                                       [](nlohmann::json& j) { j["version"] = 3; });
+                                       [](nlohmann::json& j) { j["version"] = 4; });
                             }),
-                   "version 3 is not supported (this build reads 1 to 2)"});
+                   "version 4 is not supported (this build reads 1 to 3)"});
   cases.push_back({"other data",
                    recommit(good, root("data"),
                             [&](const fs::path& d) {
                               set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
-                                j["sampler"]["stream_tokens"] = 1000;
+                                const int64_t S = j["train"]["seq_len"].get<int64_t>();
+                                j["sampler"]["sources"][0] = {{"tokens", 1000},
+                                                              {"windows", (999 - S) / S + 1}};
                               });
                             }),
-                   "its training stream had 1000 tokens"});
+                   "its training source 0 had 1000 tokens"});
   cases.push_back({"bad position",
                    recommit(good, root("position"),
                             [&](const fs::path& d) {
-                              set_json(d / kTrainerStateFile,
-                                       [](nlohmann::json& j) { j["sampler"]["offset"] = 33; });
+                              set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
+                                j["sampler"]["consumed"][0] = -3;
+                              });
                             }),
-                   "is not a window start"});
+                   "sampler.consumed[0] must be an integer >= 0 (got -3)"});
+  cases.push_back({"another blend",
+                   recommit(good, root("blend"),
+                            [&](const fs::path& d) {
+                              set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
+                                j["sampler"]["consumed"].push_back(0);
+                                j["sampler"]["sources"].push_back(j["sampler"]["sources"][0]);
+                              });
+                            }),
+                   "trained on 2 data source(s), this run has 1"});
 
   // The trainer that must stay untouched: one step in, its state captured.
   std::unique_ptr<Trainer> t = make_trainer(c);
