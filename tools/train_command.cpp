@@ -7,8 +7,6 @@
 #include <unistd.h>
 
 #include <climits>
-#include <cmath>
-#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -26,12 +24,11 @@
 #include "io/read_file.h"
 #include "io/state_file.h"
 #include "io/text_corpus.h"
-#include "io/data_split.h"
 #include "io/token_data.h"
-#include "io/token_mmap.h"
 #include "tools/commands.h"
 #include "tools/exact_integer.h"
 #include "train/checkpoint.h"
+#include "train/data_sources.h"
 #include "train/plot.h"
 #include "train/rank_agreement.h"
 #include "train/train_loop.h"
@@ -70,13 +67,6 @@ Result<json> read_json_file(const std::string& path) {
   if (!text) return Status::error("--config: " + text.status().message());
   return parse_json_text(text.value(), path);
 }
-
-// The sources of a --data / --valid-data value, each split into its training and validation
-// sides (or used whole: `valid_fraction` 0), as the trainer's blends.
-struct Sources {
-  train::DataBlend train, validation;
-  std::string description;
-};
 
 // Where the job runs: one process on `device`, or under mpirun one rank per process (on CUDA one
 // GPU each: NCCL; on the CPU: MPI).
@@ -138,118 +128,6 @@ Result<train::StreamOptions> document_masking(const TrainArgs& args) {
                     : 0;
   o.reset_positions = args.reset_position_ids;
   return o;
-}
-
-// One source: "fortunes" | "text:PATH" | "megatron:PREFIX" | "llmc:SHARD", split by
-// `fraction` (io/data_split.h; text by content hash, token files by document index; a side
-// left empty: by position). Token files stay memory-mapped; text is read into memory.
-Status load_source(const std::string& spec, const char* flag, double fraction, Sources* out,
-                   std::string* description) {
-  const size_t colon = spec.find(':');
-  const std::string kind = spec.substr(0, colon);
-  const std::string path = colon == std::string::npos ? "" : spec.substr(colon + 1);
-  if (spec == "fortunes" || (kind == "text" && !path.empty())) {
-    io::TextCorpusOptions opt;
-    if (kind == "text") opt.paths = {path};
-    opt.validation_fraction = fraction;
-    Result<io::TextCorpus> corpus = io::load_text_corpus(opt);
-    if (!corpus) return corpus.status();
-    const std::string name = kind == "text" ? path : io::kDefaultCorpusDir;
-    corpus.value().train.source = corpus.value().validation.source = name;
-    const uint32_t newline = static_cast<uint32_t>('\n');
-    out->train.sources.push_back(
-        train::in_memory_source(std::move(corpus.value().train), newline));
-    out->validation.sources.push_back(
-        train::in_memory_source(std::move(corpus.value().validation), newline));
-    *description = (kind == "text" ? path : std::string("fortunes")) + " (byte tokens, " +
-                   text(corpus.value().files.size()) + " files" +
-                   (corpus.value().split_by_position ? ", split by position" : "") + ")";
-    return Status::ok();
-  }
-  Result<io::MappedTokens> mapped = Status::error("");
-  if (kind == "megatron" && !path.empty()) {
-    mapped = io::map_megatron(path);
-  } else if (kind == "llmc" && !path.empty()) {
-    mapped = io::map_llmc_shard(path);
-  } else {
-    return Status::error(std::string(flag) + " '" + spec +
-                         "' must be fortunes, text:PATH, megatron:PREFIX or llmc:SHARD (or a "
-                         "list of them, each with a weight or none: \"0.7 megatron:a 0.3 "
-                         "megatron:b\")");
-  }
-  if (!mapped) return mapped.status();
-  io::MappedTokens& m = mapped.value();
-  std::vector<io::TokenRange> docs;
-  std::vector<uint64_t> keys;
-  if (m.doc_offsets.empty()) {
-    docs.push_back({0, m.tokens.size()});  // no boundaries: one run (split by position)
-  } else {
-    for (size_t d = 0; d + 1 < m.doc_offsets.size(); ++d)
-      docs.push_back({m.doc_offsets[d], m.doc_offsets[d + 1]});
-  }
-  std::erase_if(docs, [](const io::TokenRange& r) { return r.size() == 0; });
-  for (size_t d = 0; d < docs.size(); ++d) keys.push_back(io::document_index_key(d));
-  io::DocumentSplit split = io::split_documents(docs, keys, fraction);
-  for (auto [ranges, blend] : {std::pair{&split.train, &out->train},
-                               std::pair{&split.validation, &out->validation}}) {
-    train::DataSource src;
-    src.name = m.source.empty() ? path : m.source;
-    src.tokens = m.tokens;
-    src.documents = std::move(*ranges);
-    src.boundaries_known = !m.doc_offsets.empty();
-    blend->sources.push_back(std::move(src));
-  }
-  *description = spec + (split.by_position ? " (split by position)" : "");
-  return Status::ok();
-}
-
-// A --data / --valid-data value: one source, or a list separated by spaces or commas, either
-// every entry after a weight ("0.7 megatron:a 0.3 megatron:b") or none ("megatron:a megatron:b":
-// each source weighs its samples, a concatenation).
-Result<Sources> load_sources(const std::string& value, const char* flag, double fraction) {
-  std::vector<std::string> words;
-  std::string word;
-  for (char c : value + " ") {
-    if (c == ' ' || c == ',' || c == '\t' || c == '\n') {
-      if (!word.empty()) words.push_back(word);
-      word.clear();
-    } else {
-      word += c;
-    }
-  }
-  if (words.empty()) return Status::error(std::string(flag) + " is empty");
-  auto weight_of = [](const std::string& w) -> std::optional<double> {
-    char* end = nullptr;
-    const double v = std::strtod(w.c_str(), &end);
-    if (end == w.c_str() || *end != '\0') return std::nullopt;
-    return v;
-  };
-  const bool weighted = weight_of(words.front()).has_value();
-  if (weighted && words.size() % 2 != 0)
-    return Status::error(std::string(flag) + " '" + value +
-                         "': a weighted list is pairs of a weight and a source");
-  Sources out;
-  std::vector<std::string> described;
-  for (size_t i = 0; i < words.size(); i += weighted ? 2 : 1) {
-    if (weighted) {
-      const std::optional<double> w = weight_of(words[i]);
-      if (!w || !(*w > 0) || !std::isfinite(*w))
-        return Status::error(std::string(flag) + " '" + value + "': '" + words[i] +
-                             "' is not a positive weight (every source has one, or none does)");
-      out.train.weights.push_back(*w);
-    } else if (weight_of(words[i])) {
-      return Status::error(std::string(flag) + " '" + value + "': '" + words[i] +
-                           "' is a weight, but the first source has none (every source has one, "
-                           "or none does)");
-    }
-    std::string d;
-    PACKMOE_RETURN_IF_ERROR(load_source(words[i + (weighted ? 1 : 0)], flag, fraction, &out, &d));
-    described.push_back(weighted ? words[i] + " " + d : d);
-  }
-  out.validation.weights = out.train.weights;
-  for (size_t i = 0; i < described.size(); ++i)
-    out.description += (i ? (weighted ? " + " : ", ") : "") + described[i];
-  return out;
 }
 
 }  // namespace
@@ -631,13 +509,13 @@ Result<SetUp> set_up(const TrainArgs& args) {
   // With --valid-data the training sources are used whole; without it each source gives
   // valid_fraction of itself to validation (every source contributes).
   const bool own_validation = !args.valid_data.empty();
-  Result<Sources> source =
-      load_sources(args.data, "--data", own_validation ? 0.0 : config.valid_fraction);
+  Result<train::LoadedData> source =
+      train::load_data(args.data, "--data", own_validation ? 0.0 : config.valid_fraction);
   if (!source) return source.status();
   train::TrainData data;
   data.train = std::move(source.value().train);
   if (own_validation) {
-    Result<Sources> valid = load_sources(args.valid_data, "--valid-data", 0.0);
+    Result<train::LoadedData> valid = train::load_data(args.valid_data, "--valid-data", 0.0);
     if (!valid) return valid.status();
     data.validation = std::move(valid.value().train);
   } else {
