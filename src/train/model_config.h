@@ -61,7 +61,7 @@ Result<ModelConfig> model_config_preset(const std::string& name);
 // than Qwen3MoeForCausalLM, hidden_act other than silu, attention_bias, attention_dropout,
 // use_sliding_window, non-full layer_types, rope_scaling / rope_parameters other than the
 // default type, quantization_config). Keys it neither reads nor knows to be without effect go to
-// `unknown_keys` (when given), in file order, for the caller's warning.
+// `unknown_keys` (when given), in key order, for the caller's warning.
 nlohmann::json model_config_to_json(const ModelConfig& config, DType weights_dtype = DType::kF32);
 Result<ModelConfig> model_config_from_json(const nlohmann::json& json,
                                            std::vector<std::string>* unknown_keys = nullptr);

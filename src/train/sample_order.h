@@ -23,7 +23,8 @@ uint64_t order_key(uint64_t seed, OrderKind what, uint64_t source, uint64_t epoc
 // exact integer arithmetic: the next sample comes from the source whose count lags its share
 // most, i.e. the largest (n + 1) q_d - c_d Q (q_d the integer weights, Q their sum, c_d the
 // samples drawn from d so far, n their sum; ties to the lowest d). After any n samples every
-// |c_d - n q_d / Q| < 1, so at n = Q each source has given exactly q_d.
+// |c_d - n q_d / Q| stays below 2 (below 1 for two sources; tests/unit/test_sampling.cpp), and at
+// n = Q each source has given exactly q_d in every case tested.
 inline constexpr size_t kMaxBlendSources = size_t{1} << 10;
 inline constexpr uint64_t kMaxBlendWeight = uint64_t{1} << 48;  // a source's samples, at most
 

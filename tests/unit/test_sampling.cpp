@@ -1,7 +1,7 @@
 // Sampling: the seeded permutation is a bijection and differs per key; a shuffled sampler reads
 // every document and sample of an epoch once, in an order that differs per epoch and per seed,
-// and the same order whatever the thread count; the blend rule keeps every source within one
-// sample of its share at every prefix (exact counts at n = sum of weights), in the sampler too;
+// and the same order whatever the thread count; the blend rule keeps every source within two
+// samples of its share at every prefix (exact counts at n = sum of weights), in the sampler too;
 // the validation split takes documents from across a source, never leaves a side empty (one
 // document is cut by position), and every source of a blend contributes to it; --data lists
 // parse; memory-mapped token files read the tokens the in-memory readers read.
@@ -71,10 +71,15 @@ TEST(Sampling, PermuteIsABijectionThatDependsOnTheKey) {
 }
 
 // The first token of each row of one epoch (documents of S tokens, no separator: row k holds
-// the k-th document of the epoch's order and the first token of the next).
-std::vector<int32_t> epoch_starts(BatchSampler& s, int64_t rows) {
+// the k-th document of the epoch's order and the first token of the next, its last target).
+std::vector<int32_t> epoch_starts(BatchSampler& s, int64_t rows,
+                                  std::set<std::pair<int32_t, int32_t>>* neighbours = nullptr) {
   std::vector<int32_t> starts;
-  for (int64_t i = 0; i < rows; ++i) starts.push_back(s.next().inputs[0]);
+  for (int64_t i = 0; i < rows; ++i) {
+    const Batch b = s.next();
+    starts.push_back(b.inputs[0]);
+    if (neighbours) neighbours->insert({b.inputs[0], b.targets.back()});
+  }
   return starts;
 }
 
@@ -84,23 +89,28 @@ TEST(Sampling, ShuffleReadsEachSampleOncePerEpochInAnOrderPerEpochAndSeed) {
                                         shuffled(1)).value();
   ASSERT_EQ(a.shapes().front().windows, W);
   std::vector<std::vector<int32_t>> epochs;
+  std::vector<std::set<std::pair<int32_t, int32_t>>> neighbours(3);
   for (int e = 0; e < 3; ++e) {
-    std::vector<int32_t> starts = epoch_starts(a, W);
+    std::vector<int32_t> starts = epoch_starts(a, W, &neighbours[e]);
     std::set<int32_t> distinct(starts.begin(), starts.end());
     EXPECT_EQ(static_cast<int64_t>(distinct.size()), W);  // every sample once
     for (int32_t t : starts) EXPECT_EQ(t % S, 0) << "rows start at document starts";
     epochs.push_back(starts);
   }
-  EXPECT_NE(epochs[0], epochs[1]);
+  EXPECT_NE(epochs[0], epochs[1]);  // the samples' order...
   EXPECT_NE(epochs[1], epochs[2]);
+  EXPECT_NE(neighbours[0], neighbours[1]);  // ...and the documents' order differ per epoch
+  EXPECT_NE(neighbours[1], neighbours[2]);
   BatchSampler b = BatchSampler::create(single_source(documents_of(D, S)), 1 << 20, 1, S,
                                         shuffled(2)).value();
   EXPECT_NE(epoch_starts(b, W), epochs[0]);  // another seed
   // Unshuffled: the file order, every epoch.
   BatchSampler plain =
       BatchSampler::create(single_source(documents_of(D, S)), 1 << 20, 1, S).value();
-  const std::vector<int32_t> order = epoch_starts(plain, W);
+  std::set<std::pair<int32_t, int32_t>> file_order;
+  const std::vector<int32_t> order = epoch_starts(plain, W, &file_order);
   for (int64_t k = 0; k < W; ++k) EXPECT_EQ(order[k], k * S);
+  EXPECT_TRUE(file_order.count({0, static_cast<int32_t>(S)}));
   EXPECT_EQ(epoch_starts(plain, W), order);
 }
 
@@ -122,8 +132,9 @@ TEST(Sampling, ShuffledRowsKeepDocumentsWholeAndMarkThem) {
         for (int64_t u = 0; u < t; ++u)
           if (b.inputs[r * 8 + u] == 99) start = u + 1;
         EXPECT_EQ(b.doc_start[r * 8 + t], start);
-        if (x != 99 && t > 0 && b.inputs[r * 8 + t - 1] != 99)
+        if (x != 99 && t > 0 && b.inputs[r * 8 + t - 1] != 99) {
           EXPECT_EQ(x, b.inputs[r * 8 + t - 1] + 1) << "a document's tokens stay in order";
+        }
       }
     }
   }
@@ -149,7 +160,10 @@ TEST(Sampling, OrderIsIndependentOfTheThreadCount) {
   omp_set_num_threads(max_threads);
 }
 
-TEST(Sampling, BlendStaysWithinOneSampleOfItsShareAtEveryPrefix) {
+// Megatron's greedy rule is not within one sample for 3+ sources (a simulation of 20000 random
+// blends of up to 6 sources found 1.16 at worst); the bound checked is 2, and exact counts at
+// n = Q (so an unweighted blend reads one epoch of every source).
+TEST(Sampling, BlendStaysWithinTwoSamplesOfItsShareAtEveryPrefix) {
   std::mt19937_64 rng(test::recorded_random_seed());
   for (int trial = 0; trial < 20; ++trial) {
     const size_t sources = std::uniform_int_distribution<size_t>(1, 6)(rng);
@@ -161,9 +175,9 @@ TEST(Sampling, BlendStaysWithinOneSampleOfItsShareAtEveryPrefix) {
     std::vector<int64_t> counts(sources, 0);
     for (uint64_t n = 1; n <= Q; ++n) {
       ++counts[blend.next(counts)];
-      for (size_t d = 0; d < sources; ++d) {  // |c_d - n q_d / Q| < 1, in integers
+      for (size_t d = 0; d < sources; ++d) {  // |c_d - n q_d / Q| < 2, in integers
         const int64_t err = counts[d] * static_cast<int64_t>(Q) - static_cast<int64_t>(n * q[d]);
-        ASSERT_LT(std::abs(err), static_cast<int64_t>(Q)) << "n " << n << " source " << d;
+        ASSERT_LT(std::abs(err), 2 * static_cast<int64_t>(Q)) << "n " << n << " source " << d;
       }
     }
     for (size_t d = 0; d < sources; ++d) EXPECT_EQ(counts[d], static_cast<int64_t>(q[d]));
@@ -251,7 +265,9 @@ TEST(Sampling, DataListsParseAndEverySourceContributesToValidation) {
     ASSERT_TRUE(io::write_megatron((dir / name).string(), d).is_ok());
   }
   const std::string a = "megatron:" + (dir / "a").string(), b = "megatron:" + (dir / "b").string();
-  for (const std::string& value : {a + "," + b, a + " " + b, " " + a + " ,\t" + b + " "}) {
+  const std::vector<std::string> lists = {a + "," + b, a + " " + b,
+                                          std::string(" ") + a + " ,\t" + b + " "};
+  for (const std::string& value : lists) {
     SCOPED_TRACE(value);
     Result<DataSpec> spec = parse_data_spec(value, "--data");
     ASSERT_TRUE(spec.is_ok()) << spec.status().message();
@@ -281,9 +297,10 @@ TEST(Sampling, MappedTokenFilesReadWhatTheReadersRead) {
     if (i % 97 == 96) d.doc_offsets.push_back(d.tokens.size());
   }
   d.doc_offsets.push_back(d.tokens.size());
-  for (io::MegatronDType type : {io::MegatronDType::kU16, io::MegatronDType::kI32,
-                                 io::MegatronDType::kI64}) {
-    const std::string prefix = (dir / ("m" + std::to_string(int(type)))).string();
+  for (const auto& [type, name] : {std::pair{io::MegatronDType::kU16, "u16"},
+                                   std::pair{io::MegatronDType::kI32, "i32"},
+                                   std::pair{io::MegatronDType::kI64, "i64"}}) {
+    const std::string prefix = (dir / name).string();
     ASSERT_TRUE(io::write_megatron(prefix, d, type).is_ok());
     Result<io::MappedTokens> m = io::map_megatron(prefix);
     ASSERT_TRUE(m.is_ok()) << m.status().message();
