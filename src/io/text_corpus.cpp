@@ -28,10 +28,11 @@ bool is_blank(std::string_view s) {
   });
 }
 
-// A regular file only (a FIFO would block, /dev/zero never end: io/read_file.h), of at most an
-// eighth of host memory: each byte is held as text, as a document copy and as a 4-byte token.
+// A regular file only (a FIFO would block, /dev/zero never end: io/read_file.h), of at most a
+// sixteenth of host memory: each byte is held as text and, until the split is copied out, as two
+// 4-byte tokens (the whole corpus, then its side).
 Status read_text(const std::string& path, std::string* out) {
-  const uint64_t limit = static_cast<uint64_t>(host_memory_bytes() / 8);
+  const uint64_t limit = static_cast<uint64_t>(host_memory_bytes() / 16);
   Result<std::string> text = read_regular_file(path, limit);
   if (!text) return text.status();
   *out = std::move(text).value();
