@@ -64,6 +64,7 @@ struct TrainArgs {
   std::string attention_mask = "causal";
   int64_t eod_token = -1;  // -1: documents from the data's document index
   bool reset_position_ids = false;
+  bool shuffle = true;  // --shuffle / --no-shuffle, when given
   train::TrainConfig flags;
   std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
       apply_flags;

@@ -75,6 +75,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
                          std::to_string(config.grad_accum_steps * world) +
                          " micro-batches per step; its stochastic rounding numbers at most " +
                          std::to_string(int64_t{1} << kSrIndexBits));
+  for (StreamOptions* stream : {&data.train_stream, &data.validation_stream}) {
+    stream->shuffle = config.shuffle;
+    stream->seed = config.seed;
+  }
   Result<BatchSampler> sampler =
       BatchSampler::create(std::move(data.train), model.vocab_size, config.micro_batch_size,
                            config.seq_len, data.train_stream);
@@ -132,8 +136,8 @@ TrainerCheckpoint Trainer::snapshot() const {
   c.step = step_;
   c.model = model_->config();
   c.config = config_;
-  c.sampler = train_sampler_.next_row_position();
-  c.train_stream_tokens = train_sampler_.stream_tokens();
+  c.sampler = train_sampler_.state();
+  c.train_sources = train_sampler_.shapes();
   const std::vector<NamedParam>& params = model_->params();
   const FullOptimizerState full = optimizer_->gather_state();
   PACKMOE_CHECK(full.master.size() == params.size(), "optimizer out of step with the model");
@@ -190,12 +194,19 @@ Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::stri
 Status Trainer::check_resumable(const TrainerCheckpoint& c) const {
   const std::string where = c.dir.empty() ? std::string("the checkpoint") : c.dir;
   PACKMOE_RETURN_IF_ERROR(check_same_model(model_->config(), c.model, where + "/" + kConfigFile));
-  if (c.train_stream_tokens != train_sampler_.stream_tokens())
-    return Status::error(where + ": its training stream had " +
-                         std::to_string(c.train_stream_tokens) + " tokens, this run's has " +
-                         std::to_string(train_sampler_.stream_tokens()) +
+  const std::vector<SourceShape> here = train_sampler_.shapes();
+  if (c.train_sources.size() != here.size())
+    return Status::error(where + ": it was trained on " + std::to_string(c.train_sources.size()) +
+                         " data source(s), this run has " + std::to_string(here.size()) +
                          ": resume on the data it was trained on");
-  const Status position = train_sampler_.check_position(c.sampler);
+  for (size_t d = 0; d < here.size(); ++d)
+    if (!(c.train_sources[d] == here[d]))
+      return Status::error(where + ": its training source " + std::to_string(d) + " had " +
+                           std::to_string(c.train_sources[d].tokens) + " tokens (" +
+                           std::to_string(c.train_sources[d].windows) + " samples), this run's has " +
+                           std::to_string(here[d].tokens) + " (" + std::to_string(here[d].windows) +
+                           "): resume on the data (and --valid-fraction, --seq-len) it was trained on");
+  const Status position = train_sampler_.check_state(c.sampler);
   if (!position) return Status::error(where + ": " + position.message());
   return Status::ok();
 }
@@ -213,7 +224,7 @@ void Trainer::restore_state(const TrainerCheckpoint& c) {
   }
   const Status loaded = optimizer_->load_state(full);
   PACKMOE_CHECK(loaded.is_ok(), "restore_state after check_resumable: " << loaded.message());
-  const Status position = train_sampler_.set_position(c.sampler);
+  const Status position = train_sampler_.set_state(c.sampler);
   PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
   step_ = c.step;
 }

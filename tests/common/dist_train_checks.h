@@ -52,7 +52,9 @@ inline train::TrainData corpus() {
   std::string text;
   for (int i = 0; i < 400; ++i)
     text += "line " + std::to_string(i * 7919 % 1013) + " of the packmoe dist corpus\n";
-  for (unsigned char c : text) d.train.tokens.push_back(c);
+  io::TokenDataset tokens;
+  for (unsigned char c : text) tokens.tokens.push_back(c);
+  d.train = train::single_source(std::move(tokens));
   return d;
 }
 

@@ -144,7 +144,9 @@ inline const fs::path& seed_checkpoint() {
     c.eval_interval = 0;
     c.warmup_steps = 1;
     train::TrainData d;
-    for (int i = 0; i < 64; ++i) d.train.tokens.push_back(static_cast<uint32_t>(i % 16));
+    io::TokenDataset tokens;
+    for (int i = 0; i < 64; ++i) tokens.tokens.push_back(static_cast<uint32_t>(i % 16));
+    d.train = train::single_source(std::move(tokens));
     auto trainer = train::Trainer::create(cpu_backend(), m, c, std::move(d)).value();
     (void)trainer->train_step();
     const fs::path root = scratch() / "ckpt";
