@@ -2,7 +2,8 @@
 # The whole training step on the GPU machine, packmoe against the PyTorch peer in the same call:
 # for each preset and grad-accum, `packmoe train` in each recipe and bench/torch_train_step.py
 # (the shared lean peer, eager and torch.compile), then a table of ms per optimizer step, tokens/s,
-# peak memory and the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
+# peak memory (packmoe: nvidia-smi's, sampled every 200 ms; the peer: torch's allocator peak) and
+# the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
 # With --timeline, the first packmoe run of each preset/grad-accum also runs under the CUPTI
 # tracer (tools/probes/cuda_timeline.cpp) and its per-kernel time of one step goes to
 # timeline_<preset>_ga<N>.txt (tools/probes/timeline_gaps.py); its row is marked (traced).
@@ -51,6 +52,9 @@ for p in $presets; do
       if [ $timeline = 1 ] && [ "$r" = bf16 ]; then
         tl=(env PACKMOE_TIMELINE_OUT="$corpus/tl.txt" CUDA_INJECTION64_PATH="$corpus/libcuda_timeline.so")
       fi
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$corpus/mem.txt" &
+      smi=$!
+      t0=$(date +%s.%N)
       log=$("${tl[@]}" build-gpu/packmoe train --preset "$p" --device cuda --recipe "$r" \
               --micro-batch "$B" --seq-len "$S" --grad-accum "$ga" --steps $steps --warmup 2 \
               --eval-interval 0 --log-interval $logi --data "text:$corpus/text.txt" \
@@ -58,7 +62,9 @@ for p in $presets; do
       line=$(grep -E "iteration +$steps/" <<<"$log" | tail -1)
       ms=$(sed -nE 's/.*per iteration \(ms\): ([0-9.]+).*/\1/p' <<<"$line")
       tps=$(sed -nE 's/.*tokens\/s: ([0-9]+).*/\1/p' <<<"$line")
-      mem=$(grep -oE "peak [^|]*" <<<"$line" | head -1)
+      wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+      kill $smi 2>/dev/null; wait $smi 2>/dev/null
+      mem="peak $(sort -n "$corpus/mem.txt" | tail -1) MiB (nvidia-smi), run ${wall} s"
       label=packmoe-$r; [ ${#tl[@]} -gt 0 ] && label="packmoe-$r(traced)"
       row "$p ga$ga $label|${ms:-FAILED}|${tps:-0}|${mem:--}"
       if [ ${#tl[@]} -gt 0 ] && [ -s "$corpus/tl.txt" ]; then
