@@ -72,6 +72,16 @@ struct TrainArgs {
 void add_train_command(CLI::App& app, TrainArgs& args);
 Status run_train(const TrainArgs& args);
 
+// `packmoe tokenize` (tools/tokenize_command.cpp).
+struct TokenizeArgs {
+  std::string tokenizer, output, json_key = "text", separator_line, eod_token;
+  std::vector<std::string> inputs;
+  int threads = 0;  // 0: tokenize::default_threads()
+  bool add_bos = false, quiet = false;
+};
+void add_tokenize_command(CLI::App& app, TokenizeArgs& args);
+Status run_tokenize(const TokenizeArgs& args);
+
 // `packmoe export-hf` (tools/export_command.cpp).
 struct ExportHfArgs {
   std::string checkpoint, out, dtype = "bf16";
