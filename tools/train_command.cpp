@@ -25,6 +25,8 @@
 #include "io/state_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
+#include "tokenize/encode_documents.h"
+#include "tokenize/tokenizer.h"
 #include "tools/commands.h"
 #include "tools/exact_integer.h"
 #include "train/checkpoint.h"
@@ -138,7 +140,33 @@ Result<train::StreamOptions> document_masking(const TrainArgs& args) {
   return o;
 }
 
-Result<Source> load_source(const std::string& spec, const char* flag) {
+// A byte-token dataset (the text corpus's documents) re-encoded with `tokenizer`, each document
+// followed by its eos token where it has one.
+Result<io::TokenDataset> tokenize_dataset(const io::TokenDataset& bytes,
+                                          const tokenize::Tokenizer& tokenizer) {
+  std::vector<std::string> texts;
+  for (size_t d = 0; d < bytes.num_documents(); ++d)
+    texts.push_back(io::byte_detokenize(bytes.document(d)));
+  const std::vector<std::string_view> views(texts.begin(), texts.end());
+  tokenize::EncodeFailure failure;
+  Result<std::vector<std::vector<uint32_t>>> ids =
+      tokenize::encode_documents(tokenizer, views, tokenize::default_threads(), &failure);
+  if (!ids)
+    return Status::error(bytes.source + ": document " + std::to_string(failure.document) + ": " +
+                         failure.status.message());
+  io::TokenDataset out;
+  out.source = bytes.source;
+  out.doc_offsets = {0};
+  for (const std::vector<uint32_t>& doc : ids.value()) {
+    out.tokens.insert(out.tokens.end(), doc.begin(), doc.end());
+    if (tokenizer.eos_id()) out.tokens.push_back(*tokenizer.eos_id());
+    out.doc_offsets.push_back(out.tokens.size());
+  }
+  return out;
+}
+
+Result<Source> load_source(const std::string& spec, const char* flag,
+                           const tokenize::Tokenizer* tokenizer) {
   const size_t colon = spec.find(':');
   const std::string kind = spec.substr(0, colon);
   const std::string path = colon == std::string::npos ? "" : spec.substr(colon + 1);
@@ -151,9 +179,18 @@ Result<Source> load_source(const std::string& spec, const char* flag) {
     s.train = std::move(corpus.value().train);
     s.validation = std::move(corpus.value().validation);
     s.train.source = s.validation->source = kind == "text" ? path : io::kDefaultCorpusDir;
-    s.stream.separator = static_cast<uint32_t>('\n');
-    s.description = (kind == "text" ? path : std::string("fortunes")) + " (byte tokens, " +
-                    text(corpus.value().files.size()) + " files)";
+    s.description = (kind == "text" ? path : std::string("fortunes")) + " (" +
+                    (tokenizer ? std::string(tokenizer->kind()) + " tokenizer" : "byte tokens") +
+                    ", " + text(corpus.value().files.size()) + " files)";
+    if (!tokenizer) {
+      s.stream.separator = static_cast<uint32_t>('\n');
+      return s;
+    }
+    for (io::TokenDataset* d : {&s.train, &*s.validation}) {
+      Result<io::TokenDataset> t = tokenize_dataset(*d, *tokenizer);
+      if (!t) return t.status();
+      *d = std::move(t.value());
+    }
     return s;
   }
   if (kind == "megatron" && !path.empty()) {
@@ -253,6 +290,13 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                   "documents), text:PATH (fortune-format text files, '%' lines separate "
                   "documents), megatron:PREFIX (PREFIX.bin/.idx) or llmc:SHARD (an llm.c .bin "
                   "token shard) (default: fortunes)");
+  cmd->add_option("--tokenizer", args.tokenizer,
+                  "tokenizer for text data (tokenizer.json, a SentencePiece .model, or a folder "
+                  "holding one): text: and fortunes data are tokenized with it, each document "
+                  "followed by its eos token; the model's vocab_size is the tokenizer's unless "
+                  "a config file's model keys say it (then it must be at least as large); the "
+                  "files are copied into --out and the path is kept in checkpoints for export-hf "
+                  "(default: byte tokens; a resumed run keeps its checkpoint's tokenizer)");
   cmd->add_option("--attention-mask", args.attention_mask,
                   "causal (each row one causal sequence) or document (tokens attend only inside "
                   "their own document: the data's document boundaries, or --eod-token's) "
@@ -384,6 +428,7 @@ struct SetUp {
   int64_t train_tokens = 0, valid_tokens = 0;
   train::TrainData data;
   std::optional<ModelWeights> hf_weights;
+  std::unique_ptr<tokenize::Tokenizer> tokenizer;  // --tokenizer (or the checkpoint's)
 };
 
 Result<SetUp> set_up(const TrainArgs& args) {
@@ -458,8 +503,22 @@ Result<SetUp> set_up(const TrainArgs& args) {
       model = m.value();
     }
   }
+  // The tokenizer: --tokenizer, else the checkpoint's or the config file's train.tokenizer.
+  if (!args.tokenizer.empty()) config.tokenizer = fs::absolute(args.tokenizer).lexically_normal();
+  if (!config.tokenizer.empty()) {
+    Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(config.tokenizer);
+    if (!t) return Status::error("--tokenizer: " + t.status().message());
+    set.tokenizer = std::move(t.value());
+  }
+  // A preset is a shape: with a tokenizer its vocab_size is the tokenizer's. A model from a
+  // file, a checkpoint or HF weights keeps its own, which must hold every token id.
+  const auto preset = [&](const std::string& name) -> Result<ModelConfig> {
+    Result<ModelConfig> m = train::model_config_preset(name);
+    if (m && set.tokenizer) m.value().vocab_size = set.tokenizer->vocab_size();
+    return m;
+  };
   if (!model && args.cmd->count("--preset")) {
-    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    Result<ModelConfig> m = preset(args.preset);
     if (!m) return m.status();
     model = m.value();
   }
@@ -473,10 +532,15 @@ Result<SetUp> set_up(const TrainArgs& args) {
     model = stored;
   }
   if (!model) {
-    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    Result<ModelConfig> m = preset(args.preset);
     if (!m) return m.status();
     model = m.value();
   }
+  if (set.tokenizer && model->vocab_size < static_cast<int64_t>(set.tokenizer->vocab_size()))
+    return Status::error("the model's vocab_size = " + std::to_string(model->vocab_size) +
+                         " is smaller than the tokenizer's " +
+                         std::to_string(set.tokenizer->vocab_size()) + " (" + config.tokenizer +
+                         "): drop vocab_size from the config or raise it");
   for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
   if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
   if (args.cmd->count("--recipe")) {
@@ -517,13 +581,13 @@ Result<SetUp> set_up(const TrainArgs& args) {
   // ---- data ----
   Result<train::StreamOptions> masking = document_masking(args);
   if (!masking) return masking.status();
-  Result<Source> source = load_source(args.data, "--data");
+  Result<Source> source = load_source(args.data, "--data", set.tokenizer.get());
   if (!source) return source.status();
   train::TrainData data;
   data.train = std::move(source.value().train);
   data.train_stream = source.value().stream;
   if (!args.valid_data.empty()) {
-    Result<Source> valid = load_source(args.valid_data, "--valid-data");
+    Result<Source> valid = load_source(args.valid_data, "--valid-data", set.tokenizer.get());
     if (!valid) return valid.status();
     data.validation = std::move(valid.value().train);
     data.validation_stream = valid.value().stream;
@@ -597,6 +661,8 @@ Status run_train(const TrainArgs& args) {
     fs::create_directories(args.out, ec);
     if (ec)
       return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
+    if (!config.tokenizer.empty())  // a copy beside config.json, should the original move
+      PACKMOE_RETURN_IF_ERROR(tokenize::copy_tokenizer_files(config.tokenizer, args.out).status());
     return train::save_model_config(*model, config_path);
   };
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), write_outputs()));

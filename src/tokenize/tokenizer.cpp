@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/json_limits.h"
+#include "io/atomic_file.h"
 #include "io/read_file.h"
 #include "tokenize/hf_tokenizer.h"
 #include "tokenize/sentencepiece_tokenizer.h"
@@ -131,6 +132,24 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer(const std::string& path) {
       SentencePieceTokenizer::load(main, config.value(), files.value());
   if (!t) return t.status();
   return std::unique_ptr<Tokenizer>(std::move(t.value()));
+}
+
+Result<std::vector<std::string>> copy_tokenizer_files(const std::string& path,
+                                                      const std::string& dir) {
+  Result<std::vector<std::string>> files = tokenizer_files(path);
+  if (!files) return files.status();
+  std::vector<std::string> names;
+  for (const std::string& f : files.value()) {
+    std::string name = fs::path(f).filename().string();
+    if (f == files.value().front()) name = is_hf_json(f) ? "tokenizer.json" : "tokenizer.model";
+    Result<std::string> bytes = io::read_regular_file(f, kMaxTokenizerFileBytes);
+    if (!bytes) return bytes.status();
+    const std::span<const uint8_t> parts[] = {std::span<const uint8_t>(
+        reinterpret_cast<const uint8_t*>(bytes.value().data()), bytes.value().size())};
+    PACKMOE_RETURN_IF_ERROR(io::write_file_atomic((fs::path(dir) / name).string(), parts));
+    names.push_back(name);
+  }
+  return names;
 }
 
 Status Tokenizer::apply_config(const TokenizerConfig& c) {

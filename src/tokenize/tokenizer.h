@@ -70,6 +70,12 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer(const std::string& path);
 // The files a tokenizer at PATH consists of (as Tokenizer::files), without parsing them.
 Result<std::vector<std::string>> tokenizer_files(const std::string& path);
 
+// Copies the files of the tokenizer at PATH into `dir` (each atomically), under the names
+// Hugging Face loaders look for: tokenizer.json or tokenizer.model (a SentencePiece file of any
+// name), tokenizer_config.json, special_tokens_map.json, chat_template.jinja. Returns the names.
+Result<std::vector<std::string>> copy_tokenizer_files(const std::string& path,
+                                                      const std::string& dir);
+
 // An error naming the first invalid byte unless `text` is well-formed UTF-8 (no overlong forms,
 // no surrogates, nothing above U+10FFFF).
 Status check_utf8(std::string_view text);
