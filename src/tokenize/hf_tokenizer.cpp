@@ -185,6 +185,11 @@ Result<std::unique_ptr<HfTokenizer>> HfTokenizer::create(const json& j,
   uint32_t size = 0;
   for (const auto& [token, id] : t->bpe_.vocab()) size = std::max(size, id + 1);
   for (const AddedToken& a : t->added_) size = std::max(size, a.id + 1);
+  // Ids are dense in every real file; a sparse one would make the id table a memory bomb.
+  const uint64_t entries = t->bpe_.vocab().size() + t->added_.size();
+  if (size > 2 * entries + 1024)
+    return field_error("model.vocab", "ids reach " + std::to_string(size - 1) + " for only " +
+                                          std::to_string(entries) + " tokens (ids must be dense)");
   t->id_to_token_.assign(size, std::string());
   t->special_.assign(size, 0);
   for (const auto& [token, id] : t->bpe_.vocab()) t->id_to_token_[id] = token;

@@ -241,6 +241,9 @@ TEST_F(HfTokenizerTest, UnsupportedFeaturesNameTheField) {
   m["model"]["merges"].push_back("x z");  // "xz" is not in the vocabulary
   EXPECT_NE(load_error(m).find("model.merges[16]"), std::string::npos) << load_error(m);
   m = test::test_tokenizer_json();
+  m["added_tokens"][0]["id"] = 2000000000;  // sparse ids: refused before the id table is made
+  EXPECT_NE(load_error(m).find("ids must be dense"), std::string::npos) << load_error(m);
+  m = test::test_tokenizer_json();
   m["model"]["vocab"].erase(test::gpt2_byte_symbol(0));
   EXPECT_NE(load_error(m).find("byte 0"), std::string::npos) << load_error(m);
 }
