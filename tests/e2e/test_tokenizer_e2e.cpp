@@ -81,6 +81,15 @@ TEST_F(TokenizerE2e, TrainOnTextExportCopiesTheTokenizer) {
     EXPECT_EQ(test::read_raw(dir_ / "hf" / f), test::read_raw(dir_ / "tok" / f)) << f;
   EXPECT_TRUE(fs::exists(dir_ / "hf" / "model.safetensors"));
 
+  // A resumed run without --tokenizer keeps the checkpoint's (the same token stream, or resume
+  // would refuse data of another length).
+  r = run_cli(kRun.substr(0, kRun.find("--steps")) + "--steps 35 --warmup 3 --micro-batch 4 " +
+              "--seq-len 32 --eval-interval 0 --data text:" + (dir_ / "corpus.txt").string() +
+              " --out " + (dir_ / "run").string() + " --save-dir " + (dir_ / "ckpt").string() +
+              " --resume auto");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("hf-bpe tokenizer"), std::string::npos) << r.output;
+
   // The recorded tokenizer is gone: export says where a copy is, and writes nothing.
   fs::rename(dir_ / "tok", dir_ / "tok-moved");
   r = run_cli("export-hf " + (dir_ / "ckpt").string() + " " + (dir_ / "hf2").string());
