@@ -38,10 +38,9 @@ Result<BpeModel> BpeModel::from_json(const json& m) {
   if (!null_or(m, "byte_fallback", [](const json& v) { return v.is_boolean() && !v.get<bool>(); }))
     return field_error("model.byte_fallback",
                        "true is not supported (byte-level BPE needs no byte fallback)");
-  if (!null_or(m, "unk_token", [](const json&) { return false; }))
-    return field_error("model.unk_token", json_brief(m["unk_token"]) +
-                                              " is not supported (byte-level BPE has no unknown "
-                                              "symbols: null only)");
+  // An unk_token is never produced: every byte has a symbol (checked below), so it is ignored.
+  if (!null_or(m, "unk_token", [](const json& v) { return v.is_string(); }))
+    return field_error("model.unk_token", "must be null or a string");
   BpeModel bpe;
   if (m.contains("ignore_merges")) {
     if (!m["ignore_merges"].is_boolean()) return field_error("model.ignore_merges", "must be a boolean");
