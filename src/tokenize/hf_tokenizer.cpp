@@ -11,6 +11,7 @@
 
 #include "core/json_limits.h"
 #include "tokenize/byte_level.h"
+#include "tokenize/tokenizer_backends.h"
 
 namespace packmoe::tokenize {
 namespace {
@@ -321,6 +322,13 @@ std::string HfTokenizer::decode(std::span<const uint32_t> ids, bool skip_special
     append_decoded_token(id_to_token_[id], &out);
   }
   return out;
+}
+
+Result<std::unique_ptr<Tokenizer>> make_hf_tokenizer(const json& j, const TokenizerConfig& config,
+                                                     std::vector<std::string> files) {
+  Result<std::unique_ptr<HfTokenizer>> t = HfTokenizer::create(j, config, std::move(files));
+  if (!t) return t.status();
+  return std::unique_ptr<Tokenizer>(std::move(t.value()));
 }
 
 }  // namespace packmoe::tokenize

@@ -4,6 +4,8 @@
 
 #include <sentencepiece_processor.h>
 
+#include "tokenize/tokenizer_backends.h"
+
 namespace packmoe::tokenize {
 
 SentencePieceTokenizer::SentencePieceTokenizer()
@@ -58,6 +60,15 @@ std::optional<uint32_t> SentencePieceTokenizer::token_id(std::string_view token)
 bool SentencePieceTokenizer::is_special(uint32_t id) const {
   return id < vocab_size_ && (sp_->IsControl(static_cast<int>(id)) ||
                               sp_->IsUnknown(static_cast<int>(id)));
+}
+
+Result<std::unique_ptr<Tokenizer>> make_sentencepiece_tokenizer(const std::string& model_path,
+                                                                const TokenizerConfig& config,
+                                                                std::vector<std::string> files) {
+  Result<std::unique_ptr<SentencePieceTokenizer>> t =
+      SentencePieceTokenizer::load(model_path, config, std::move(files));
+  if (!t) return t.status();
+  return std::unique_ptr<Tokenizer>(std::move(t.value()));
 }
 
 }  // namespace packmoe::tokenize

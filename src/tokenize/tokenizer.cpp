@@ -9,8 +9,7 @@
 #include "core/json_limits.h"
 #include "io/atomic_file.h"
 #include "io/read_file.h"
-#include "tokenize/hf_tokenizer.h"
-#include "tokenize/sentencepiece_tokenizer.h"
+#include "tokenize/tokenizer_backends.h"
 
 namespace packmoe::tokenize {
 namespace {
@@ -120,18 +119,14 @@ Result<std::unique_ptr<Tokenizer>> load_tokenizer(const std::string& path) {
     if (!text) return text.status();
     Result<json> j = parse_json_text(text.value(), main);
     if (!j) return j.status();
-    Result<std::unique_ptr<HfTokenizer>> t =
-        HfTokenizer::create(j.value(), config.value(), files.value());
+    Result<std::unique_ptr<Tokenizer>> t = make_hf_tokenizer(j.value(), config.value(), files.value());
     if (!t) return Status::error(main + ": " + t.status().message());
-    return std::unique_ptr<Tokenizer>(std::move(t.value()));
+    return t;
   }
   // The library would block on a FIFO: only a regular file reaches it.
   Result<io::RegularFile> f = io::RegularFile::open(main);
   if (!f) return f.status();
-  Result<std::unique_ptr<SentencePieceTokenizer>> t =
-      SentencePieceTokenizer::load(main, config.value(), files.value());
-  if (!t) return t.status();
-  return std::unique_ptr<Tokenizer>(std::move(t.value()));
+  return make_sentencepiece_tokenizer(main, config.value(), files.value());
 }
 
 Result<std::vector<std::string>> copy_tokenizer_files(const std::string& path,

@@ -254,6 +254,7 @@ inline std::vector<Target> targets() {
                               8),
          };
        }},
+#if PACKMOE_WITH_TOKENIZERS  // a build without PCRE2 / ICU / SentencePiece refuses every load
       {"tokenizer_json", fuzz_tokenizer_json,
        [] {
          nlohmann::json gpt2 = test::test_tokenizer_json(test::PreTokenizer::kGpt2);
@@ -267,6 +268,7 @@ inline std::vector<Target> targets() {
                                    bytes_of("it's 123 \xE6\x97\xA5x \xF0\x9F\x98\x80!  \t\r\n"),
                                    bytes_of("e\xCC\x81 <think>'T \xE3\x80\x80")};
        }},
+#endif
       {"megatron_idx", fuzz_megatron_idx,
        [] {
          io::TokenDataset d;
