@@ -25,6 +25,8 @@
 #include "io/state_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
+#include "tokenize/encode_documents.h"
+#include "tokenize/tokenizer.h"
 #include "tools/commands.h"
 #include "tools/exact_integer.h"
 #include "train/checkpoint.h"
@@ -226,6 +228,13 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                  "given, in [0, 1): whole documents by a fixed hash (text: of its bytes, token "
                  "files: of its index), or the last tokens when that leaves a side empty (one "
                  "document)");
+  cmd->add_option("--tokenizer", args.tokenizer,
+                  "tokenizer for text data (tokenizer.json, a SentencePiece .model, or a folder "
+                  "holding one): text: and fortunes data are tokenized with it, each document "
+                  "followed by its eos token; the model's vocab_size is the tokenizer's unless "
+                  "a config file's model keys say it (then it must be at least as large); the "
+                  "files are copied into --out and the path is kept in checkpoints for export-hf "
+                  "(default: byte tokens; a resumed run keeps its checkpoint's tokenizer)");
   cmd->add_option("--attention-mask", args.attention_mask,
                   "causal (each row one causal sequence) or document (tokens attend only inside "
                   "their own document: the data's document boundaries, or --eod-token's) "
@@ -372,6 +381,7 @@ struct SetUp {
   int64_t train_tokens = 0, valid_tokens = 0;
   train::TrainData data;
   std::optional<ModelWeights> hf_weights;
+  std::unique_ptr<tokenize::Tokenizer> tokenizer;  // --tokenizer (or the checkpoint's)
 };
 
 Result<SetUp> set_up(const TrainArgs& args) {
@@ -449,8 +459,22 @@ Result<SetUp> set_up(const TrainArgs& args) {
         set.start.warnings.push_back(*w);
     }
   }
+  // The tokenizer: --tokenizer, else the checkpoint's or the config file's train.tokenizer.
+  if (!args.tokenizer.empty()) config.tokenizer = fs::absolute(args.tokenizer).lexically_normal();
+  if (!config.tokenizer.empty()) {
+    Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(config.tokenizer);
+    if (!t) return Status::error("--tokenizer: " + t.status().message());
+    set.tokenizer = std::move(t.value());
+  }
+  // A preset is a shape: with a tokenizer its vocab_size is the tokenizer's. A model from a
+  // file, a checkpoint or HF weights keeps its own, which must hold every token id.
+  const auto preset = [&](const std::string& name) -> Result<ModelConfig> {
+    Result<ModelConfig> m = train::model_config_preset(name);
+    if (m && set.tokenizer) m.value().vocab_size = set.tokenizer->vocab_size();
+    return m;
+  };
   if (!model && args.cmd->count("--preset")) {
-    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    Result<ModelConfig> m = preset(args.preset);
     if (!m) return m.status();
     model = m.value();
   }
@@ -464,10 +488,15 @@ Result<SetUp> set_up(const TrainArgs& args) {
     model = stored;
   }
   if (!model) {
-    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    Result<ModelConfig> m = preset(args.preset);
     if (!m) return m.status();
     model = m.value();
   }
+  if (set.tokenizer && model->vocab_size < static_cast<int64_t>(set.tokenizer->vocab_size()))
+    return Status::error("the model's vocab_size = " + std::to_string(model->vocab_size) +
+                         " is smaller than the tokenizer's " +
+                         std::to_string(set.tokenizer->vocab_size()) + " (" + config.tokenizer +
+                         "): drop vocab_size from the config or raise it");
   for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
   if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
   if (args.cmd->count("--shuffle")) config.shuffle = args.shuffle;
@@ -513,12 +542,14 @@ Result<SetUp> set_up(const TrainArgs& args) {
   // valid_fraction of itself to validation (every source contributes).
   const bool own_validation = !args.valid_data.empty();
   Result<train::LoadedData> source =
-      train::load_data(args.data, "--data", own_validation ? 0.0 : config.valid_fraction);
+      train::load_data(args.data, "--data", own_validation ? 0.0 : config.valid_fraction,
+                       set.tokenizer.get());
   if (!source) return source.status();
   train::TrainData data;
   data.train = std::move(source.value().train);
   if (own_validation) {
-    Result<train::LoadedData> valid = train::load_data(args.valid_data, "--valid-data", 0.0);
+    Result<train::LoadedData> valid =
+        train::load_data(args.valid_data, "--valid-data", 0.0, set.tokenizer.get());
     if (!valid) return valid.status();
     data.validation = std::move(valid.value().train);
   } else {
@@ -595,6 +626,8 @@ Status run_train(const TrainArgs& args) {
     fs::create_directories(args.out, ec);
     if (ec)
       return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
+    if (!config.tokenizer.empty())  // a copy beside config.json, should the original move
+      PACKMOE_RETURN_IF_ERROR(tokenize::copy_tokenizer_files(config.tokenizer, args.out).status());
     return train::save_model_config(*model, config_path);
   };
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), write_outputs()));

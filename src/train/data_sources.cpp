@@ -9,6 +9,7 @@
 #include "io/data_split.h"
 #include "io/text_corpus.h"
 #include "io/token_mmap.h"
+#include "tokenize/encode_documents.h"
 
 namespace packmoe::train {
 namespace {
@@ -20,11 +21,36 @@ std::optional<double> number(const std::string& w) {
   return v;
 }
 
+// A byte-token dataset (the text corpus's documents) re-encoded with `tokenizer`, each document
+// followed by its eos token where it has one.
+Result<io::TokenDataset> tokenize_dataset(const io::TokenDataset& bytes,
+                                          const tokenize::Tokenizer& tokenizer) {
+  std::vector<std::string> texts;
+  for (size_t d = 0; d < bytes.num_documents(); ++d)
+    texts.push_back(io::byte_detokenize(bytes.document(d)));
+  const std::vector<std::string_view> views(texts.begin(), texts.end());
+  tokenize::EncodeFailure failure;
+  Result<std::vector<std::vector<uint32_t>>> ids =
+      tokenize::encode_documents(tokenizer, views, tokenize::default_threads(), &failure);
+  if (!ids)
+    return Status::error(bytes.source + ": document " + std::to_string(failure.document) + ": " +
+                         failure.status.message());
+  io::TokenDataset out;
+  out.source = bytes.source;
+  out.doc_offsets = {0};
+  for (const std::vector<uint32_t>& doc : ids.value()) {
+    out.tokens.insert(out.tokens.end(), doc.begin(), doc.end());
+    if (tokenizer.eos_id()) out.tokens.push_back(*tokenizer.eos_id());
+    out.doc_offsets.push_back(out.tokens.size());
+  }
+  return out;
+}
+
 // One source: "fortunes" | "text:PATH" | "megatron:PREFIX" | "llmc:SHARD", split by
 // `fraction` (io/data_split.h; text by content hash, token files by document index; a side
 // left empty: by position). Token files stay memory-mapped; text is read into memory.
-Status load_source(const std::string& spec, const char* flag, double fraction, LoadedData* out,
-                   std::string* description) {
+Status load_source(const std::string& spec, const char* flag, double fraction,
+                   const tokenize::Tokenizer* tokenizer, LoadedData* out, std::string* description) {
   const size_t colon = spec.find(':');
   const std::string kind = spec.substr(0, colon);
   const std::string path = colon == std::string::npos ? "" : spec.substr(colon + 1);
@@ -36,13 +62,22 @@ Status load_source(const std::string& spec, const char* flag, double fraction, L
     if (!corpus) return corpus.status();
     const std::string name = kind == "text" ? path : io::kDefaultCorpusDir;
     corpus.value().train.source = corpus.value().validation.source = name;
-    const uint32_t newline = static_cast<uint32_t>('\n');
-    out->train.sources.push_back(
-        in_memory_source(std::move(corpus.value().train), newline));
+    // Byte tokens: documents joined by a newline; a tokenizer's: each ends with its eos.
+    std::optional<uint32_t> separator = static_cast<uint32_t>('\n');
+    if (tokenizer) {
+      separator = std::nullopt;
+      for (io::TokenDataset* d : {&corpus.value().train, &corpus.value().validation}) {
+        Result<io::TokenDataset> t = tokenize_dataset(*d, *tokenizer);
+        if (!t) return t.status();
+        *d = std::move(t.value());
+      }
+    }
+    out->train.sources.push_back(in_memory_source(std::move(corpus.value().train), separator));
     out->validation.sources.push_back(
-        in_memory_source(std::move(corpus.value().validation), newline));
-    *description = (kind == "text" ? path : std::string("fortunes")) + " (byte tokens, " +
-                   std::to_string(corpus.value().files.size()) + " files" +
+        in_memory_source(std::move(corpus.value().validation), separator));
+    *description = (kind == "text" ? path : std::string("fortunes")) + " (" +
+                   (tokenizer ? std::string(tokenizer->kind()) + " tokenizer" : "byte tokens") +
+                   ", " + std::to_string(corpus.value().files.size()) + " files" +
                    (corpus.value().split_by_position ? ", split by position" : "") + ")";
     return Status::ok();
   }
@@ -117,11 +152,12 @@ Result<DataSpec> parse_data_spec(const std::string& value, const char* flag) {
   return spec;
 }
 
-Result<LoadedData> load_data(const DataSpec& spec, const char* flag, double valid_fraction) {
+Result<LoadedData> load_data(const DataSpec& spec, const char* flag, double valid_fraction,
+                             const tokenize::Tokenizer* tokenizer) {
   LoadedData out;
   for (size_t i = 0; i < spec.sources.size(); ++i) {
     std::string d;
-    PACKMOE_RETURN_IF_ERROR(load_source(spec.sources[i], flag, valid_fraction, &out, &d));
+    PACKMOE_RETURN_IF_ERROR(load_source(spec.sources[i], flag, valid_fraction, tokenizer, &out, &d));
     std::string w;
     if (!spec.weights.empty()) {
       std::ostringstream s;
@@ -134,10 +170,11 @@ Result<LoadedData> load_data(const DataSpec& spec, const char* flag, double vali
   return out;
 }
 
-Result<LoadedData> load_data(const std::string& value, const char* flag, double valid_fraction) {
+Result<LoadedData> load_data(const std::string& value, const char* flag, double valid_fraction,
+                             const tokenize::Tokenizer* tokenizer) {
   Result<DataSpec> spec = parse_data_spec(value, flag);
   if (!spec) return spec.status();
-  return load_data(spec.value(), flag, valid_fraction);
+  return load_data(spec.value(), flag, valid_fraction, tokenizer);
 }
 
 }  // namespace packmoe::train

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "tokenize/tokenizer.h"
 #include "train/batch_sampler.h"
 
 namespace packmoe::train {
@@ -30,7 +31,11 @@ struct LoadedData {
 
 // Reads (maps) every source and splits each by `valid_fraction` (0: all of it trains, and the
 // validation blend's sources are empty). Errors name the file; an unknown kind names the forms.
-Result<LoadedData> load_data(const DataSpec& spec, const char* flag, double valid_fraction);
-Result<LoadedData> load_data(const std::string& value, const char* flag, double valid_fraction);
+// With a tokenizer, text sources (text:, fortunes) are encoded with it, each document followed by
+// its eos; token files are read as they are.
+Result<LoadedData> load_data(const DataSpec& spec, const char* flag, double valid_fraction,
+                             const tokenize::Tokenizer* tokenizer = nullptr);
+Result<LoadedData> load_data(const std::string& value, const char* flag, double valid_fraction,
+                             const tokenize::Tokenizer* tokenizer = nullptr);
 
 }  // namespace packmoe::train

@@ -202,6 +202,7 @@ json train_config_to_json(const TrainConfig& c) {
   j["layout"] = layout_name(c.precision.layout);
   j["primary"] = primary_name(c.precision.primary);
   j["gather_mode"] = gather_mode_name(c.gather_mode);
+  if (!c.tokenizer.empty()) j["tokenizer"] = c.tokenizer;
   return j;
 }
 
@@ -249,6 +250,9 @@ Status apply_train_json(const json& j, TrainConfig* c) {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->shuffle));
     } else if (key == "valid_fraction") {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->valid_fraction));
+    } else if (key == "tokenizer") {
+      if (!v.is_string()) return type_error(key, "a path", v);
+      c->tokenizer = v.get<std::string>();
     } else if (key == "gather_mode") {
       std::string name;
       PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));

@@ -45,6 +45,10 @@ struct TrainConfig {
   // How data parallelism (mpirun) all-gathers updated parameters; no effect on one rank. All modes
   // give bitwise the same weights (docs/dist.md); they differ in bytes moved and memory.
   GatherMode gather_mode = GatherMode::kBf16;
+  // The tokenizer the data was tokenized with (`--tokenizer`), as an absolute path; empty: byte
+  // tokens or pre-tokenized files without one. Stored in checkpoints so that export-hf copies
+  // its files beside the weights (docs/tokenizers.md).
+  std::string tokenizer;
 };
 
 // Upper bounds of the integer settings, as powers of two: far above any real run, low enough that
@@ -82,8 +86,8 @@ const char* primary_name(PrimaryWeight primary);
 nlohmann::json train_config_to_json(const TrainConfig& config);
 
 // Overwrites the fields present in `json` (an object whose keys are the field names above plus
-// "recipe", "layout", "primary"; gather_mode by name: bf16, lowp, reuse-grad-buffer); an unknown
-// key or a wrong type is an error naming the key.
+// "recipe", "layout", "primary", "tokenizer" (a path); gather_mode by name: bf16, lowp,
+// reuse-grad-buffer); an unknown key or a wrong type is an error naming the key.
 Status apply_train_json(const nlohmann::json& json, TrainConfig* config);
 
 }  // namespace packmoe::train
