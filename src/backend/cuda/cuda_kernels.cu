@@ -80,7 +80,12 @@ const ModelKernels kModel{
     },
 };
 
-const OpKernels kCudaKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel};
+const InitKernels kInit{
+    [](Backend& b, const InitNormalArgs& a) { return init_normal_sm90(cuda(b), a); },
+    [](Backend& b, const FillArgs& a) { return fill_f32_sm90(cuda(b), a); },
+};
+
+const OpKernels kCudaKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel, &kInit};
 
 }  // namespace
 
