@@ -623,6 +623,13 @@ Status run_train(const TrainArgs& args) {
                                    parallel);
   building.reset();
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer ? Status::ok() : trainer.status()));
+  // The trainer holds its own copies: the host weights of the start (the whole model, and a
+  // checkpoint's moments) are freed for the rest of the run.
+  set.hf_weights.reset();
+  if (set.start.checkpoint) {
+    set.start.checkpoint->masters.clear();
+    set.start.checkpoint->moments.clear();
+  }
 
   // ---- outputs ----
   const Start& start = set.start;
@@ -676,7 +683,7 @@ Status run_train(const TrainArgs& args) {
                 short_bytes(rate).c_str());
   }
   const train::StartupTimes& t = trainer.value()->startup_times();
-  if (!init && !checkpoint)
+  if (!start.hf_model && !checkpoint)
     std::printf("  start-up: weights initialised on %s in %.2f s, model %.2f s, optimizer %.2f s\n",
                 backend->name().c_str(), t.weights, t.model, t.optimizer);
   else if (!checkpoint)
