@@ -22,6 +22,7 @@
 #include "io/hf_weights.h"
 #include "io/output_dir.h"
 #include "io/read_file.h"
+#include "io/read_progress.h"
 #include "io/state_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
@@ -29,6 +30,7 @@
 #include "tokenize/tokenizer.h"
 #include "tools/commands.h"
 #include "tools/exact_integer.h"
+#include "tools/progress_line.h"
 #include "train/checkpoint.h"
 #include "train/data_sources.h"
 #include "train/plot.h"
@@ -289,12 +291,19 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
 
 namespace {
 
+// What a start-up read (a checkpoint, Hugging Face weights) cost; printed once the run starts.
+struct ReadCost {
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
 // Where the run starts: fresh, from a checkpoint, or from Hugging Face weights.
 struct Start {
   std::optional<train::TrainerCheckpoint> checkpoint;  // --resume found one
   std::optional<ModelConfig> hf_model;                 // --init-from-hf's config.json
   std::vector<std::string> notes;                      // printed once the run starts
   std::vector<std::string> warnings;                   // printed to stderr by rank 0
+  ReadCost read;                                       // of the checkpoint or the HF weights
 };
 
 // One warning line for the keys of a model config that packmoe neither reads nor knows to be
@@ -306,6 +315,26 @@ std::optional<std::string> unknown_keys_warning(const std::string& where,
   for (const std::string& k : keys) list += (list.empty() ? "" : ", ") + printable_text(k, true);
   return where + ": ignored " + std::to_string(keys.size()) +
          " key(s) packmoe does not know: " + list;
+}
+
+// Bytes of `path`: a regular file's size, or the sum over a directory's regular files.
+uint64_t bytes_at(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return static_cast<uint64_t>(fs::file_size(path, ec));
+  uint64_t total = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec))
+    if (e.is_regular_file(ec)) total += static_cast<uint64_t>(e.file_size(ec));
+  return total;
+}
+
+// read() under a progress line of `label` over about `total` bytes; its cost into `cost`.
+template <typename F>
+auto read_with_progress(const std::string& label, uint64_t total, ReadCost& cost, F&& read) {
+  ProgressLine line(label, total, ProgressLine::wanted());
+  io::ReadProgress progress([&](uint64_t bytes) { line.update(bytes); });
+  auto result = read();
+  cost = {progress.bytes(), line.seconds()};
+  return result;
 }
 
 // With data parallelism: the ranks agree on one status (train::agree), and an error is printed
@@ -363,7 +392,10 @@ Result<Start> resolve_start(const TrainArgs& args) {
   }
   for (const std::string& why : skipped) start.notes.push_back("skipped " + why);
   if (dir.empty()) return start;
-  Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(dir);
+  // Every file is read twice: the marker's CRC check, then the tensors.
+  Result<train::TrainerCheckpoint> c =
+      read_with_progress("reading checkpoint " + dir, 2 * bytes_at(dir), start.read,
+                         [&] { return train::read_trainer_checkpoint(dir); });
   if (!c) return Status::error("--resume: " + c.status().message());
   start.checkpoint = std::move(c.value());
   return start;
@@ -529,7 +561,10 @@ Result<SetUp> set_up(const TrainArgs& args) {
                          std::to_string(config.steps) + ": nothing left to train (raise --steps)");
   std::optional<ModelWeights> hf_weights;
   if (set.start.hf_model) {
-    Result<ModelWeights> w = io::load_hf_weights(args.init_from_hf, *model);
+    Result<ModelWeights> w =
+        read_with_progress("reading Hugging Face weights " + args.init_from_hf,
+                           bytes_at(args.init_from_hf), set.start.read,
+                           [&] { return io::load_hf_weights(args.init_from_hf, *model); });
     if (!w) return Status::error("--init-from-hf: " + w.status().message());
     PACKMOE_RETURN_IF_ERROR(io::check_finite(w.value(), "--init-from-hf " + args.init_from_hf));
     hf_weights = std::move(w.value());
@@ -601,13 +636,29 @@ Status run_train(const TrainArgs& args) {
   const ModelWeights* init = set.hf_weights ? &*set.hf_weights : nullptr;
   train::TrainerParallelism parallel;
   parallel.comm = comm.get();
+  const train::ParameterCount params = train::parameter_count(*set.model);
+  std::optional<ProgressLine> building;
+  if (rank0)
+    building.emplace((set.start.checkpoint ? std::string("building the model from the checkpoint")
+                      : init ? std::string("building the model from the Hugging Face weights")
+                             : "initialising " + short_count(params.total) + " parameters") +
+                         " on " + backend->name(),
+                     0, ProgressLine::wanted());
   Result<std::unique_ptr<train::Trainer>> trainer =
       set.start.checkpoint
           ? train::Trainer::resume(*backend, *set.start.checkpoint, set.config,
                                    std::move(set.data), parallel)
           : train::Trainer::create(*backend, *set.model, set.config, std::move(set.data), init,
                                    parallel);
+  building.reset();
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer ? Status::ok() : trainer.status()));
+  // The trainer holds its own copies: the host weights of the start (the whole model, and a
+  // checkpoint's moments) are freed for the rest of the run.
+  set.hf_weights.reset();
+  if (set.start.checkpoint) {
+    set.start.checkpoint->masters.clear();
+    set.start.checkpoint->moments.clear();
+  }
 
   // ---- outputs ----
   const Start& start = set.start;
@@ -632,7 +683,6 @@ Status run_train(const TrainArgs& args) {
   };
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), write_outputs()));
 
-  const train::ParameterCount params = train::parameter_count(*model);
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",
               static_cast<long long>(params.total), static_cast<long long>(params.active),
               backend->name().c_str());
@@ -663,6 +713,21 @@ Status run_train(const TrainArgs& args) {
                 static_cast<double>(t.reduce_scatter_bytes) / 1e6);
   }
   for (const std::string& note : start.notes) std::printf("  %s\n", note.c_str());
+  if (start.read.bytes > 0) {
+    const double rate = start.read.seconds > 0 ? start.read.bytes / start.read.seconds : 0.0;
+    std::printf("  read %s in %.1f s (%s/s)\n",
+                short_bytes(static_cast<double>(start.read.bytes)).c_str(), start.read.seconds,
+                short_bytes(rate).c_str());
+  }
+  const train::StartupTimes& t = trainer.value()->startup_times();
+  if (!start.hf_model && !checkpoint)
+    std::printf("  start-up: weights initialised on %s in %.2f s, model %.2f s, optimizer %.2f s\n",
+                backend->name().c_str(), t.weights, t.model, t.optimizer);
+  else if (!checkpoint)
+    std::printf("  start-up: model %.2f s, optimizer %.2f s\n", t.model, t.optimizer);
+  else
+    std::printf("  start-up: model %.2f s, optimizer %.2f s, checkpoint state %.2f s\n", t.model,
+                t.optimizer, t.state);
   if (checkpoint)
     std::printf("  resumed from %s at step %lld (saved by %lld rank(s), continued by %d)\n",
                 checkpoint->dir.c_str(), static_cast<long long>(checkpoint->step),

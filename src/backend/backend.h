@@ -13,6 +13,7 @@
 #include "core/tensor.h"
 #include "backend/ops/elementwise.h"
 #include "backend/ops/gemm.h"
+#include "backend/ops/init.h"
 #include "backend/ops/model.h"
 #include "backend/ops/moe.h"
 #include "backend/ops/quantize.h"
@@ -26,6 +27,7 @@ struct OpKernels {
   const MoeKernels* moe;
   const ElementwiseKernels* elementwise;
   const ModelKernels* model;
+  const InitKernels* init;
 };
 
 class Backend : public Allocator {

@@ -101,7 +101,7 @@ Status check_layout(const Batch& batch, int64_t max_positions) {
 Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
              const ModelWeights& init)
     : backend_(&backend), config_(config), precision_(precision), impl_(std::make_unique<Impl>()) {
-  const Status valid = validate_model_weights(config, init);
+  const Status valid = validate_model_weights(config, init, backend.device());
   PACKMOE_CHECK(valid.is_ok(), "Model: " << valid.message());
   const ModelConfig& c = config_;
   const Layout layout = precision.layout;

@@ -59,13 +59,17 @@ struct ParamSpec {
 std::vector<ParamSpec> model_param_specs(const ModelConfig& config);
 
 // Deterministic init: parameter i of model_param_specs draws from Philox stream (seed, i); normal
-// values by Box-Muller in FP64, rounded once to FP32; norms are 1. Same seed, same weights, on
-// every machine.
-ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
+// values by Box-Muller in FP64, rounded once to FP32 (ops::init_normal); norms are 1. Same seed,
+// same weights, on every machine and thread count. Made in `backend`'s memory (on CUDA: on the
+// device, no host copy); the CUDA values are within kInitNormalMaxUlp of the CPU's
+// (backend/ops/init.h).
+ModelWeights random_model_weights(Backend& backend, const ModelConfig& config, uint64_t seed);
+ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);  // on the host
 
-// Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, on the
-// host; the error names the first offending tensor.
-Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights);
+// Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, in host
+// memory or on `device`; the error names the first offending tensor.
+Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights,
+                              Device device = Device::kCPU);
 
 // One micro-batch of B rows of S tokens (host). targets[t] is the next token of inputs[t] or -100
 // (ignored). By default each row is one causal sequence with positions 0..S-1; with document

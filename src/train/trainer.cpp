@@ -93,10 +93,30 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
   }
   ModelPrecision precision = config.precision;
   precision.recipe.sr_seed = config.seed;
-  auto m = std::make_unique<Model>(backend, model, precision,
-                                   init ? *init : random_model_weights(model, config.seed));
-  return std::unique_ptr<Trainer>(new Trainer(std::move(m), config, std::move(sampler.value()),
-                                              std::move(validation), parallel));
+  StartupTimes times;
+  auto start = std::chrono::steady_clock::now();
+  // Each phase ends with one synchronization, so its time is its own (device work included).
+  auto phase_done = [&](double& seconds) {
+    backend.synchronize();
+    seconds = seconds_since(start);
+    start = std::chrono::steady_clock::now();
+  };
+  std::unique_ptr<Model> m;
+  if (init) {
+    m = std::make_unique<Model>(backend, model, precision, *init);
+  } else {
+    // The random init is made where the model lives (on CUDA: on the device, no host copy) and
+    // freed once the layers hold their copies.
+    const ModelWeights random = random_model_weights(backend, model, config.seed);
+    phase_done(times.weights);
+    m = std::make_unique<Model>(backend, model, precision, random);
+  }
+  phase_done(times.model);
+  std::unique_ptr<Trainer> t(new Trainer(std::move(m), config, std::move(sampler.value()),
+                                         std::move(validation), parallel));
+  phase_done(times.optimizer);
+  t->startup_ = times;
+  return t;
 }
 
 Result<std::unique_ptr<Trainer>> Trainer::resume(Backend& backend, const TrainerCheckpoint& c,
@@ -105,7 +125,10 @@ Result<std::unique_ptr<Trainer>> Trainer::resume(Backend& backend, const Trainer
   Result<std::unique_ptr<Trainer>> t =
       create(backend, c.model, config, std::move(data), &c.masters, parallel);
   if (!t) return t.status();
+  const auto start = std::chrono::steady_clock::now();
   PACKMOE_RETURN_IF_ERROR(t.value()->load_checkpoint(c));
+  backend.synchronize();
+  t.value()->startup_.state = seconds_since(start);
   return t;
 }
 

@@ -54,6 +54,15 @@ struct TrainerParallelism {
   int64_t bucket_elems = DistOptimizerConfig{}.bucket_elems;  // the reduce-scatter unit
 };
 
+// Seconds of each phase of Trainer::create / resume, the device synchronized at the end of each
+// (what `packmoe train` prints at start-up).
+struct StartupTimes {
+  double weights = 0;    // random_model_weights in the backend's memory (0 with given weights)
+  double model = 0;      // the layers: primary weights and FP32 masters from the init
+  double optimizer = 0;  // grad buffer, master shard and moments, the staged gather
+  double state = 0;      // resume: the checkpoint's masters, moments and data position
+};
+
 struct EvalResult {
   double loss = 0;  // mean lm loss over the fixed validation batches (each has B x S targets)
   int64_t tokens = 0;
@@ -63,7 +72,7 @@ struct EvalResult {
 class Trainer {
  public:
   // Builds the model from `init` (e.g. HF weights; its masters are these exact values) or, when
-  // null, random_model_weights(model, config.seed); the optimizer over model.params() (weight
+  // null, random_model_weights(backend, model, config.seed) (in the backend's memory); the optimizer over model.params() (weight
   // decay per NamedParam; parameters whose NamedParam::reads_fp32 is set keep FP32 replicas; the
   // rest travel in config.gather_mode), the train sampler at position 0 and the fixed validation
   // set (eval_batches batches, when eval_interval > 0). With N ranks, rank r trains on micro-batch
@@ -135,6 +144,7 @@ class Trainer {
   int64_t eval_batches() const { return static_cast<int64_t>(validation_.size()); }
   bool on_cuda() const;  // throughput reports TFLOP/s and MFU only there
   double flops_per_token() const { return model_flops_per_token(model_->config(), config_.seq_len); }
+  const StartupTimes& startup_times() const { return startup_; }
 
  private:
   Trainer(std::unique_ptr<Model> model, const TrainConfig& config, BatchSampler train_sampler,
@@ -155,6 +165,7 @@ class Trainer {
   std::unique_ptr<DistOptimizer> optimizer_;
   DeviceBuffer loss_sums_;  // (2) F64 in comm_'s memory: the loss all-reduce
   int64_t step_ = 0;
+  StartupTimes startup_;
 };
 
 }  // namespace packmoe::train

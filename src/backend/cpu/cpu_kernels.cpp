@@ -73,7 +73,12 @@ const ModelKernels kModel{
     [](Backend&, const CrossEntropyMeanArgs& a) { return cross_entropy_mean_cpu(a); },
 };
 
-const OpKernels kCpuKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel};
+const InitKernels kInit{
+    [](Backend&, const InitNormalArgs& a) { return init_normal_cpu(a); },
+    [](Backend&, const FillArgs& a) { return fill_f32_cpu(a); },
+};
+
+const OpKernels kCpuKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel, &kInit};
 
 }  // namespace
 

@@ -118,6 +118,9 @@ Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double*
 Status nvfp4_decode_scales_sm90(CudaBackend& be, const float* amax, float* decode, int64_t groups);
 Status swizzle_scales_sm90(CudaBackend& be, const void* compact, int64_t rows, int64_t cols,
                            bool transpose, void* swizzled);
+// Init ops (init_sm90.cu).
+Status init_normal_sm90(CudaBackend& be, const InitNormalArgs& a);
+Status fill_f32_sm90(CudaBackend& be, const FillArgs& a);
 // Grouped GEMM entry point (grouped_gemm_cuda.cu): operands dequantized exactly to BF16, then
 // the sm_90a wgmma kernel over all groups in one launch, or cuBLASLt per group (choose_path).
 Status grouped_gemm_cuda(CudaBackend& be, const GroupedGemmArgs& args);
