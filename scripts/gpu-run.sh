@@ -3,7 +3,7 @@
 # `cuda` label included) and the demo, run the PyTorch peers (shared/peers and bench/*.py) and
 # packmoe's benchmarks in the same call, and print a short table last. Logs go to $OUT (default
 # ./gpu-out): build.log tests.log peers.log bench.log summary.txt and the peers' JSON.
-# `packmoe train` of the `small` preset in each recipe measures tokens/s and MFU (train.log).
+# scripts/gpu-step.sh: `packmoe train` against the PyTorch peer per preset, grad-accum and recipe.
 # With build-hfcheck carried, the transformers check of hf_export_check.py runs too.
 # On 2+ GPUs, data parallelism: the small preset on 1 GPU and on 2 (mpirun -np 2), each gather mode.
 # Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests] [--no-train] [--no-dp]
@@ -123,19 +123,11 @@ PY
   note "attention vs SDPA: see attention_ratios.txt (also below)"
 fi
 
-# Training throughput: the small preset (about 100M parameters) on the byte corpus (text files
-# bundled here, since the GPU machine has no fortunes package), 30 steps, the last log line's
-# tokens/s, TFLOP/s and MFU (steps 21-30; the first steps include allocation warm-up).
+# The whole training step against the PyTorch peer (eager and compiled) on both presets at
+# grad-accum 1 and 8, each recipe (scripts/gpu-step.sh; its table is printed last).
 if [ $run_train = 1 ]; then
-  corpus=$(mktemp -d)
-  cat README.md docs/*.md src/*/*.h > "$corpus/text.txt"
-  for r in bf16 mxfp8 nvfp4; do
-    line=$( { build-gpu/packmoe train --preset small --device cuda --recipe "$r" --steps 30 \
-                --micro-batch 16 --seq-len 512 --warmup 5 --eval-interval 0 --log-interval 10 \
-                --data "text:$corpus/text.txt" --out "$corpus/run_$r" 2>&1 | tee -a "$OUT/train.log"; } \
-            | grep -E "iteration +30/" | tail -1)
-    note "train small $r: ${line:-FAILED (see train.log)}"
-  done
+  OUT="$OUT" PEERS="$PEERS" scripts/gpu-step.sh >"$OUT/step_run.log" 2>&1
+  note "train step vs peer: see step_ratios.txt (also below)"
 fi
 
 # Data parallelism: the small preset, 10 steps of 16 x 512 tokens per GPU, on 1 GPU (plain) and on
@@ -181,4 +173,5 @@ fi
   echo "-- benchmarks"
   cat "$OUT/bench.log" 2>/dev/null
   cat "$OUT/attention_ratios.txt" 2>/dev/null
+  cat "$OUT/step_ratios.txt" 2>/dev/null
 } | tee "$OUT/summary.txt"

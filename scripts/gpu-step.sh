@@ -2,7 +2,8 @@
 # The whole training step on the GPU machine, packmoe against the PyTorch peer in the same call:
 # for each preset and grad-accum, `packmoe train` in each recipe and bench/torch_train_step.py
 # (the shared lean peer, eager and torch.compile), then a table of ms per optimizer step, tokens/s,
-# peak memory and the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
+# peak memory (nvidia-smi's, sampled every 200 ms, for both; the peer's allocator peak too) and
+# the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
 # With --timeline, the first packmoe run of each preset/grad-accum also runs under the CUPTI
 # tracer (tools/probes/cuda_timeline.cpp) and its per-kernel time of one step goes to
 # timeline_<preset>_ga<N>.txt (tools/probes/timeline_gaps.py); its row is marked (traced).
@@ -51,6 +52,9 @@ for p in $presets; do
       if [ $timeline = 1 ] && [ "$r" = bf16 ]; then
         tl=(env PACKMOE_TIMELINE_OUT="$corpus/tl.txt" CUDA_INJECTION64_PATH="$corpus/libcuda_timeline.so")
       fi
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$corpus/mem.txt" &
+      smi=$!
+      t0=$(date +%s.%N)
       log=$("${tl[@]}" build-gpu/packmoe train --preset "$p" --device cuda --recipe "$r" \
               --micro-batch "$B" --seq-len "$S" --grad-accum "$ga" --steps $steps --warmup 2 \
               --eval-interval 0 --log-interval $logi --data "text:$corpus/text.txt" \
@@ -58,7 +62,10 @@ for p in $presets; do
       line=$(grep -E "iteration +$steps/" <<<"$log" | tail -1)
       ms=$(sed -nE 's/.*per iteration \(ms\): ([0-9.]+).*/\1/p' <<<"$line")
       tps=$(sed -nE 's/.*tokens\/s: ([0-9]+).*/\1/p' <<<"$line")
-      mem=$(grep -oE "peak [^|]*" <<<"$line" | head -1)
+      wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+      kill $smi 2>/dev/null; wait $smi 2>/dev/null
+      pool=$(sed -nE 's/.*peak memory \(GB\): ([0-9.]+).*/\1/p' <<<"$line")
+      mem="pool peak ${pool:-?} GB, peak $(sort -n "$corpus/mem.txt" | tail -1) MiB (nvidia-smi), run ${wall} s"
       label=packmoe-$r; [ ${#tl[@]} -gt 0 ] && label="packmoe-$r(traced)"
       row "$p ga$ga $label|${ms:-FAILED}|${tps:-0}|${mem:--}"
       if [ ${#tl[@]} -gt 0 ] && [ -s "$corpus/tl.txt" ]; then
@@ -69,12 +76,16 @@ for p in $presets; do
     done
     for m in $peer_modes; do
       flag=(); [ "$m" = compile ] && flag=(--compile)
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$corpus/mem.txt" &
+      smi=$!
       j=$(python3 bench/torch_train_step.py --peers "$PEERS" --preset "$p" --batch "$B" --seq "$S" \
             --grad-accum "$ga" "${flag[@]}" 2>>"$OUT/step.log" | tail -1)
+      kill $smi 2>/dev/null; wait $smi 2>/dev/null
       echo "$j" >>"$OUT/step_peers.jsonl"
       ms=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$j" 2>/dev/null)
       tps=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["tokens_per_s"])' "$j" 2>/dev/null)
-      mem=$(python3 -c 'import json,sys; print("peak %s GiB" % json.loads(sys.argv[1])["peak_mem_GiB"])' "$j" 2>/dev/null)
+      mem=$(python3 -c 'import json,sys; print("peak %s GiB allocated" % json.loads(sys.argv[1])["peak_mem_GiB"])' "$j" 2>/dev/null)
+      mem="$mem, peak $(sort -n "$corpus/mem.txt" | tail -1) MiB (nvidia-smi)"
       row "$p ga$ga torch-$m|${ms:-FAILED}|${tps:-0}|${mem:--}"
     done
   done

@@ -13,6 +13,9 @@ packages=(
   libomp-dev            # OpenMP for the CPU backend (g++ uses libgomp; clang needs this)
   openmpi-bin           # mpirun: multi-rank jobs and the dist tests
   libopenmpi-dev        # MPI communicator (dist/mpi_communicator.cpp)
+  libpcre2-dev          # tokenizer.json pre-tokenizer regexes, \p{L} \p{N} (tokenize/regex.h)
+  libicu-dev            # NFC normalizer of tokenizer.json (tokenize/hf_tokenizer.cpp)
+  libsentencepiece-dev  # SentencePiece .model tokenizers (tokenize/sentencepiece_tokenizer.h)
   python3               # test helpers
   fortunes              # default text corpus: /usr/share/games/fortunes (io/text_corpus.h)
 )

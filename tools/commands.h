@@ -51,6 +51,7 @@ struct TrainArgs {
   std::string config_file, preset = "tiny", recipe = "bf16", layout = "single", primary = "low";
   std::string gather_mode = "bf16";
   std::string device = "auto", data = "fortunes", valid_data, out = "runs/train";
+  std::string tokenizer;  // --tokenizer: text is tokenized with it, vocab_size comes from it
   int64_t decay_steps = 0;
   // Checkpoints: --save-dir, --save-interval, --keep-last, --save-primary; where to start from:
   // --resume DIR|auto or --init-from-hf DIR.
@@ -64,6 +65,7 @@ struct TrainArgs {
   std::string attention_mask = "causal";
   int64_t eod_token = -1;  // -1: documents from the data's document index
   bool reset_position_ids = false;
+  bool shuffle = true;  // --shuffle / --no-shuffle, when given
   train::TrainConfig flags;
   std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
       apply_flags;
@@ -72,9 +74,20 @@ struct TrainArgs {
 void add_train_command(CLI::App& app, TrainArgs& args);
 Status run_train(const TrainArgs& args);
 
+// `packmoe tokenize` (tools/tokenize_command.cpp).
+struct TokenizeArgs {
+  std::string tokenizer, output, json_key = "text", separator_line, eod_token;
+  std::vector<std::string> inputs;
+  int threads = 0;  // 0: tokenize::default_threads()
+  bool add_bos = false, quiet = false;
+};
+void add_tokenize_command(CLI::App& app, TokenizeArgs& args);
+Status run_tokenize(const TokenizeArgs& args);
+
 // `packmoe export-hf` (tools/export_command.cpp).
 struct ExportHfArgs {
   std::string checkpoint, out, dtype = "bf16";
+  std::string tokenizer;  // --tokenizer: instead of the one the checkpoint's run used
 };
 void add_export_hf_command(CLI::App& app, ExportHfArgs& args);
 Status run_export_hf(const ExportHfArgs& args);

@@ -1,8 +1,13 @@
 // `packmoe export-hf`: a training checkpoint as a Hugging Face model directory (model.safetensors
-// with Qwen3-MoE names, config.json) that Qwen3MoeForCausalLM.from_pretrained loads. Invariant:
-// the checkpoint is fully read and checked before OUT_DIR is touched; each file is atomic.
+// with Qwen3-MoE names, config.json, and the tokenizer files of the run when it had one) that
+// Qwen3MoeForCausalLM.from_pretrained and AutoTokenizer load. Invariant: the checkpoint and the
+// tokenizer are fully read and checked before OUT_DIR is touched; each file is atomic.
 #include <cstdio>
+#include <filesystem>
 
+#include "core/json_limits.h"
+#include "io/read_file.h"
+#include "tokenize/tokenizer.h"
 #include "tools/commands.h"
 #include "train/checkpoint.h"
 
@@ -23,7 +28,34 @@ void add_export_hf_command(CLI::App& app, ExportHfArgs& args) {
       ->required();
   cmd->add_option("out", args.out, "output directory (created if missing)")->required();
   cmd->add_option("--dtype", args.dtype, "weight dtype: bf16 or f32 (default: bf16)");
+  cmd->add_option("--tokenizer", args.tokenizer,
+                  "tokenizer files to copy beside the weights (tokenizer.json, a SentencePiece "
+                  ".model, or a folder holding one); default: the one the run was trained with "
+                  "(trainer_state.json's train.tokenizer), if any");
 }
+
+namespace {
+
+// The tokenizer path the checkpoint's run recorded (train.tokenizer), or "" when it had none.
+Result<std::string> checkpoint_tokenizer(const std::string& checkpoint) {
+  Result<std::string> dir = train::find_checkpoint(checkpoint, nullptr);
+  if (!dir) return dir.status();
+  const std::string state = (std::filesystem::path(dir.value()) / train::kTrainerStateFile).string();
+  Result<std::string> text = io::read_regular_file(state, io::kMaxJsonFileBytes);
+  if (!text) return text.status();
+  Result<nlohmann::json> j = parse_json_text(text.value(), state);
+  if (!j) return j.status();
+  const nlohmann::json& v = j.value();
+  if (!v.is_object() || !v.contains("train") || !v["train"].is_object() ||
+      !v["train"].contains("tokenizer"))
+    return std::string();
+  if (!v["train"]["tokenizer"].is_string())
+    return Status::error(state + ": train.tokenizer must be a path (got " +
+                         json_brief(v["train"]["tokenizer"]) + ")");
+  return v["train"]["tokenizer"].get<std::string>();
+}
+
+}  // namespace
 
 Status run_export_hf(const ExportHfArgs& args) {
   DType dtype;
@@ -34,10 +66,31 @@ Status run_export_hf(const ExportHfArgs& args) {
   } else {
     return Status::error("--dtype must be bf16 or f32 (got '" + args.dtype + "')");
   }
+  std::string tokenizer = args.tokenizer;
+  if (tokenizer.empty()) {
+    Result<std::string> recorded = checkpoint_tokenizer(args.checkpoint);
+    if (!recorded) return recorded.status();
+    tokenizer = recorded.value();
+    if (!tokenizer.empty() && !std::filesystem::exists(tokenizer))
+      return Status::error("the checkpoint's run was trained with the tokenizer " + tokenizer +
+                           ", which is gone: give --tokenizer PATH (the run's --out directory "
+                           "holds a copy)");
+  }
+  if (!tokenizer.empty()) {  // a tokenizer that does not load is not copied
+    Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(tokenizer);
+    if (!t) return Status::error("--tokenizer: " + t.status().message());
+  }
   Result<std::string> from = train::export_hf(args.checkpoint, args.out, dtype);
   if (!from) return from.status();
-  std::printf("exported %s: wrote %s/model.safetensors (%s) and %s/config.json\n",
-              from.value().c_str(), args.out.c_str(), args.dtype.c_str(), args.out.c_str());
+  std::string copied;
+  if (!tokenizer.empty()) {
+    Result<std::vector<std::string>> names = tokenize::copy_tokenizer_files(tokenizer, args.out);
+    if (!names) return names.status();
+    for (const std::string& n : names.value()) copied += ", " + n;
+  }
+  std::printf("exported %s: wrote %s/model.safetensors (%s) and %s/config.json%s\n",
+              from.value().c_str(), args.out.c_str(), args.dtype.c_str(), args.out.c_str(),
+              copied.c_str());
   return Status::ok();
 }
 

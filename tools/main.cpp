@@ -1,4 +1,5 @@
-// The `packmoe` executable: subcommands `train` (the main job), `export-hf` (a checkpoint as a
+// The `packmoe` executable: subcommands `train` (the main job), `tokenize` (text to a Megatron
+// .bin/.idx with a real tokenizer), `export-hf` (a checkpoint as a
 // Hugging Face model directory), `demo` (packed quantization demo), `quantize` and `dequantize`
 // (safetensors conversion), `plot` (training curves to SVG). Bad
 // input, unknown flags included, prints one line starting with "packmoe: error:" and exits 1;
@@ -25,6 +26,8 @@ int main(int argc, char** argv) {
   packmoe::tools::add_plot_command(app, plot);
   packmoe::tools::TrainArgs train;
   packmoe::tools::add_train_command(app, train);
+  packmoe::tools::TokenizeArgs tokenize;
+  packmoe::tools::add_tokenize_command(app, tokenize);
   packmoe::tools::ExportHfArgs export_hf;
   packmoe::tools::add_export_hf_command(app, export_hf);
   try {
@@ -44,6 +47,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("dequantize")) status = packmoe::tools::run_dequantize(dequantize);
   if (app.got_subcommand("plot")) status = packmoe::tools::run_plot(plot);
   if (app.got_subcommand("train")) status = packmoe::tools::run_train(train);
+  if (app.got_subcommand("tokenize")) status = packmoe::tools::run_tokenize(tokenize);
   if (app.got_subcommand("export-hf")) status = packmoe::tools::run_export_hf(export_hf);
   if (!status.is_ok()) {
     std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());

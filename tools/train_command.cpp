@@ -22,12 +22,17 @@
 #include "io/hf_weights.h"
 #include "io/output_dir.h"
 #include "io/read_file.h"
+#include "io/read_progress.h"
 #include "io/state_file.h"
 #include "io/text_corpus.h"
 #include "io/token_data.h"
+#include "tokenize/encode_documents.h"
+#include "tokenize/tokenizer.h"
 #include "tools/commands.h"
 #include "tools/exact_integer.h"
+#include "tools/progress_line.h"
 #include "train/checkpoint.h"
+#include "train/data_sources.h"
 #include "train/plot.h"
 #include "train/rank_agreement.h"
 #include "train/train_loop.h"
@@ -67,15 +72,6 @@ Result<json> read_json_file(const std::string& path) {
   return parse_json_text(text.value(), path);
 }
 
-struct Source {
-  io::TokenDataset train;
-  std::optional<io::TokenDataset> validation;  // the text corpus's own split
-  train::StreamOptions stream;
-  std::string description;
-};
-
-// "fortunes" | "text:PATH" | "megatron:PREFIX" | "llmc:SHARD". Text splits itself into train and
-// validation by document hash; token files are one dataset each.
 // Where the job runs: one process on `device`, or under mpirun one rank per process (on CUDA one
 // GPU each: NCCL; on the CPU: MPI).
 struct Placement {
@@ -138,41 +134,6 @@ Result<train::StreamOptions> document_masking(const TrainArgs& args) {
   return o;
 }
 
-Result<Source> load_source(const std::string& spec, const char* flag) {
-  const size_t colon = spec.find(':');
-  const std::string kind = spec.substr(0, colon);
-  const std::string path = colon == std::string::npos ? "" : spec.substr(colon + 1);
-  Source s;
-  if (spec == "fortunes" || (kind == "text" && !path.empty())) {
-    io::TextCorpusOptions opt;
-    if (kind == "text") opt.paths = {path};
-    Result<io::TextCorpus> corpus = io::load_text_corpus(opt);
-    if (!corpus) return corpus.status();
-    s.train = std::move(corpus.value().train);
-    s.validation = std::move(corpus.value().validation);
-    s.train.source = s.validation->source = kind == "text" ? path : io::kDefaultCorpusDir;
-    s.stream.separator = static_cast<uint32_t>('\n');
-    s.description = (kind == "text" ? path : std::string("fortunes")) + " (byte tokens, " +
-                    text(corpus.value().files.size()) + " files)";
-    return s;
-  }
-  if (kind == "megatron" && !path.empty()) {
-    Result<io::TokenDataset> d = io::read_megatron(path);
-    if (!d) return d.status();
-    s.train = std::move(d.value());
-  } else if (kind == "llmc" && !path.empty()) {
-    Result<io::TokenDataset> d = io::read_llmc_shard(path);
-    if (!d) return d.status();
-    s.train = std::move(d.value());
-  } else {
-    return Status::error(std::string(flag) + " '" + spec +
-                         "' must be fortunes, text:PATH, megatron:PREFIX or llmc:SHARD");
-  }
-  if (s.train.source.empty()) s.train.source = path;
-  s.description = spec;
-  return s;
-}
-
 }  // namespace
 
 void add_train_command(CLI::App& app, TrainArgs& args) {
@@ -183,11 +144,14 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "names), DIR/metrics.jsonl (one JSON object per step and per evaluation) and DIR/loss.svg\n"
       "(loss and grad-norm curves). Settings: defaults < --config file < flags. The config file "
       "is\n"
-      "a JSON object with model keys (as in config.json; absent keys take the Hugging Face\n"
-      "defaults) and/or a \"train\" object whose keys are the long names of the options below\n"
-      "(steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr, warmup_steps,\n"
-      "decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval, eval_batches,\n"
-      "log_interval, seed, recipe, layout, primary, gather_mode).\n"
+      "a JSON object with model keys (as in config.json: the sizes are required, other absent\n"
+      "keys take the Hugging Face defaults, a value packmoe does not implement such as\n"
+      "rope_scaling or a sliding window is an error, an unknown key a warning;\n"
+      "docs/model-config.md) and/or a \"train\" object whose keys are the long names of the\n"
+      "options below (steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr,\n"
+      "warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval,\n"
+      "eval_batches, log_interval, seed, shuffle, valid_fraction, recipe, layout, primary,\n"
+      "gather_mode).\n"
       "Checkpoints: --save-dir ROOT writes ROOT/step-XXXXXXXX (FP32 masters as Hugging Face\n"
       "safetensors, config.json, AdamW moments, trainer_state.json) every --save-interval steps\n"
       "and after the last, keeping the newest --keep-last (under mpirun the AdamW state is one\n"
@@ -249,10 +213,30 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                  "seed of the weight init and NVFP4 stochastic rounding");
   cmd->add_option("--device", args.device, "auto (CUDA if a GPU is usable), cpu or cuda (default: auto)");
   cmd->add_option("--data", args.data,
-                  "training data: fortunes (the Debian fortunes corpus, byte tokens, 90% of its "
-                  "documents), text:PATH (fortune-format text files, '%' lines separate "
-                  "documents), megatron:PREFIX (PREFIX.bin/.idx) or llmc:SHARD (an llm.c .bin "
-                  "token shard) (default: fortunes)");
+                  "training data: fortunes (the Debian fortunes corpus, byte tokens), text:PATH "
+                  "(fortune-format text files or folders, '%' lines separate documents; a file "
+                  "without them is one document), megatron:PREFIX (PREFIX.bin/.idx, "
+                  "memory-mapped) or llmc:SHARD (an llm.c .bin token shard, memory-mapped); or "
+                  "a blend of several, separated by spaces or commas, each after a weight "
+                  "(\"0.7 megatron:a 0.3 megatron:b\": rows drawn in these proportions) or none "
+                  "(\"megatron:a megatron:b\": each weighs its samples, i.e. concatenated). "
+                  "Without --valid-data each source holds --valid-fraction of itself back for "
+                  "validation (default: fortunes)");
+  cmd->add_flag("--shuffle,!--no-shuffle", args.shuffle,
+                "--shuffle: documents and samples in a seeded order per epoch (from --seed), as "
+                "Megatron's GPTDataset; --no-shuffle: in file order (default: --shuffle)");
+  add_train_flag(cmd, args, "--valid-fraction", &train::TrainConfig::valid_fraction,
+                 "share of each --data source held back for validation when no --valid-data is "
+                 "given, in [0, 1): whole documents by a fixed hash (text: of its bytes, token "
+                 "files: of its index), or the last tokens when that leaves a side empty (one "
+                 "document)");
+  cmd->add_option("--tokenizer", args.tokenizer,
+                  "tokenizer for text data (tokenizer.json, a SentencePiece .model, or a folder "
+                  "holding one): text: and fortunes data are tokenized with it, each document "
+                  "followed by its eos token; the model's vocab_size is the tokenizer's unless "
+                  "a config file's model keys say it (then it must be at least as large); the "
+                  "files are copied into --out and the path is kept in checkpoints for export-hf "
+                  "(default: byte tokens; a resumed run keeps its checkpoint's tokenizer)");
   cmd->add_option("--attention-mask", args.attention_mask,
                   "causal (each row one causal sequence) or document (tokens attend only inside "
                   "their own document: the data's document boundaries, or --eod-token's) "
@@ -263,8 +247,9 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
   cmd->add_flag("--reset-position-ids", args.reset_position_ids,
                 "with --attention-mask document: RoPE positions restart at 0 in each document");
   cmd->add_option("--valid-data", args.valid_data,
-                  "validation data, same forms; default: the held-out 10% of a text corpus "
-                  "(required with megatron: or llmc: data unless --eval-interval 0)");
+                  "validation data, the same forms (a blend too), read whole; then --data is "
+                  "read whole for training (default: the --valid-fraction of each --data "
+                  "source)");
   cmd->add_option("--out", args.out,
                   "output directory for config.json, metrics.jsonl and loss.svg; a resumed run "
                   "appends to metrics.jsonl, dropping records past the checkpoint's step "
@@ -306,12 +291,51 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
 
 namespace {
 
+// What a start-up read (a checkpoint, Hugging Face weights) cost; printed once the run starts.
+struct ReadCost {
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
 // Where the run starts: fresh, from a checkpoint, or from Hugging Face weights.
 struct Start {
   std::optional<train::TrainerCheckpoint> checkpoint;  // --resume found one
   std::optional<ModelConfig> hf_model;                 // --init-from-hf's config.json
   std::vector<std::string> notes;                      // printed once the run starts
+  std::vector<std::string> warnings;                   // printed to stderr by rank 0
+  ReadCost read;                                       // of the checkpoint or the HF weights
 };
+
+// One warning line for the keys of a model config that packmoe neither reads nor knows to be
+// without effect (train/model_config.h).
+std::optional<std::string> unknown_keys_warning(const std::string& where,
+                                                const std::vector<std::string>& keys) {
+  if (keys.empty()) return std::nullopt;
+  std::string list;
+  for (const std::string& k : keys) list += (list.empty() ? "" : ", ") + printable_text(k, true);
+  return where + ": ignored " + std::to_string(keys.size()) +
+         " key(s) packmoe does not know: " + list;
+}
+
+// Bytes of `path`: a regular file's size, or the sum over a directory's regular files.
+uint64_t bytes_at(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return static_cast<uint64_t>(fs::file_size(path, ec));
+  uint64_t total = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(path, ec))
+    if (e.is_regular_file(ec)) total += static_cast<uint64_t>(e.file_size(ec));
+  return total;
+}
+
+// read() under a progress line of `label` over about `total` bytes; its cost into `cost`.
+template <typename F>
+auto read_with_progress(const std::string& label, uint64_t total, ReadCost& cost, F&& read) {
+  ProgressLine line(label, total, ProgressLine::wanted());
+  io::ReadProgress progress([&](uint64_t bytes) { line.update(bytes); });
+  auto result = read();
+  cost = {progress.bytes(), line.seconds()};
+  return result;
+}
 
 // With data parallelism: the ranks agree on one status (train::agree), and an error is printed
 // once, here, by the lowest failing rank (main's "packmoe: error:" line), naming that rank unless
@@ -339,10 +363,12 @@ Result<Start> resolve_start(const TrainArgs& args) {
   if (!args.resume.empty() && !args.init_from_hf.empty())
     return Status::error("--resume and --init-from-hf both set the starting weights; use one");
   if (!args.init_from_hf.empty()) {
-    Result<ModelConfig> m =
-        train::load_model_config((fs::path(args.init_from_hf) / train::kConfigFile).string());
+    const std::string path = (fs::path(args.init_from_hf) / train::kConfigFile).string();
+    std::vector<std::string> unknown;
+    Result<ModelConfig> m = train::load_model_config(path, &unknown);
     if (!m) return Status::error("--init-from-hf: " + m.status().message());
     start.hf_model = m.value();
+    if (auto w = unknown_keys_warning(path, unknown)) start.warnings.push_back(*w);
     return start;
   }
   if (args.resume.empty()) return start;
@@ -366,7 +392,10 @@ Result<Start> resolve_start(const TrainArgs& args) {
   }
   for (const std::string& why : skipped) start.notes.push_back("skipped " + why);
   if (dir.empty()) return start;
-  Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(dir);
+  // Every file is read twice: the marker's CRC check, then the tensors.
+  Result<train::TrainerCheckpoint> c =
+      read_with_progress("reading checkpoint " + dir, 2 * bytes_at(dir), start.read,
+                         [&] { return train::read_trainer_checkpoint(dir); });
   if (!c) return Status::error("--resume: " + c.status().message());
   start.checkpoint = std::move(c.value());
   return start;
@@ -384,6 +413,7 @@ struct SetUp {
   int64_t train_tokens = 0, valid_tokens = 0;
   train::TrainData data;
   std::optional<ModelWeights> hf_weights;
+  std::unique_ptr<tokenize::Tokenizer> tokenizer;  // --tokenizer (or the checkpoint's)
 };
 
 Result<SetUp> set_up(const TrainArgs& args) {
@@ -453,13 +483,30 @@ Result<SetUp> set_up(const TrainArgs& args) {
       if (args.cmd->count("--preset"))
         return Status::error("--preset and the model keys of " + args.config_file +
                              " both define the model; use one of them");
-      Result<ModelConfig> m = train::model_config_from_json(model_keys);
+      std::vector<std::string> unknown;
+      Result<ModelConfig> m = train::model_config_from_json(model_keys, &unknown);
       if (!m) return Status::error(args.config_file + ": " + m.status().message());
       model = m.value();
+      if (auto w = unknown_keys_warning(args.config_file, unknown))
+        set.start.warnings.push_back(*w);
     }
   }
+  // The tokenizer: --tokenizer, else the checkpoint's or the config file's train.tokenizer.
+  if (!args.tokenizer.empty()) config.tokenizer = fs::absolute(args.tokenizer).lexically_normal();
+  if (!config.tokenizer.empty()) {
+    Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(config.tokenizer);
+    if (!t) return Status::error("--tokenizer: " + t.status().message());
+    set.tokenizer = std::move(t.value());
+  }
+  // A preset is a shape: with a tokenizer its vocab_size is the tokenizer's. A model from a
+  // file, a checkpoint or HF weights keeps its own, which must hold every token id.
+  const auto preset = [&](const std::string& name) -> Result<ModelConfig> {
+    Result<ModelConfig> m = train::model_config_preset(name);
+    if (m && set.tokenizer) m.value().vocab_size = set.tokenizer->vocab_size();
+    return m;
+  };
   if (!model && args.cmd->count("--preset")) {
-    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    Result<ModelConfig> m = preset(args.preset);
     if (!m) return m.status();
     model = m.value();
   }
@@ -473,12 +520,18 @@ Result<SetUp> set_up(const TrainArgs& args) {
     model = stored;
   }
   if (!model) {
-    Result<ModelConfig> m = train::model_config_preset(args.preset);
+    Result<ModelConfig> m = preset(args.preset);
     if (!m) return m.status();
     model = m.value();
   }
+  if (set.tokenizer && model->vocab_size < static_cast<int64_t>(set.tokenizer->vocab_size()))
+    return Status::error("the model's vocab_size = " + std::to_string(model->vocab_size) +
+                         " is smaller than the tokenizer's " +
+                         std::to_string(set.tokenizer->vocab_size()) + " (" + config.tokenizer +
+                         "): drop vocab_size from the config or raise it");
   for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
   if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
+  if (args.cmd->count("--shuffle")) config.shuffle = args.shuffle;
   if (args.cmd->count("--recipe")) {
     Result<Recipe> r = train::parse_recipe(args.recipe);
     if (!r) return r.status();
@@ -508,7 +561,10 @@ Result<SetUp> set_up(const TrainArgs& args) {
                          std::to_string(config.steps) + ": nothing left to train (raise --steps)");
   std::optional<ModelWeights> hf_weights;
   if (set.start.hf_model) {
-    Result<ModelWeights> w = io::load_hf_weights(args.init_from_hf, *model);
+    Result<ModelWeights> w =
+        read_with_progress("reading Hugging Face weights " + args.init_from_hf,
+                           bytes_at(args.init_from_hf), set.start.read,
+                           [&] { return io::load_hf_weights(args.init_from_hf, *model); });
     if (!w) return Status::error("--init-from-hf: " + w.status().message());
     PACKMOE_RETURN_IF_ERROR(io::check_finite(w.value(), "--init-from-hf " + args.init_from_hf));
     hf_weights = std::move(w.value());
@@ -517,30 +573,36 @@ Result<SetUp> set_up(const TrainArgs& args) {
   // ---- data ----
   Result<train::StreamOptions> masking = document_masking(args);
   if (!masking) return masking.status();
-  Result<Source> source = load_source(args.data, "--data");
+  // With --valid-data the training sources are used whole; without it each source gives
+  // valid_fraction of itself to validation (every source contributes).
+  const bool own_validation = !args.valid_data.empty();
+  Result<train::LoadedData> source =
+      train::load_data(args.data, "--data", own_validation ? 0.0 : config.valid_fraction,
+                       set.tokenizer.get());
   if (!source) return source.status();
   train::TrainData data;
   data.train = std::move(source.value().train);
-  data.train_stream = source.value().stream;
-  if (!args.valid_data.empty()) {
-    Result<Source> valid = load_source(args.valid_data, "--valid-data");
+  if (own_validation) {
+    Result<train::LoadedData> valid =
+        train::load_data(args.valid_data, "--valid-data", 0.0, set.tokenizer.get());
     if (!valid) return valid.status();
     data.validation = std::move(valid.value().train);
-    data.validation_stream = valid.value().stream;
-  } else if (source.value().validation) {
-    data.validation = std::move(*source.value().validation);
-    data.validation_stream = source.value().stream;
-  } else if (config.eval_interval > 0) {
-    return Status::error("--data " + args.data +
-                         " has no validation split: give --valid-data or --eval-interval 0");
+  } else {
+    data.validation = std::move(source.value().validation);
   }
+  if (config.eval_interval > 0 && !own_validation && config.valid_fraction == 0)
+    return Status::error("--valid-fraction 0 holds no validation data back: give --valid-data "
+                         "or --eval-interval 0");
   for (train::StreamOptions* stream : {&data.train_stream, &data.validation_stream}) {
     stream->document_mask = masking.value().document_mask;
     stream->eod_token = masking.value().eod_token;
     stream->reset_positions = masking.value().reset_positions;
   }
-  const int64_t train_tokens = static_cast<int64_t>(data.train.tokens.size());
-  const int64_t valid_tokens = static_cast<int64_t>(data.validation.tokens.size());
+  int64_t train_tokens = 0, valid_tokens = 0;
+  for (const auto& [blend, tokens] : {std::pair{&data.train, &train_tokens},
+                                      std::pair{&data.validation, &valid_tokens}})
+    for (const train::DataSource& src : blend->sources)
+      for (const io::TokenRange& r : src.documents) *tokens += static_cast<int64_t>(r.size());
 
   set.data = std::move(data);
   set.hf_weights = std::move(hf_weights);
@@ -566,19 +628,37 @@ Status run_train(const TrainArgs& args) {
   Result<SetUp> made = set_up(args);
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), made ? Status::ok() : made.status()));
   SetUp& set = made.value();
+  if (rank0)
+    for (const std::string& w : set.start.warnings) std::fprintf(stderr, "packmoe: warning: %s\n", w.c_str());
   const int64_t train_tokens = set.train_tokens, valid_tokens = set.valid_tokens;
   // The trainer shards the optimizer over the ranks (collectives); a resumed optimizer takes the
   // checkpoint's state re-split for this job's world size.
   const ModelWeights* init = set.hf_weights ? &*set.hf_weights : nullptr;
   train::TrainerParallelism parallel;
   parallel.comm = comm.get();
+  const train::ParameterCount params = train::parameter_count(*set.model);
+  std::optional<ProgressLine> building;
+  if (rank0)
+    building.emplace((set.start.checkpoint ? std::string("building the model from the checkpoint")
+                      : init ? std::string("building the model from the Hugging Face weights")
+                             : "initialising " + short_count(params.total) + " parameters") +
+                         " on " + backend->name(),
+                     0, ProgressLine::wanted());
   Result<std::unique_ptr<train::Trainer>> trainer =
       set.start.checkpoint
           ? train::Trainer::resume(*backend, *set.start.checkpoint, set.config,
                                    std::move(set.data), parallel)
           : train::Trainer::create(*backend, *set.model, set.config, std::move(set.data), init,
                                    parallel);
+  building.reset();
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), trainer ? Status::ok() : trainer.status()));
+  // The trainer holds its own copies: the host weights of the start (the whole model, and a
+  // checkpoint's moments) are freed for the rest of the run.
+  set.hf_weights.reset();
+  if (set.start.checkpoint) {
+    set.start.checkpoint->masters.clear();
+    set.start.checkpoint->moments.clear();
+  }
 
   // ---- outputs ----
   const Start& start = set.start;
@@ -597,19 +677,26 @@ Status run_train(const TrainArgs& args) {
     fs::create_directories(args.out, ec);
     if (ec)
       return Status::error("--out " + args.out + ": cannot create the directory: " + ec.message());
+    if (!config.tokenizer.empty())  // a copy beside config.json, should the original move
+      PACKMOE_RETURN_IF_ERROR(tokenize::copy_tokenizer_files(config.tokenizer, args.out).status());
     return train::save_model_config(*model, config_path);
   };
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), write_outputs()));
 
-  const train::ParameterCount params = train::parameter_count(*model);
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",
               static_cast<long long>(params.total), static_cast<long long>(params.active),
               backend->name().c_str());
-  std::printf("  experts: recipe %s, primary %s, layout %s | data: %s, %lld train / %lld "
+  std::printf("  experts: recipe %s, primary %s, layout %s | data: %s, %s, %lld train / %lld "
               "validation tokens\n",
               recipe_name(config.precision.recipe.recipe), train::primary_name(config.precision.primary),
               train::layout_name(config.precision.layout), set.description.c_str(),
-              static_cast<long long>(train_tokens), static_cast<long long>(valid_tokens));
+              config.shuffle ? "shuffled" : "in file order", static_cast<long long>(train_tokens),
+              static_cast<long long>(valid_tokens));
+  if (config.eval_interval > 0 && trainer.value()->eval_batches() < config.eval_batches)
+    std::printf("  evaluation: %lld of the %lld --eval-batches (the validation data holds no "
+                "more distinct rows)\n",
+                static_cast<long long>(trainer.value()->eval_batches()),
+                static_cast<long long>(config.eval_batches));
   std::printf("  %lld steps x %lld micro-batches x %lld rows x %lld tokens, lr %g -> %g\n",
               static_cast<long long>(config.steps), static_cast<long long>(config.grad_accum_steps),
               static_cast<long long>(config.micro_batch_size),
@@ -626,6 +713,21 @@ Status run_train(const TrainArgs& args) {
                 static_cast<double>(t.reduce_scatter_bytes) / 1e6);
   }
   for (const std::string& note : start.notes) std::printf("  %s\n", note.c_str());
+  if (start.read.bytes > 0) {
+    const double rate = start.read.seconds > 0 ? start.read.bytes / start.read.seconds : 0.0;
+    std::printf("  read %s in %.1f s (%s/s)\n",
+                short_bytes(static_cast<double>(start.read.bytes)).c_str(), start.read.seconds,
+                short_bytes(rate).c_str());
+  }
+  const train::StartupTimes& t = trainer.value()->startup_times();
+  if (!start.hf_model && !checkpoint)
+    std::printf("  start-up: weights initialised on %s in %.2f s, model %.2f s, optimizer %.2f s\n",
+                backend->name().c_str(), t.weights, t.model, t.optimizer);
+  else if (!checkpoint)
+    std::printf("  start-up: model %.2f s, optimizer %.2f s\n", t.model, t.optimizer);
+  else
+    std::printf("  start-up: model %.2f s, optimizer %.2f s, checkpoint state %.2f s\n", t.model,
+                t.optimizer, t.state);
   if (checkpoint)
     std::printf("  resumed from %s at step %lld (saved by %lld rank(s), continued by %d)\n",
                 checkpoint->dir.c_str(), static_cast<long long>(checkpoint->step),

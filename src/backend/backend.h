@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "core/tensor.h"
 #include "backend/ops/elementwise.h"
 #include "backend/ops/gemm.h"
+#include "backend/ops/init.h"
 #include "backend/ops/model.h"
 #include "backend/ops/moe.h"
 #include "backend/ops/quantize.h"
@@ -26,6 +28,7 @@ struct OpKernels {
   const MoeKernels* moe;
   const ElementwiseKernels* elementwise;
   const ModelKernels* model;
+  const InitKernels* init;
 };
 
 class Backend : public Allocator {
@@ -38,6 +41,13 @@ class Backend : public Allocator {
   virtual void copy(void* dst, const void* src, size_t bytes, CopyKind kind) = 0;
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // This backend's memory: bytes in use now, and the most ever held from the device (CUDA: the
+  // stream-ordered pool's reserve high-water mark, what nvidia-smi sees of it). The CPU reports
+  // none.
+  struct MemoryUse {
+    size_t in_use = 0, peak_reserved = 0;
+  };
+  virtual std::optional<MemoryUse> memory_use() const { return std::nullopt; }
 
   // Median milliseconds of `body` over `iters` runs after `warmup` runs, measured with the
   // device's own clock (CUDA events on GPU).

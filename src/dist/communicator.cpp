@@ -376,24 +376,24 @@ class LocalCommunicator final : public Communicator {
     copy(out, in, bytes[0]);
   }
   void do_broadcast(void*, int64_t, int, StreamHandle) override {}
-  void do_barrier() override {}
+  void do_barrier() override { backend().synchronize(); }
   void exchange_host(const void* mine, void* all, int64_t bytes) override {
     std::memcpy(all, mine, static_cast<size_t>(bytes));
   }
 
  private:
-  static void copy(void* dst, const void* src, int64_t bytes) {
-    if (bytes > 0 && dst != src) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  // Within the backend's memory (host or device).
+  void copy(void* dst, const void* src, int64_t bytes) {
+    if (bytes > 0 && dst != src)
+      backend().copy(dst, src, static_cast<size_t>(bytes), Backend::CopyKind::kDeviceToDevice);
   }
 };
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_local_communicator(Backend& host_backend,
+std::unique_ptr<Communicator> make_local_communicator(Backend& backend,
                                                       const CommOptions& options) {
-  PACKMOE_CHECK(host_backend.device() == Device::kCPU,
-                "the local communicator works on host memory, got backend " << host_backend.name());
-  return std::make_unique<LocalCommunicator>(host_backend, options);
+  return std::make_unique<LocalCommunicator>(backend, options);
 }
 
 }  // namespace packmoe

@@ -180,8 +180,9 @@ class Communicator {
 
 // ---- implementations and factory ------------------------------------------------------------
 
-// One rank, host memory: every collective is a copy (or nothing, in place).
-std::unique_ptr<Communicator> make_local_communicator(Backend& host_backend,
+// One rank, in the backend's memory (host or device): every collective is a copy (or nothing, in
+// place).
+std::unique_ptr<Communicator> make_local_communicator(Backend& backend,
                                                       const CommOptions& options);
 
 // All ranks of the MPI job (MPI_COMM_WORLD, duplicated), host memory. MPI is initialised at the

@@ -190,6 +190,11 @@ DistStepResult DistOptimizer::step(double max_norm) {
   float* master = static_cast<float*>(master_.get());
   float* m = static_cast<float*>(exp_avg_.get());
   float* v = static_cast<float*>(exp_avg_sq_.get());
+  // With the BF16 gather, AdamW writes the BF16 image of what it updates in the same pass (stage()
+  // then has nothing left to cast for it).
+  uint8_t* image = cfg_.gather == GatherMode::kBf16
+                       ? static_cast<uint8_t*>(bf16_class_->buffer->get())
+                       : nullptr;
   for (const ShardPiece& piece : pieces_) {  // one adamw launch per parameter piece
     const int64_t at = piece.offset - sh.begin;
     AdamWArgs a;
@@ -198,9 +203,13 @@ DistStepResult DistOptimizer::step(double max_norm) {
     a.exp_avg = one_segment(m + at, piece.count);
     a.exp_avg_sq = one_segment(v + at, piece.count);
     a.grad = one_segment(grads + piece.offset, piece.count);
+    if (image && params_[piece.param].form != WeightForm::kFp32)
+      a.bf16 = one_segment(
+          reinterpret_cast<uint16_t*>(image + class_position(*bf16_class_, piece.offset)),
+          piece.count);
     check_op(ops::adamw(*be_, a), "adamw");
   }
-  stage();
+  stage(image != nullptr);
   grads_.advance(GradBufferState::kParamsStaged, "step: update staged for the gather");
   r.applied = true;
   return r;
@@ -256,11 +265,11 @@ std::vector<std::pair<int64_t, int64_t>> DistOptimizer::bf16_ratio() const {
   return ratio;
 }
 
-void DistOptimizer::stage() {
+void DistOptimizer::stage(bool image_written) {
   const FlatRange sh = shard();
   switch (cfg_.gather) {
     case GatherMode::kBf16:
-      stage_bf16_image(static_cast<uint8_t*>(bf16_class_->buffer->get()));
+      if (!image_written) stage_bf16_image(static_cast<uint8_t*>(bf16_class_->buffer->get()));
       break;
     case GatherMode::kReuseGradBuffer:
       // The shard's F32 gradients were consumed by AdamW; element x's BF16 lands at or below

@@ -153,7 +153,9 @@ class DistOptimizer {
   // rounding differs).
   double shard_grad_norm();
   double single_rank_grad_norm() const;
-  void stage();  // masters -> the mode's gather source; params await the gather
+  // masters -> the mode's gather source; params await the gather. image_written: AdamW already
+  // wrote the BF16 image (the BF16 gather after a step).
+  void stage(bool image_written = false);
   // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none. The
   // class owns a zeroed buffer unless `allocate` is false (reuse-grad-buffer: the grad buffer).
   GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio,

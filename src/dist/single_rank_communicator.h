@@ -10,9 +10,8 @@
 
 namespace packmoe {
 
-// Host memory: the LocalCommunicator of dist/communicator.h; device memory: its twin whose copies
-// run through the backend. No call verification and no watchdog: one rank cannot disagree with
-// itself nor wait for another.
+// dist/communicator.h's local communicator in the backend's memory, without call verification or
+// a watchdog: one rank cannot disagree with itself nor wait for another.
 std::unique_ptr<Communicator> make_single_rank_communicator(Backend& backend);
 
 }  // namespace packmoe

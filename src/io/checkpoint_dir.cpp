@@ -22,6 +22,7 @@
 
 #include "core/json_limits.h"
 #include "io/atomic_file.h"
+#include "io/read_progress.h"
 #include "io/state_file.h"
 
 namespace packmoe::io {
@@ -144,6 +145,7 @@ Status scan_file(const std::string& path, bool sync, uint64_t* bytes, uint32_t* 
     if (r == 0) break;
     c = crc32c(std::span<const uint8_t>(buf.data(), static_cast<size_t>(r)), c);
     n += static_cast<uint64_t>(r);
+    ReadProgress::add(static_cast<uint64_t>(r));
   }
   if (sync && ::fsync(fd) != 0) {
     const int err = errno;

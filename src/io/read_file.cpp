@@ -9,6 +9,7 @@
 #include <cerrno>
 
 #include "io/atomic_file.h"
+#include "io/read_progress.h"
 
 namespace packmoe::io {
 
@@ -52,7 +53,8 @@ Status RegularFile::read_at(const std::string& path, uint64_t offset, void* dst,
   uint8_t* out = static_cast<uint8_t*>(dst);
   uint64_t got = 0;
   while (got < n) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(n - got, uint64_t{1} << 30));
+    // 64 MiB per call: a progress bar over a large file moves in small steps.
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(n - got, uint64_t{64} << 20));
     const ssize_t r = ::pread(fd_, out + got, want, static_cast<off_t>(offset + got));
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return Status::error(path + ": read failed: " + errno_text(errno));
@@ -61,6 +63,7 @@ Status RegularFile::read_at(const std::string& path, uint64_t offset, void* dst,
                            " of " + std::to_string(n) + " bytes at offset " +
                            std::to_string(offset) + ")");
     got += static_cast<uint64_t>(r);
+    ReadProgress::add(static_cast<uint64_t>(r));
   }
   return Status::ok();
 }

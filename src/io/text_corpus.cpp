@@ -1,6 +1,7 @@
 // Text corpus loading: files -> documents (split at separator lines) -> byte tokens -> train /
-// validation by content hash. File order is sorted by name so the token stream is the same on
-// every machine; the split is by hash so adding a file never moves another file's documents.
+// validation (io/data_split.h: by content hash, by position when the hash leaves a side empty).
+// File order is sorted by name so the token stream is the same on every machine; the split is by
+// hash so adding a file never moves another file's documents.
 #include "io/text_corpus.h"
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <system_error>
 
 #include "core/checked_math.h"
+#include "io/data_split.h"
 #include "io/read_file.h"
 
 namespace packmoe::io {
@@ -26,10 +28,11 @@ bool is_blank(std::string_view s) {
   });
 }
 
-// A regular file only (a FIFO would block, /dev/zero never end: io/read_file.h), of at most an
-// eighth of host memory: each byte is held as text, as a document copy and as a 4-byte token.
+// A regular file only (a FIFO would block, /dev/zero never end: io/read_file.h), of at most a
+// sixteenth of host memory: each byte is held as text and, until the split is copied out, as two
+// 4-byte tokens (the whole corpus, then its side).
 Status read_text(const std::string& path, std::string* out) {
-  const uint64_t limit = static_cast<uint64_t>(host_memory_bytes() / 8);
+  const uint64_t limit = static_cast<uint64_t>(host_memory_bytes() / 16);
   Result<std::string> text = read_regular_file(path, limit);
   if (!text) return text.status();
   *out = std::move(text).value();
@@ -142,15 +145,31 @@ Result<TextCorpus> load_text_corpus(const TextCorpusOptions& options) {
                          (is_default ? install_hint : ""));
   }
 
+  // Every kept document in file order, then split (io/data_split.h: by content hash, or by
+  // position when the hash leaves a side empty, e.g. one plain file).
+  TokenDataset all;
+  all.doc_offsets = {0};
+  std::vector<TokenRange> docs;
+  std::vector<uint64_t> keys;
   for (const std::string& path : corpus.files) {
     std::string text;
     PACKMOE_RETURN_IF_ERROR(read_text(path, &text));
     for (std::string_view doc : split_documents(text, options.separator_line)) {
       if (is_blank(doc)) continue;
       corpus.text_bytes += doc.size();
-      append_document(is_validation_document(doc, options.validation_fraction) ? &corpus.validation
-                                                                               : &corpus.train,
-                      doc);
+      docs.push_back({all.tokens.size(), all.tokens.size() + doc.size()});
+      keys.push_back(document_hash(doc));
+      append_document(&all, doc);
+    }
+  }
+  const DocumentSplit split = io::split_documents(docs, keys, options.validation_fraction);
+  corpus.split_by_position = split.by_position;
+  for (const auto& [ranges, out] : {std::pair{&split.train, &corpus.train},
+                                    std::pair{&split.validation, &corpus.validation}}) {
+    for (const TokenRange& r : *ranges) {
+      out->tokens.insert(out->tokens.end(), all.tokens.begin() + static_cast<std::ptrdiff_t>(r.begin),
+                         all.tokens.begin() + static_cast<std::ptrdiff_t>(r.end));
+      out->doc_offsets.push_back(out->tokens.size());
     }
   }
   if (corpus.text_bytes == 0) {

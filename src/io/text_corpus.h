@@ -1,7 +1,8 @@
 // The default training corpus: plain text files (by default the Debian `fortunes` package's
 // /usr/share/games/fortunes), split into documents, tokenized byte-level (V = 256, token = byte
-// value) and split train/validation by a fixed hash of each document's bytes. The split depends
-// only on a document's text, never on file order, thread count or the machine.
+// value) and split train/validation by a fixed hash of each document's bytes (io/data_split.h),
+// or by position when the hash leaves a side without documents (a single plain file). The split
+// depends only on the documents, never on thread count or the machine.
 #pragma once
 
 #include <cstdint>
@@ -27,13 +28,15 @@ struct TextCorpusOptions {
   // A line consisting of exactly this text ends a document (the fortune file format uses "%").
   // Empty: each file is one document. Documents of only whitespace are dropped.
   std::string separator_line = "%";
-  // Share of documents (by hash, see is_validation_document) that go to validation, in [0, 1].
+  // Share of documents (by hash, see is_validation_document; of tokens when split by position)
+  // that go to validation, in [0, 1].
   double validation_fraction = 0.1;
 };
 
 struct TextCorpus {
   TokenDataset train;        // byte tokens, doc_offsets per document, in file then text order
-  TokenDataset validation;   // same, the documents chosen by the hash
+  TokenDataset validation;   // same, the documents chosen by the hash (or the tail)
+  bool split_by_position = false;  // the hash left a side empty: the last tokens validate
   std::vector<std::string> files;  // the files read, in order
   uint64_t text_bytes = 0;   // bytes of all kept documents (train + validation)
 };

@@ -163,7 +163,7 @@ Status validate_doc_offsets(const TokenDataset& data, const std::string& what) {
 
 // ---- Megatron -----------------------------------------------------------------------------------
 
-Result<TokenDataset> read_megatron(const std::string& prefix_or_path) {
+Result<MegatronIndex> read_megatron_index(const std::string& prefix_or_path) {
   const std::string prefix = megatron_prefix(prefix_or_path);
   const std::string idx_path = prefix + ".idx";
   const std::string bin_path = prefix + ".bin";
@@ -235,10 +235,12 @@ Result<TokenDataset> read_megatron(const std::string& prefix_or_path) {
     }
     seq_offsets[i + 1] = seq_offsets[i] + static_cast<uint64_t>(len);
   }
-  const uint64_t num_tokens = seq_offsets[num_seq];
 
-  TokenDataset out;
-  out.source = prefix;
+  MegatronIndex out;
+  out.prefix = prefix;
+  out.bin_path = bin_path;
+  out.dtype_code = code;
+  out.num_tokens = seq_offsets[num_seq];
   out.doc_offsets.resize(num_doc_idx);
   int64_t prev = 0;
   for (uint64_t d = 0; d < num_doc_idx; ++d) {
@@ -261,17 +263,32 @@ Result<TokenDataset> read_megatron(const std::string& prefix_or_path) {
   OpenFile bin;
   PACKMOE_RETURN_IF_ERROR(open_file(bin_path, &bin));
   uint64_t bin_expect = 0;
-  if (__builtin_mul_overflow(num_tokens, uint64_t{dt.bytes}, &bin_expect)) {
-    return fail(std::to_string(num_tokens) + " tokens overflow a 64-bit byte count");
+  if (__builtin_mul_overflow(out.num_tokens, uint64_t{dt.bytes}, &bin_expect)) {
+    return fail(std::to_string(out.num_tokens) + " tokens overflow a 64-bit byte count");
   }
   if (bin.size != bin_expect) {
     return Status::error(bin_path + ": file is " + std::to_string(bin.size) +
-                         " bytes but the index describes " + std::to_string(num_tokens) + " " +
-                         dt.name + " tokens = " + std::to_string(bin_expect) + " bytes" +
+                         " bytes but the index describes " + std::to_string(out.num_tokens) +
+                         " " + dt.name + " tokens = " + std::to_string(bin_expect) + " bytes" +
                          (bin.size < bin_expect ? " (truncated?)" : ""));
   }
-  std::vector<uint8_t> raw(static_cast<size_t>(bin_expect));
+  return out;
+}
+
+Result<TokenDataset> read_megatron(const std::string& prefix_or_path) {
+  Result<MegatronIndex> index = read_megatron_index(prefix_or_path);
+  if (!index) return index.status();
+  MegatronIndex& ix = index.value();
+  const std::string& bin_path = ix.bin_path;
+  const uint8_t code = ix.dtype_code;
+  const uint64_t num_tokens = ix.num_tokens;
+  OpenFile bin;
+  PACKMOE_RETURN_IF_ERROR(open_file(bin_path, &bin));
+  std::vector<uint8_t> raw(static_cast<size_t>(num_tokens * megatron_dtype_info(code).bytes));
   PACKMOE_RETURN_IF_ERROR(read_at(bin, bin_path, 0, raw.data(), raw.size()));
+  TokenDataset out;
+  out.source = ix.prefix;
+  out.doc_offsets = std::move(ix.doc_offsets);
   out.tokens.resize(static_cast<size_t>(num_tokens));
   if (code == 1) {
     std::copy(raw.begin(), raw.end(), out.tokens.begin());
@@ -351,8 +368,7 @@ Status write_megatron(const std::string& prefix, const TokenDataset& data, Megat
 
 // ---- llm.c --------------------------------------------------------------------------------------
 
-Result<TokenDataset> read_llmc_shard(const std::string& path,
-                                     std::optional<uint32_t> document_start_token) {
+Result<LlmcShardHeader> read_llmc_header(const std::string& path) {
   auto fail = [&](const std::string& problem) { return Status::error(path + ": " + problem); };
   constexpr uint64_t kHeaderBytes = kLlmcHeaderInts * 4;
   OpenFile f;
@@ -390,8 +406,19 @@ Result<TokenDataset> read_llmc_shard(const std::string& path,
                 std::to_string(count) + " tokens need " + std::to_string(expect) +
                 (f.size < expect ? " (truncated?)" : " (trailing bytes?)"));
   }
-  std::vector<uint8_t> raw(static_cast<size_t>(expect - kHeaderBytes));
-  PACKMOE_RETURN_IF_ERROR(read_at(f, path, kHeaderBytes, raw.data(), raw.size()));
+  return LlmcShardHeader{static_cast<uint64_t>(count), token_bytes};
+}
+
+Result<TokenDataset> read_llmc_shard(const std::string& path,
+                                     std::optional<uint32_t> document_start_token) {
+  Result<LlmcShardHeader> header = read_llmc_header(path);
+  if (!header) return header.status();
+  const uint64_t count = header.value().count;
+  const uint32_t token_bytes = header.value().token_bytes;
+  OpenFile f;
+  PACKMOE_RETURN_IF_ERROR(open_file(path, &f));
+  std::vector<uint8_t> raw(static_cast<size_t>(count * token_bytes));
+  PACKMOE_RETURN_IF_ERROR(read_at(f, path, kLlmcHeaderInts * 4, raw.data(), raw.size()));
   TokenDataset out;
   out.source = path;
   out.tokens.resize(static_cast<size_t>(count));

@@ -49,6 +49,16 @@ inline constexpr uint64_t kMegatronHeaderBytes = 34;  // magic 9 + version 8 + d
 // ignored.
 Result<TokenDataset> read_megatron(const std::string& prefix);
 
+// The checked index of <prefix> (every check of read_megatron but the token values), with the
+// .bin's size checked against it; the .bin is not read (io/token_mmap.h maps it).
+struct MegatronIndex {
+  std::string prefix, bin_path;
+  uint8_t dtype_code = 0;             // MegatronDType, an integer type
+  uint64_t num_tokens = 0;            // the .bin's tokens
+  std::vector<uint64_t> doc_offsets;  // (D + 1), in tokens
+};
+Result<MegatronIndex> read_megatron_index(const std::string& prefix);
+
 // Writes <prefix>.bin then <prefix>.idx, one sequence per document (as preprocess_data.py does
 // without --split-sentences); empty doc_offsets means one document. Fails, writing nothing, if a
 // token does not fit `dtype`, dtype is a float code, doc_offsets are invalid, or a document has
@@ -74,6 +84,14 @@ enum class LlmcFormat { kGpt2, kLlama3 };
 // their own), otherwise doc_offsets stays empty.
 Result<TokenDataset> read_llmc_shard(const std::string& path,
                                      std::optional<uint32_t> document_start_token = std::nullopt);
+
+// The checked header of a shard (magic, version, count, the file size); tokens follow it at byte
+// kLlmcHeaderInts x 4, `token_bytes` each (2: uint16, 4: uint32).
+struct LlmcShardHeader {
+  uint64_t count = 0;
+  uint32_t token_bytes = 0;
+};
+Result<LlmcShardHeader> read_llmc_header(const std::string& path);
 
 // Writes one shard (document boundaries are not stored: the format has none). Fails, writing
 // nothing, if a token does not fit the format's token type or there are 2^31 tokens or more.

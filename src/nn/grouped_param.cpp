@@ -19,13 +19,14 @@ GroupedParam::GroupedParam(Backend& backend, const QuantRecipe& recipe, PrimaryW
   k_ = init.dim(2);
   const int64_t nk = n_ * k_;
 
-  // Keep the init on the side the caller had it.
-  Backend& init_memory = init.device() == Device::kCPU ? cpu_backend() : backend;
+  // The init lives in the backend's memory: a host init is uploaded once (one copy per group), so
+  // the primary and the master are made there with no further host traffic.
   const size_t init_bytes = nk * sizeof(float);
-  init_ = GroupedStorage(init_memory, layout, e_, init_bytes);
+  const Backend::CopyKind kind = copy_kind(backend.device(), init.device());
+  init_ = GroupedStorage(backend, layout, e_, init_bytes);
   for (int64_t e = 0; e < e_; ++e)
-    init_memory.copy(init_.group(e), static_cast<const uint8_t*>(init.data()) + e * init_bytes,
-                     init_bytes, Backend::CopyKind::kDeviceToDevice);
+    backend.copy(init_.group(e), static_cast<const uint8_t*>(init.data()) + e * init_bytes,
+                 init_bytes, kind);
 
   main_grad_ = GroupedStorage(backend, layout, e_, nk * sizeof(float));
   main_grad_.zero();
@@ -75,12 +76,6 @@ void GroupedParam::prepare_compute() {
 }
 
 void GroupedParam::write_primary_from(const GroupedStorage& f32) {
-  if (&f32.memory() != backend_) {  // an init kept on the host: the ops read backend memory
-    GroupedStorage staged(*backend_, layout_, e_, f32.bytes_per_group());
-    staged.copy_from(f32);
-    write_primary_from(staged);
-    return;
-  }
   if (keeps_bf16()) {
     cast_f32_to_bf16(f32, bf16_);
     // A high-precision primary under a quantized recipe needs prepare_compute() again.
@@ -261,9 +256,12 @@ void GroupedParam::write_primary_from_packed(const std::vector<const void*>& ima
                 "write_primary_from_packed: " << images.size() << " images for " << comps.size()
                                               << " components");
   if (keeps_bf16()) {
-    for (int64_t e = 0; e < e_; ++e)
-      backend_->copy(bf16_.group(e), static_cast<const uint8_t*>(images[0]) + e * n_ * k_ * 2,
-                     n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
+    if (bf16_.layout() == Layout::kSingle)  // the image is (E, N, K) packed too: one copy
+      backend_->copy(bf16_.packed(), images[0], e_ * n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
+    else
+      for (int64_t e = 0; e < e_; ++e)
+        backend_->copy(bf16_.group(e), static_cast<const uint8_t*>(images[0]) + e * n_ * k_ * 2,
+                       n_ * k_ * 2, Backend::CopyKind::kDeviceToDevice);
     compute_state_ = quantized() ? ComputeCopyState::kStale : ComputeCopyState::kCurrent;
     primary_state_ = PrimaryState::kCurrent;
     return;

@@ -61,9 +61,9 @@ enum class ComputeCopyState { kStale, kCurrent };
 
 class GroupedParam {
  public:
-  // init: (E, N, K) F32 on the host or in `backend`'s memory. It is copied and kept on the side
-  // it came from (host keeps device memory free, like TE's CPU copy) until create_master(). The
-  // primary weight is made from it now: bf16(init) (RNE), quantized once over the pack.
+  // init: (E, N, K) F32 on the host or in `backend`'s memory. It is copied into `backend`'s
+  // memory (one upload of a host init) and kept there until create_master(). The primary weight
+  // is made from it now: bf16(init) (RNE), quantized once over the pack.
   GroupedParam(Backend& backend, const QuantRecipe& recipe, PrimaryWeight primary, Layout layout,
                const Tensor& init);
   GroupedParam(const GroupedParam&) = delete;
@@ -189,7 +189,7 @@ class GroupedParam {
   PrimaryState primary_state_ = PrimaryState::kCurrent;
   GradBinding grad_binding_ = GradBinding::kOwned;
 
-  GroupedStorage init_;       // (E, N, K) F32, host or device
+  GroupedStorage init_;       // (E, N, K) F32, the backend's memory
   GroupedStorage master_;     // (E, N, K) F32
   GroupedStorage main_grad_;  // (E, N, K) F32
   GroupedStorage bf16_;       // (E, N, K) BF16 param (bf16 recipe or high-precision primary)

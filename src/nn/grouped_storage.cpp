@@ -80,6 +80,10 @@ void GroupedStorage::copy_from(const GroupedStorage& src) {
                               << groups() << " x " << bytes_per_group_);
   const Backend::CopyKind kind = copy_kind(memory_->device(), src.memory().device());
   Backend& engine = copy_engine(*memory_, src.memory());
+  if (layout_ == Layout::kSingle && src.layout() == Layout::kSingle && groups() > 0) {
+    engine.copy(packed(), src.packed(), groups() * bytes_per_group_, kind);  // one copy, same bytes
+    return;
+  }
   for (int64_t e = 0; e < groups(); ++e) engine.copy(ptrs_[e], src.group(e), bytes_per_group_, kind);
 }
 

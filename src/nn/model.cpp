@@ -3,10 +3,9 @@
 // memory until the caller reads them (read_losses), so a micro-batch never waits on the device.
 #include "nn/model.h"
 
-#include <cstring>
-
 #include "nn/decoder_layer.h"
 #include "nn/layer_ops.h"
+#include "nn/lm_head_loss.h"
 
 namespace packmoe {
 
@@ -23,11 +22,11 @@ struct Model::Impl {
   int64_t rope_batch = 0, rope_seq = 0;
   PositionTables rope;
 
-  // Saved by forward.
-  int64_t tokens = 0;               // T
-  Tensor ids, targets;              // (T) I32
-  Tensor logits;                    // (T, V) F32
-  Tensor ce_max, ce_sum;            // (T)
+  // Saved by a training forward.
+  int64_t tokens = 0;     // T
+  float loss_scale = 0;   // of the backward it began
+  Tensor ids;             // (T) I32
+  Tensor dlm;             // (T, H) F32: the LM head's dgrad, computed with the loss
 
   const GroupedParam& embedding() const { return embed ? *embed : lm_head->param(); }
 };
@@ -103,7 +102,7 @@ Status check_layout(const Batch& batch, int64_t max_positions) {
 Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
              const ModelWeights& init)
     : backend_(&backend), config_(config), precision_(precision), impl_(std::make_unique<Impl>()) {
-  const Status valid = validate_model_weights(config, init);
+  const Status valid = validate_model_weights(config, init, backend.device());
   PACKMOE_CHECK(valid.is_ok(), "Model: " << valid.message());
   const ModelConfig& c = config_;
   const Layout layout = precision.layout;
@@ -220,12 +219,21 @@ void Model::set_grad_sr_offset(uint64_t offset) {
 }
 
 Result<ForwardLosses> Model::forward(const Batch& batch) {
-  Result<QueuedLosses> queued = queue_forward(batch);
+  Result<QueuedLosses> queued = queue_forward(batch, std::nullopt);
   if (!queued) return queued.status();
   return read_losses(*backend_, {queued.value()})[0];
 }
 
-Result<QueuedLosses> Model::queue_forward(const Batch& batch) {
+Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale) {
+  Result<QueuedLosses> queued = queue_forward(batch, loss_scale);
+  if (!queued) return queued.status();
+  return read_losses(*backend_, {queued.value()})[0];
+}
+
+Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<float> loss_scale) {
+  PACKMOE_CHECK(state_ != ModelState::kForwardDone,
+                "forward after a training forward whose backward has not run: the LM head's "
+                "gradient is already in main_grad, so that backward is owed");
   const ModelConfig& c = config_;
   const int64_t B = batch.batch, S = batch.seq, T = B * S, V = c.vocab_size;
   if (B <= 0 || S <= 0)
@@ -277,8 +285,6 @@ Result<QueuedLosses> Model::queue_forward(const Batch& batch) {
   m.tokens = T;
   m.ids = b.to_device(Tensor::view(const_cast<int32_t*>(batch.inputs.data()), DType::kI32, {T},
                                    Device::kCPU));
-  m.targets = b.to_device(Tensor::view(const_cast<int32_t*>(batch.targets.data()), DType::kI32,
-                                       {T}, Device::kCPU));
 
   Tensor x = Tensor::empty(b, DType::kF32, {T, H});
   EmbeddingArgs e;
@@ -292,109 +298,86 @@ Result<QueuedLosses> Model::queue_forward(const Batch& batch) {
 
   QueuedLosses losses;
   losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
-  losses.values = Tensor::empty(b, DType::kI64, {2});  // lm F32 | aux F32 | target tokens I64
+  losses.values = Tensor::empty(b, DType::kF32, {2});  // lm | aux
   b.fill_zero(losses.values.data(), losses.values.nbytes());
   float* const loss_values = losses.values.data_as<float>();
   for (auto& layer : m.layers) {
     x = layer->forward(x, B, S, m.rope);
     if (layer->moe() && losses.aux_coef != 0.0f) {  // aux += the layer's, in layer order
       const Segments<float> aux{{loss_values + 1}, 1};
-      const Segments<const float> layer_aux{{layer->moe()->aux_loss_device().data_as<const float>()}, 1};
+      const Segments<const float> layer_aux{{layer->moe()->aux_loss_device().data_as<const float>()},
+                                            1};
       check_op(ops::add_f32(b, aux, layer_aux), "aux loss sum");
     }
   }
-  m.logits = m.lm_head->forward(to_bf16(b, m.final_norm->forward(x)), {T});  // (T, V)
-
-  m.ce_max = Tensor::empty(b, DType::kF32, {T});
-  m.ce_sum = Tensor::empty(b, DType::kF32, {T});
-  CrossEntropyArgs ce;
-  ce.tokens = T;
-  ce.vocab = V;
-  ce.logits = m.logits.data_as<const float>();
-  ce.targets = m.targets.data_as<const int32_t>();
-  ce.loss = loss_values;
-  ce.valid = losses.values.data_as<int64_t>() + 1;
-  ce.row_max = m.ce_max.data_as<float>();
-  ce.row_sum = m.ce_sum.data_as<float>();
-  check_op(ops::cross_entropy(b, ce), "cross_entropy");
-  state_ = ModelState::kForwardDone;
+  // The LM head and the loss in chunks of tokens (nn/lm_head_loss.h); training also runs the
+  // head's backward here, since the loss scale is known: its weight gradient is added into
+  // main_grad now and dh waits for backward().
+  Result<LmHeadLoss> head =
+      lm_head_loss(m.lm_head->param(), to_bf16(b, m.final_norm->forward(x)), batch.targets,
+                   loss_scale, {}, loss_values);
+  if (!head) return head.status();
+  losses.target_tokens = head.value().valid;
+  if (loss_scale) {
+    m.loss_scale = *loss_scale;
+    m.dlm = std::move(head.value().dh);
+    state_ = ModelState::kForwardDone;
+  }
   return losses;
 }
 
 std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued) {
-  constexpr size_t kBytes = 2 * sizeof(int64_t);  // one QueuedLosses::values
-  std::vector<uint8_t> host(queued.size() * kBytes);
+  constexpr size_t kBytes = 2 * sizeof(float);  // one QueuedLosses::values
+  std::vector<float> host(2 * queued.size());
   if (queued.size() == 1) {
     b.copy(host.data(), queued[0].values.data(), kBytes, Backend::CopyKind::kDeviceToHost);
   } else if (!queued.empty()) {  // gathered on the device first: one wait for all of them
-    const Tensor all = Tensor::empty(b, DType::kI64, {static_cast<int64_t>(2 * queued.size())});
+    const Tensor all = Tensor::empty(b, DType::kF32, {static_cast<int64_t>(host.size())});
     for (size_t i = 0; i < queued.size(); ++i)
-      b.copy(all.data_as<uint8_t>() + i * kBytes, queued[i].values.data(), kBytes,
+      b.copy(all.data_as<float>() + 2 * i, queued[i].values.data(), kBytes,
              Backend::CopyKind::kDeviceToDevice);
-    b.copy(host.data(), all.data(), host.size(), Backend::CopyKind::kDeviceToHost);
+    b.copy(host.data(), all.data(), host.size() * sizeof(float), Backend::CopyKind::kDeviceToHost);
   }
   std::vector<ForwardLosses> out(queued.size());
   for (size_t i = 0; i < queued.size(); ++i) {
-    const uint8_t* v = host.data() + i * kBytes;
-    std::memcpy(&out[i].lm_loss, v, sizeof(float));
-    std::memcpy(&out[i].aux_loss, v + sizeof(float), sizeof(float));
-    std::memcpy(&out[i].target_tokens, v + sizeof(int64_t), sizeof(int64_t));
+    out[i].lm_loss = host[2 * i];
+    out[i].aux_loss = host[2 * i + 1];
     out[i].aux_coef = queued[i].aux_coef;
+    out[i].target_tokens = queued[i].target_tokens;
   }
   return out;
 }
 
-void Model::backward(float loss_scale) {
+void Model::backward() {
   PACKMOE_CHECK(state_ == ModelState::kForwardDone,
-                "Model backward needs a forward first (and runs once per forward)");
+                "Model backward needs a training forward first (and runs once per forward)");
   Backend& b = *backend_;
   Impl& m = *impl_;
   const ModelConfig& c = config_;
   const int64_t T = m.tokens, V = c.vocab_size, H = c.hidden_size;
+  const float loss_scale = m.loss_scale;
 
-  const Tensor dlogits = Tensor::empty(b, DType::kF32, {T, V});
-  CrossEntropyBackwardArgs ce;
-  ce.tokens = T;
-  ce.vocab = V;
-  ce.dloss = loss_scale;
-  ce.logits = m.logits.data_as<const float>();
-  ce.targets = m.targets.data_as<const int32_t>();
-  ce.row_max = m.ce_max.data_as<const float>();
-  ce.row_sum = m.ce_sum.data_as<const float>();
-  ce.dlogits = dlogits.data_as<float>();
-  check_op(ops::cross_entropy_backward(b, ce), "cross_entropy_backward");
-  m.logits = m.ce_max = m.ce_sum = Tensor{};
-
-  Tensor dlm = m.lm_head->backward(to_bf16(b, dlogits), GradAccum::kAccumulate);  // (T, H)
   if (m.embed) grad_ready(m.lm_head_param, m.lm_head_param + 1);  // tied: after the embedding
-  Tensor dx = m.final_norm->backward(dlm);  // (T, H)
+  Tensor dx = m.final_norm->backward(m.dlm);  // (T, H)
+  m.dlm = Tensor{};
   grad_ready(m.final_norm_param, m.final_norm_param + 1);
   for (size_t i = m.layers.size(); i-- > 0;) {
     dx = m.layers[i]->backward(dx, loss_scale);
     grad_ready(m.layer_params[i].first, m.layer_params[i].second);
   }
 
-  // The table's gradient is summed over this micro-batch's tokens from zero, then added to
-  // main_grad as one sum, as the GEMM epilogues add theirs: so N data-parallel ranks, each adding
-  // its micro-batch's sum, give bitwise what one process accumulating the N micro-batches gives
-  // (docs/dist.md; tied, the LM head's sum lands between them and only the bound holds).
-  const Tensor dtable = Tensor::empty(b, DType::kF32, {V, H});
-  b.fill_zero(dtable.data(), dtable.nbytes());
+  // The op sums each row's tokens of this micro-batch from zero, then adds the sum to main_grad,
+  // as the GEMM epilogues add theirs: so N data-parallel ranks, each adding its micro-batch's sum,
+  // give bitwise what one process accumulating the N micro-batches gives (docs/dist.md; tied, the
+  // LM head's sum lands between them and only the bound holds).
   EmbeddingBackwardArgs eb;
   eb.tokens = T;
   eb.vocab = V;
   eb.hidden = H;
   eb.ids = m.ids.data_as<const int32_t>();
   eb.dout = dx.data_as<const float>();
-  eb.dtable = dtable.data_as<float>();
+  eb.dtable = f32_grad(m.embedding());
   check_op(ops::embedding_backward(b, eb), "embedding_backward");
-  Segments<float> grad;
-  grad.ptr.push_back(f32_grad(m.embedding()));
-  grad.n = V * H;
-  Segments<const float> sum;
-  sum.ptr.push_back(dtable.data_as<const float>());
-  sum.n = V * H;
-  check_op(ops::add_f32(b, grad, sum), "embedding gradient accumulation");
   grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;
 }

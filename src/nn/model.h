@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,13 +59,17 @@ struct ParamSpec {
 std::vector<ParamSpec> model_param_specs(const ModelConfig& config);
 
 // Deterministic init: parameter i of model_param_specs draws from Philox stream (seed, i); normal
-// values by Box-Muller in FP64, rounded once to FP32; norms are 1. Same seed, same weights, on
-// every machine.
-ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);
+// values by Box-Muller in FP64, rounded once to FP32 (ops::init_normal); norms are 1. Same seed,
+// same weights, on every machine and thread count. Made in `backend`'s memory (on CUDA: on the
+// device, no host copy); the CUDA values are within kInitNormalMaxUlp of the CPU's
+// (backend/ops/init.h).
+ModelWeights random_model_weights(Backend& backend, const ModelConfig& config, uint64_t seed);
+ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed);  // on the host
 
-// Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, on the
-// host; the error names the first offending tensor.
-Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights);
+// Checks that `weights` has exactly the names of model_param_specs with their shapes, F32, in host
+// memory or on `device`; the error names the first offending tensor.
+Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights,
+                              Device device = Device::kCPU);
 
 // One micro-batch of B rows of S tokens (host). targets[t] is the next token of inputs[t] or -100
 // (ignored). By default each row is one causal sequence with positions 0..S-1; with document
@@ -88,11 +93,13 @@ struct ForwardLosses {
   float total() const { return lm_loss + aux_coef * aux_loss; }
 };
 
-// The losses of one micro-batch in the backend's memory (Model::queue_forward): nothing waited for
-// them. read_losses brings any number of them to the host with one wait.
+// The losses of one micro-batch with the scalars still in the backend's memory
+// (Model::queue_forward): nothing waited for them. read_losses brings any number of them to the
+// host with one wait.
 struct QueuedLosses {
-  Tensor values;  // (2,) I64: lm_loss F32 | aux_loss F32 (0 without the aux loss) | target_tokens I64
-  float aux_coef = 0;
+  Tensor values;              // (2) F32: lm_loss | aux_loss (0 without the aux loss)
+  float aux_coef = 0;         // router_aux_loss_coef of the config
+  int64_t target_tokens = 0;  // non-ignored targets (counted on the host from the batch)
 };
 // The host values of `queued`, in order (a trainer: once per optimizer step).
 std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued);
@@ -117,8 +124,8 @@ struct NamedParam {
 using GradReadyHook = std::function<void(size_t param_index)>;
 
 enum class ModelState {
-  kIdle,         // nothing saved
-  kForwardDone,  // activations of the last forward are saved; backward may run
+  kIdle,         // no backward owed (an evaluation forward leaves the model here)
+  kForwardDone,  // a training forward's activations are saved; its backward must run next
 };
 
 class Model {
@@ -145,16 +152,23 @@ class Model {
   // whole random state of a run, so a checkpoint needs none.
   void set_grad_sr_offset(uint64_t offset);
 
-  // Forward of one micro-batch; returns its losses in the backend's memory (no host wait).
-  // Allowed from any state: a forward never followed by backward (eval) is dropped by the next
-  // forward. Bad ids / targets are a Status error before anything is computed.
-  Result<QueuedLosses> queue_forward(const Batch& batch);
-  // The same, then the losses read on the host (one wait).
+  // Evaluation forward of one micro-batch: its losses (one host sync), no gradient; kIdle stays
+  // kIdle. Bad ids / targets are a Status error before anything is computed.
   Result<ForwardLosses> forward(const Batch& batch);
-  // Backward of the last forward for the loss loss_scale * (lm_loss + coef * aux_loss): every
-  // gradient is ADDED into its main_grad. Only from kForwardDone (-> kIdle).
-  // Fires the grad-ready hook (if any) for each parameter as its gradient becomes final.
-  void backward(float loss_scale);
+  // Training forward: the losses, and the first part of the backward of the loss
+  // loss_scale * (lm_loss + coef * aux_loss): the LM head and the cross-entropy run fused in
+  // chunks of tokens (nn/lm_head_loss.h), so the head's weight gradient is ADDED into its main_grad
+  // here (call it where a backward may write gradients: after DistOptimizer::prepare_backward).
+  // kIdle -> kForwardDone; any forward from kForwardDone is a PACKMOE_CHECK error (that backward
+  // is owed).
+  Result<ForwardLosses> forward(const Batch& batch, float loss_scale);
+  // Either forward with its losses left in the backend's memory (no host wait): loss_scale given,
+  // the training forward; absent, the evaluation one. read_losses reads them.
+  Result<QueuedLosses> queue_forward(const Batch& batch, std::optional<float> loss_scale);
+  // The rest of the training forward's backward: every gradient is ADDED into its main_grad.
+  // Only from kForwardDone (-> kIdle). Fires the grad-ready hook (if any) for each parameter as
+  // its gradient becomes final (the LM head's first, as before).
+  void backward();
   void zero_grad();  // every main_grad = 0
   // Installs (or, empty, removes) the hook backward fires per parameter: data parallelism starts
   // a bucket's gradient reduce-scatter as soon as all its parameters are final.

@@ -1,11 +1,11 @@
 // The model's parameter list (names, shapes, init rule, weight decay), its deterministic random
-// init and the check of a ModelWeights map against it. The list order is the model's parameter
-// order everywhere (optimizer, checkpoints, Philox streams of the init).
-#include <cmath>
-#include <cstring>
+// init (written by the init ops straight into the backend's memory) and the check of a
+// ModelWeights map against it. The list order is the model's parameter order everywhere
+// (optimizer, checkpoints, Philox streams of the init).
 #include <set>
 
-#include "core/philox.h"
+#include "backend/ops/init.h"
+#include "nn/grouped_storage.h"
 #include "nn/model.h"
 
 namespace packmoe {
@@ -14,9 +14,6 @@ namespace {
 std::string layer_name(int64_t i, const char* rest) {
   return "model.layers." + std::to_string(i) + "." + rest;
 }
-
-// Uniform in (0, 1] from 32 random bits (never 0, so log() is finite).
-double unit_uniform(uint32_t bits) { return (static_cast<double>(bits) + 1.0) / 4294967296.0; }
 
 }  // namespace
 
@@ -51,42 +48,45 @@ std::vector<ParamSpec> model_param_specs(const ModelConfig& c) {
   return s;
 }
 
-ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed) {
-  Allocator& host = cpu_backend();
+ModelWeights random_model_weights(Backend& backend, const ModelConfig& config, uint64_t seed) {
   const std::vector<ParamSpec> specs = model_param_specs(config);
   ModelWeights w;
   for (size_t p = 0; p < specs.size(); ++p) {
     const ParamSpec& spec = specs[p];
-    Tensor t = Tensor::empty(host, DType::kF32, spec.shape);
-    float* v = t.data_as<float>();
-    const int64_t n = t.numel();
+    Tensor t = Tensor::empty(backend, DType::kF32, spec.shape);
     if (spec.init == ParamInit::kOnes) {
-      for (int64_t i = 0; i < n; ++i) v[i] = 1.0f;
+      check_op(ops::fill_f32(backend, FillArgs{1.0f, t.data_as<float>(), t.numel()}), "init: ones");
     } else {
-      // Box-Muller: draw j gives elements 2j and 2j + 1 from its first two 32-bit words.
-      const double std = config.initializer_range;
-      for (int64_t j = 0; 2 * j < n; ++j) {
-        const Philox4 r = philox_draw(seed, static_cast<uint64_t>(j), static_cast<uint32_t>(p));
-        const double radius = std::sqrt(-2.0 * std::log(unit_uniform(r.v[0])));
-        const double angle = 2.0 * M_PI * unit_uniform(r.v[1]);
-        v[2 * j] = static_cast<float>(std * radius * std::cos(angle));
-        if (2 * j + 1 < n) v[2 * j + 1] = static_cast<float>(std * radius * std::sin(angle));
-      }
+      InitNormalArgs a;
+      a.seed = seed;
+      a.stream = static_cast<uint32_t>(p);
+      a.stddev = config.initializer_range;
+      a.out = t.data_as<float>();
+      a.n = t.numel();
+      check_op(ops::init_normal(backend, a), "init: normal");
     }
     w.emplace(spec.name, std::move(t));
   }
   return w;
 }
 
-Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights) {
+ModelWeights random_model_weights(const ModelConfig& config, uint64_t seed) {
+  return random_model_weights(cpu_backend(), config, seed);
+}
+
+Status validate_model_weights(const ModelConfig& config, const ModelWeights& weights,
+                              Device device) {
   std::set<std::string> expected;
   for (const ParamSpec& spec : model_param_specs(config)) {
     expected.insert(spec.name);
     const auto it = weights.find(spec.name);
     if (it == weights.end()) return Status::error("missing weight " + spec.name);
     const Tensor& t = it->second;
-    if (t.dtype() != DType::kF32 || t.device() != Device::kCPU)
-      return Status::error("weight " + spec.name + " must be F32 in host memory");
+    if (t.dtype() != DType::kF32 || (t.device() != Device::kCPU && t.device() != device))
+      return Status::error("weight " + spec.name + " must be F32 in host memory" +
+                           (device == Device::kCPU
+                                ? std::string()
+                                : " or on " + std::string(device_name(device))));
     if (t.shape() != spec.shape)
       return Status::error("weight " + spec.name + " has shape " + shape_string(t.shape()) +
                            ", the model needs " + shape_string(spec.shape));

@@ -1,83 +1,184 @@
-// Token stream construction (separators between documents), token range checks and the window
-// arithmetic of BatchSampler.
+// Epoch streams (document order, separators), the blend's picks, window reads through
+// io::TokenArray (memory-mapped files are read row by row, never whole) and document marks.
 #include "train/batch_sampler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace packmoe::train {
 namespace {
 
-// The stream and, in `doc_begin`, the stream index where each document starts (a separator
-// belongs to the document before it).
-std::vector<uint32_t> build_stream(io::TokenDataset& data, const StreamOptions& options,
-                                   std::vector<int64_t>& doc_begin) {
-  doc_begin.clear();
-  const int64_t sep = options.separator ? 1 : 0;
-  for (size_t d = 0; d < data.num_documents(); ++d)
-    doc_begin.push_back(static_cast<int64_t>(data.doc_offsets[d]) + sep * static_cast<int64_t>(d));
-  if (!options.separator || data.num_documents() < 2) return std::move(data.tokens);
-  std::vector<uint32_t> stream;
-  stream.reserve(data.tokens.size() + data.num_documents() - 1);
-  for (size_t d = 0; d < data.num_documents(); ++d) {
-    if (d > 0) stream.push_back(*options.separator);
-    const auto doc = data.document(d);
-    stream.insert(stream.end(), doc.begin(), doc.end());
-  }
-  return stream;
-}
+std::string side_name(bool validation) { return validation ? "validation" : "training"; }
 
 }  // namespace
 
-Result<BatchSampler> BatchSampler::create(io::TokenDataset data, int64_t vocab_size, int64_t batch,
-                                          int64_t seq, const StreamOptions& options) {
-  PACKMOE_CHECK(batch >= 1 && seq >= 1 && vocab_size >= 1,
-                "sampler shape B=" << batch << " S=" << seq << " V=" << vocab_size);
-  const std::string source = data.source.empty() ? "token data" : data.source;
-  for (size_t i = 0; i < data.tokens.size(); ++i) {
-    if (data.tokens[i] >= static_cast<uint64_t>(vocab_size)) {
-      std::ostringstream e;
-      e << source << ": token " << data.tokens[i] << " at index " << i
-        << " is not below the model's vocab_size " << vocab_size;
-      return Status::error(e.str());
-    }
+DataSource in_memory_source(io::TokenDataset data, std::optional<uint32_t> separator) {
+  DataSource s;
+  s.name = data.source.empty() ? "token data" : data.source;
+  s.boundaries_known = !data.doc_offsets.empty();
+  s.separator = separator;
+  if (s.boundaries_known) {
+    for (size_t d = 0; d < data.num_documents(); ++d)
+      s.documents.push_back({data.doc_offsets[d], data.doc_offsets[d + 1]});
+  } else {
+    s.documents.push_back({0, data.tokens.size()});
   }
-  if (options.separator && *options.separator >= static_cast<uint64_t>(vocab_size)) {
-    std::ostringstream e;
-    e << "document separator token " << *options.separator << " is not below vocab_size "
-      << vocab_size;
-    return Status::error(e.str());
-  }
-  if (options.document_mask == DocumentMask::kIndex && data.num_documents() == 0)
-    return Status::error(source + ": --attention-mask document needs the data's document "
-                                  "boundaries (this data has none): give --eod-token");
-  if (options.document_mask == DocumentMask::kEodToken &&
-      options.eod_token >= static_cast<uint64_t>(vocab_size))
-    return Status::error("--eod-token " + std::to_string(options.eod_token) +
-                         " is not below vocab_size " + std::to_string(vocab_size));
-  std::vector<int64_t> doc_begin;
-  std::vector<uint32_t> stream = build_stream(data, options, doc_begin);
-  if (static_cast<int64_t>(stream.size()) < seq + 1) {
-    std::ostringstream e;
-    e << source << ": " << stream.size() << " tokens, fewer than seq_len + 1 = " << seq + 1;
-    return Status::error(e.str());
-  }
-  if (options.document_mask != DocumentMask::kIndex) doc_begin.clear();
-  return BatchSampler(std::move(stream), std::move(doc_begin), source, batch, seq, options);
+  s.tokens = io::TokenArray::owned(std::move(data.tokens));
+  return s;
+}
+
+DataBlend single_source(io::TokenDataset data, std::optional<uint32_t> separator) {
+  DataBlend b;
+  b.sources.push_back(in_memory_source(std::move(data), separator));
+  return b;
 }
 
 const char* document_mask_name(DocumentMask mask) {
   return mask == DocumentMask::kNone ? "causal" : "document";
 }
 
-void BatchSampler::mark_documents(Batch& b, int64_t r, int64_t offset) const {
+Result<BatchSampler> BatchSampler::create(DataBlend data, int64_t vocab_size, int64_t batch,
+                                          int64_t seq, const StreamOptions& options,
+                                          bool validation) {
+  PACKMOE_CHECK(batch >= 1 && seq >= 1 && vocab_size >= 1,
+                "sampler shape B=" << batch << " S=" << seq << " V=" << vocab_size);
+  const uint64_t vocab = static_cast<uint64_t>(vocab_size);
+  if (data.sources.empty()) return Status::error("no " + side_name(validation) + " data");
+  if (data.sources.size() > kMaxBlendSources)
+    return Status::error(std::to_string(data.sources.size()) + " data sources, more than " +
+                         std::to_string(kMaxBlendSources));
+  if (!data.weights.empty() && data.weights.size() != data.sources.size())
+    return Status::error(std::to_string(data.weights.size()) + " weights for " +
+                         std::to_string(data.sources.size()) + " data sources");
+  for (double w : data.weights)
+    if (!(w > 0) || !std::isfinite(w)) {
+      std::ostringstream e;
+      e << "data weight " << w << " must be a positive number";
+      return Status::error(e.str());
+    }
+  if (options.document_mask == DocumentMask::kEodToken && options.eod_token >= vocab)
+    return Status::error("--eod-token " + std::to_string(options.eod_token) +
+                         " is not below vocab_size " + std::to_string(vocab_size));
+  std::vector<Stream> streams;
+  for (DataSource& src : data.sources) {
+    const std::string& name = src.name;
+    if (options.document_mask == DocumentMask::kIndex && !src.boundaries_known)
+      return Status::error(name + ": --attention-mask document needs the data's document "
+                                  "boundaries (this data has none): give --eod-token");
+    if (src.separator && *src.separator >= vocab)
+      return Status::error(name + ": document separator token " +
+                           std::to_string(*src.separator) + " is not below vocab_size " +
+                           std::to_string(vocab_size));
+    std::erase_if(src.documents, [](const io::TokenRange& r) { return r.size() == 0; });
+    int64_t tokens = 0;
+    for (const io::TokenRange& r : src.documents) {
+      PACKMOE_RETURN_IF_ERROR(src.tokens.check_range(r.begin, r.end, vocab, name));
+      tokens += static_cast<int64_t>(r.size());
+    }
+    if (src.separator && src.documents.size() > 1)
+      tokens += static_cast<int64_t>(src.documents.size()) - 1;
+    if (tokens < seq + 1) {
+      std::ostringstream e;
+      e << name << ": the " << side_name(validation) << " side of the data has " << tokens
+        << " tokens, fewer than the seq_len + 1 = " << seq + 1 << " one row needs";
+      e << (validation ? " (raise --valid-fraction, lower --seq-len or give --valid-data)"
+                       : " (lower --seq-len or give more data)");
+      return Status::error(e.str());
+    }
+    Stream s;
+    s.source = std::move(src);
+    s.shape.tokens = tokens;
+    s.shape.windows = (tokens - seq - 1) / seq + 1;
+    if (s.shape.windows > static_cast<int64_t>(kMaxBlendWeight))
+      return Status::error(name + ": " + std::to_string(s.shape.windows) +
+                           " samples per epoch, more than this sampler counts");
+    streams.push_back(std::move(s));
+  }
+  std::vector<uint64_t> weights;
+  if (data.weights.empty()) {
+    for (const Stream& s : streams) weights.push_back(static_cast<uint64_t>(s.shape.windows));
+  } else {
+    weights = BlendOrder::quantize(data.weights);
+  }
+  BatchSampler sampler(std::move(streams), BlendOrder(std::move(weights)), batch, seq, options,
+                       validation);
+  for (size_t d = 0; d < sampler.streams_.size(); ++d) sampler.load_epoch(d, 0);
+  return sampler;
+}
+
+std::vector<SourceShape> BatchSampler::shapes() const {
+  std::vector<SourceShape> out;
+  for (const Stream& s : streams_) out.push_back(s.shape);
+  return out;
+}
+
+int64_t BatchSampler::tokens() const {
+  int64_t n = 0;
+  for (const Stream& s : streams_)
+    for (const io::TokenRange& r : s.source.documents) n += static_cast<int64_t>(r.size());
+  return n;
+}
+
+void BatchSampler::load_epoch(size_t d, int64_t epoch) {
+  Stream& s = streams_[d];
+  if (s.epoch == epoch || (!options_.shuffle && s.epoch >= 0)) return;  // unshuffled: one order
+  const uint64_t D = s.source.documents.size();
+  const uint64_t key = order_key(options_.seed,
+                                 validation_ ? OrderKind::kValidDocuments : OrderKind::kTrainDocuments,
+                                 d, static_cast<uint64_t>(epoch));
+  s.order.resize(D);
+  s.begin.resize(D + 1);
+  s.begin[0] = 0;
+  const int64_t sep = s.source.separator ? 1 : 0;
+  for (uint64_t j = 0; j < D; ++j) {
+    s.order[j] = options_.shuffle ? permute(j, D, key) : j;
+    s.begin[j + 1] = s.begin[j] + static_cast<int64_t>(s.source.documents[s.order[j]].size()) +
+                     (j + 1 < D ? sep : 0);
+  }
+  PACKMOE_CHECK(s.begin[D] == s.shape.tokens, "epoch stream of " << s.begin[D] << " tokens, not "
+                                                                 << s.shape.tokens);
+  s.epoch = epoch;
+}
+
+void BatchSampler::read_window(Batch& b, int64_t r, size_t d, int64_t window) {
+  const Stream& s = streams_[d];
+  const int64_t offset = window * seq_;
+  std::vector<uint32_t> w(static_cast<size_t>(seq_ + 1));  // (S + 1)
+  size_t j = static_cast<size_t>(std::upper_bound(s.begin.begin(), s.begin.end(), offset) -
+                                 s.begin.begin() - 1);
+  int64_t p = offset, filled = 0;
+  while (filled < seq_ + 1) {
+    while (p >= s.begin[j + 1]) ++j;
+    const io::TokenRange& doc = s.source.documents[s.order[j]];
+    const int64_t local = p - s.begin[j], len = static_cast<int64_t>(doc.size());
+    if (local < len) {
+      const int64_t n = std::min(len - local, seq_ + 1 - filled);
+      s.source.tokens.read(doc.begin + static_cast<uint64_t>(local), static_cast<uint64_t>(n),
+                           w.data() + filled);
+      filled += n;
+      p += n;
+    } else {  // the separator after document j
+      w[static_cast<size_t>(filled++)] = *s.source.separator;
+      ++p;
+    }
+  }
+  for (int64_t t = 0; t < seq_; ++t) {
+    b.inputs[r * seq_ + t] = static_cast<int32_t>(w[t]);
+    b.targets[r * seq_ + t] = static_cast<int32_t>(w[t + 1]);
+  }
+  if (options_.document_mask != DocumentMask::kNone) mark_documents(b, r, s, offset);
+}
+
+void BatchSampler::mark_documents(Batch& b, int64_t r, const Stream& s, int64_t offset) const {
   int32_t* start = b.doc_start.data() + r * seq_;  // (S)
   if (options_.document_mask == DocumentMask::kIndex) {
     // The last document starting at or before each token; clipped to the row's start.
-    auto next = std::upper_bound(doc_begin_.begin(), doc_begin_.end(), offset);
-    int64_t current = next == doc_begin_.begin() ? offset : *(next - 1);
+    const auto first = s.begin.begin(), last = s.begin.end() - 1;  // document starts only
+    auto next = std::upper_bound(first, last, offset);
+    int64_t current = next == first ? offset : *(next - 1);
     for (int64_t t = 0; t < seq_; ++t) {
-      while (next != doc_begin_.end() && *next <= offset + t) current = *next++;
+      while (next != last && *next <= offset + t) current = *next++;
       start[t] = static_cast<int32_t>(std::max<int64_t>(current - offset, 0));
     }
   } else {  // kEodToken: the token after an eod starts a document
@@ -92,10 +193,6 @@ void BatchSampler::mark_documents(Batch& b, int64_t r, int64_t offset) const {
     for (int64_t t = 0; t < seq_; ++t) b.positions[r * seq_ + t] = static_cast<int32_t>(t - start[t]);
 }
 
-int64_t BatchSampler::windows_per_epoch() const {
-  return (stream_tokens() - seq_ - 1) / seq_ + 1;
-}
-
 Batch BatchSampler::next() {
   Batch b;
   b.batch = batch_;
@@ -106,59 +203,72 @@ Batch BatchSampler::next() {
   if (documents) b.doc_start.resize(static_cast<size_t>(batch_ * seq_));                   // (B, S)
   if (documents && options_.reset_positions) b.positions.resize(static_cast<size_t>(batch_ * seq_));
   for (int64_t r = 0; r < batch_; ++r) {
-    if (position_.offset + seq_ + 1 > stream_tokens()) {
-      position_.offset = 0;
-      ++position_.epoch;
-    }
-    const uint32_t* w = stream_.data() + position_.offset;  // (S + 1)
-    for (int64_t t = 0; t < seq_; ++t) {
-      b.inputs[r * seq_ + t] = static_cast<int32_t>(w[t]);
-      b.targets[r * seq_ + t] = static_cast<int32_t>(w[t + 1]);
-    }
-    if (documents) mark_documents(b, r, position_.offset);
-    position_.offset += seq_;
+    const size_t d = blend_.next(consumed_);
+    const Stream& s = streams_[d];
+    const int64_t W = s.shape.windows;
+    const int64_t epoch = consumed_[d] / W, k = consumed_[d] % W;
+    load_epoch(d, epoch);
+    const OrderKind kind = validation_ ? OrderKind::kValidSamples : OrderKind::kTrainSamples;
+    const int64_t window =
+        options_.shuffle ? static_cast<int64_t>(permute(static_cast<uint64_t>(k),
+                                                        static_cast<uint64_t>(W),
+                                                        order_key(options_.seed, kind, d,
+                                                                  static_cast<uint64_t>(epoch))))
+                         : k;
+    read_window(b, r, d, window);
+    ++consumed_[d];
   }
   return b;
 }
 
-SamplerPosition BatchSampler::next_row_position() const {
-  if (position_.offset + seq_ + 1 > stream_tokens()) return {0, position_.epoch + 1};
-  return position_;
+Status BatchSampler::check_state(const SamplerState& state) const {
+  if (state.consumed.size() != streams_.size())
+    return Status::error("sampler state of " + std::to_string(state.consumed.size()) +
+                         " sources, this data has " + std::to_string(streams_.size()));
+  int64_t total = 0;
+  for (int64_t c : state.consumed)
+    if (c < 0 || __builtin_add_overflow(total, c, &total))
+      return Status::error("sampler state: a sample count " + std::to_string(c) +
+                           " out of range");
+  return Status::ok();
 }
 
-Status BatchSampler::check_position(const SamplerPosition& p) const {
-  if (p.epoch < 0 || p.offset < 0 || p.offset % seq_ != 0 || p.offset + seq_ + 1 > stream_tokens()) {
-    std::ostringstream e;
-    e << source_ << ": sampler position (epoch " << p.epoch << ", offset " << p.offset
-      << ") is not a window start of this stream (" << stream_tokens() << " tokens, seq_len "
-      << seq_ << ")";
-    return Status::error(e.str());
+Status BatchSampler::set_state(const SamplerState& state) {
+  PACKMOE_RETURN_IF_ERROR(check_state(state));
+  consumed_ = state.consumed;
+  return Status::ok();
+}
+
+int64_t BatchSampler::rows_before_repeat(int64_t limit) const {
+  std::vector<int64_t> counts(streams_.size(), 0);
+  int64_t n = 0;
+  for (; n < limit; ++n) {
+    const size_t d = blend_.next(counts);
+    if (counts[d] == streams_[d].shape.windows) break;
+    ++counts[d];
   }
-  return Status::ok();
+  return n;
 }
 
-Status BatchSampler::set_position(const SamplerPosition& p) {
-  PACKMOE_RETURN_IF_ERROR(check_position(p));
-  position_ = p;
-  return Status::ok();
-}
-
-Result<std::vector<Batch>> fixed_batches(io::TokenDataset data, int64_t vocab_size, int64_t batch,
+Result<std::vector<Batch>> fixed_batches(DataBlend data, int64_t vocab_size, int64_t batch,
                                          int64_t seq, int64_t count, const StreamOptions& options) {
-  const std::string source = data.source.empty() ? "token data" : data.source;
+  std::string names;
+  for (const DataSource& s : data.sources) names += (names.empty() ? "" : ", ") + s.name;
   Result<BatchSampler> sampler =
-      BatchSampler::create(std::move(data), vocab_size, batch, seq, options);
+      BatchSampler::create(std::move(data), vocab_size, batch, seq, options, /*validation=*/true);
   if (!sampler) return sampler.status();
   BatchSampler& s = sampler.value();
-  if (s.windows_per_epoch() < count * batch) {
+  const int64_t rows = s.rows_before_repeat(count * batch);
+  if (rows < batch) {
     std::ostringstream e;
-    e << source << ": " << s.windows_per_epoch() << " windows of seq_len + 1 = " << seq + 1
-      << " tokens, fewer than the " << count * batch << " an evaluation reads (eval_batches "
-      << count << " x micro_batch_size " << batch << ")";
+    e << names << ": the validation data gives " << rows << " distinct rows of seq_len + 1 = "
+      << seq + 1 << " tokens, fewer than the micro_batch_size = " << batch
+      << " of one evaluation batch (lower --micro-batch or --seq-len, raise --valid-fraction, "
+         "or give --valid-data)";
     return Status::error(e.str());
   }
   std::vector<Batch> out;
-  for (int64_t i = 0; i < count; ++i) out.push_back(s.next());
+  for (int64_t i = 0; i < rows / batch; ++i) out.push_back(s.next());
   return out;
 }
 

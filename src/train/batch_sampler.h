@@ -1,17 +1,24 @@
-// BatchSampler: cuts a token stream into micro-batches of B rows x S tokens for the Model. Row r is
-// the window stream[p, p + S + 1): inputs its first S tokens, targets the last S (shifted by one,
-// none ignored); p advances by S per row and wraps to 0 (a new epoch) when fewer than S + 1 tokens
-// remain. Invariant: the batches are a pure function of (stream, position), and the position is
-// observable and settable, so a resumed run reads exactly the windows it would have read.
+// BatchSampler: cuts a blend of token sources into micro-batches of B rows x S tokens for the
+// Model. Each source's epoch stream is its documents in an order (seeded shuffle per epoch, or
+// source order), concatenated; its samples are the windows stream[kS, kS + S + 1) that fit
+// (inputs the first S tokens, targets the last S), read in an order (seeded shuffle per epoch,
+// or k = 0, 1, ...). Each row comes from the source the blend rule picks (train/sample_order.h).
+// Invariant: the batches are a pure function of (sources, options, state), the state is a count
+// of samples drawn per source, observable and settable, so a resumed run reads exactly the
+// rows it would have read; no thread count, machine or floating point enters.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "core/status.h"
+#include "io/data_split.h"
 #include "io/token_data.h"
+#include "io/token_mmap.h"
 #include "nn/model.h"
+#include "train/sample_order.h"
 
 namespace packmoe::train {
 
@@ -19,77 +26,123 @@ namespace packmoe::train {
 // reset_position_ids; packed THD sequences).
 enum class DocumentMask {
   kNone,      // causal over the whole row (Megatron's default)
-  kIndex,     // documents from the data's document index (doc_offsets); a separator belongs to
-              // the document it follows
+  kIndex,     // documents from the data's document boundaries; a separator belongs to the
+              // document it follows
   kEodToken,  // a document ends with (and includes) each eod_token in the row
 };
 
-// The stream is the dataset's tokens in order. Documents are concatenated; with `separator` set
-// and boundaries known (doc_offsets), that token is inserted between consecutive documents
-// (the byte corpus uses '\n', so fortunes stay apart by a blank line; Megatron and llm.c data
-// carry their own end-of-document tokens and use none). Windows may span a document boundary;
-// with a document mask, each token attends only inside its own document (Batch::doc_start), and
-// with reset_positions its RoPE position counts from its document's first token in the row.
-struct StreamOptions {
+// One source of a blend: documents (token ranges of `tokens`, source order; a split side holds
+// pieces of the source's documents). With `separator` set that token is inserted between
+// consecutive documents of the epoch stream (the byte corpus uses '\n', so fortunes stay apart
+// by a blank line; Megatron and llm.c data carry their own end-of-document tokens and use none).
+struct DataSource {
+  std::string name;  // for messages
+  io::TokenArray tokens;
+  std::vector<io::TokenRange> documents;
+  bool boundaries_known = true;  // false: one run of tokens whose documents are unknown (llm.c)
   std::optional<uint32_t> separator;
+};
+
+// Sources and their weights. Weighted: each row comes from source d with probability w_d / sum w
+// (exactly, in counts: sample_order.h). Unweighted (weights empty): each source weighs its number
+// of samples per epoch, i.e. the sources are concatenated, as Megatron-Core reads a blend
+// without weights: an epoch of the blend reads every sample of every source once.
+struct DataBlend {
+  std::vector<DataSource> sources;
+  std::vector<double> weights;  // (sources) > 0, or empty
+};
+
+// An in-memory dataset as a source: its documents (or, without doc_offsets, one run of tokens
+// whose boundaries are unknown), named by data.source; and a blend of just that source.
+DataSource in_memory_source(io::TokenDataset data, std::optional<uint32_t> separator = std::nullopt);
+DataBlend single_source(io::TokenDataset data, std::optional<uint32_t> separator = std::nullopt);
+
+// Windows may span a document boundary; with a document mask, each token attends only inside
+// its own document (Batch::doc_start), and with reset_positions its RoPE position counts from its
+// document's first token in the row. `shuffle`: documents and samples in a seeded order per epoch
+// (Megatron's GPTDataset document / shuffle indices), from `seed`; off: source order.
+struct StreamOptions {
   DocumentMask document_mask = DocumentMask::kNone;
   uint32_t eod_token = 0;  // kEodToken
   bool reset_positions = false;
+  bool shuffle = false;
+  uint64_t seed = 0;
 };
 
 // "causal" | "document" (the CLI's --attention-mask names; document means kIndex or kEodToken,
 // as the caller decides).
 const char* document_mask_name(DocumentMask mask);
 
-struct SamplerPosition {
-  int64_t offset = 0;  // stream index of the next row's first token, a multiple of S
-  int64_t epoch = 0;   // completed passes over the stream
+// What a checkpoint records of the sampler: samples drawn from each source so far.
+struct SamplerState {
+  std::vector<int64_t> consumed;  // (sources)
+};
+// A source's stream, the same in every epoch: what a checkpoint checks its data against.
+struct SourceShape {
+  int64_t tokens = 0;   // stream tokens per epoch (separators included)
+  int64_t windows = 0;  // samples per epoch: floor((tokens - S - 1) / S) + 1
+  bool operator==(const SourceShape&) const = default;
 };
 
 class BatchSampler {
  public:
-  // Errors, naming data.source: a token >= vocab_size (the token and its index), or a stream of
-  // fewer than S + 1 tokens; kIndex without a document index, an eod_token >= vocab_size.
-  static Result<BatchSampler> create(io::TokenDataset data, int64_t vocab_size, int64_t batch,
-                                     int64_t seq, const StreamOptions& options = {});
+  // `validation` picks the validation orders (independent of the training ones) and the
+  // messages' wording. Errors, naming the source: no documents, a token >= vocab_size (the token
+  // and its index), fewer than S + 1 stream tokens (the side, its tokens and what it needs),
+  // weights of another count or not positive, kIndex without document boundaries, a separator or
+  // eod_token >= vocab_size.
+  static Result<BatchSampler> create(DataBlend data, int64_t vocab_size, int64_t batch,
+                                     int64_t seq, const StreamOptions& options = {},
+                                     bool validation = false);
 
-  int64_t stream_tokens() const { return static_cast<int64_t>(stream_.size()); }
-  // Windows starting at 0, S, 2S, ... that fit: floor((T - S - 1) / S) + 1.
-  int64_t windows_per_epoch() const;
+  size_t sources() const { return streams_.size(); }
+  std::vector<SourceShape> shapes() const;
+  int64_t tokens() const;  // of the sources' documents, separators not counted
 
-  Batch next();  // B rows, then the position has advanced B windows (wrapping as needed)
-  SamplerPosition position() const { return position_; }
-  // Where the next row starts: position(), or (0, epoch + 1) after the last window of an epoch
-  // (what next() wraps to first). The same windows follow; set_position accepts it.
-  SamplerPosition next_row_position() const;
-  // Errors unless 0 <= offset, offset a multiple of S, offset + S + 1 <= stream_tokens, epoch >= 0.
-  Status check_position(const SamplerPosition& position) const;
-  Status set_position(const SamplerPosition& position);  // check_position, then move there
+  Batch next();  // B rows, each from the source the blend picks
+  SamplerState state() const { return {consumed_}; }
+  // Errors unless one count per source, each >= 0.
+  Status check_state(const SamplerState& state) const;
+  Status set_state(const SamplerState& state);  // check_state, then continue from there
+  // Rows from the start (no sample drawn) before some source would repeat a sample, at most
+  // `limit`.
+  int64_t rows_before_repeat(int64_t limit) const;
 
  private:
-  BatchSampler(std::vector<uint32_t> stream, std::vector<int64_t> doc_begin, std::string source,
-               int64_t batch, int64_t seq, const StreamOptions& options)
-      : stream_(std::move(stream)),
-        doc_begin_(std::move(doc_begin)),
-        source_(std::move(source)),
+  struct Stream {  // one source's epoch stream
+    DataSource source;
+    SourceShape shape;
+    int64_t epoch = -1;            // whose order `order` and `begin` hold
+    std::vector<uint64_t> order;   // (D) the document at each place of the epoch
+    std::vector<int64_t> begin;    // (D + 1) stream index of each place's first token
+  };
+  BatchSampler(std::vector<Stream> streams, BlendOrder blend, int64_t batch, int64_t seq,
+               const StreamOptions& options, bool validation)
+      : streams_(std::move(streams)),
+        blend_(std::move(blend)),
+        consumed_(streams_.size(), 0),
         batch_(batch),
         seq_(seq),
-        options_(options) {}
-  // Row r's doc_start (and positions) from its window starting at stream index `offset`.
-  void mark_documents(Batch& b, int64_t r, int64_t offset) const;
+        options_(options),
+        validation_(validation) {}
+  void load_epoch(size_t d, int64_t epoch);
+  // Row r of `b` from window `window` of source d's current epoch.
+  void read_window(Batch& b, int64_t r, size_t d, int64_t window);
+  void mark_documents(Batch& b, int64_t r, const Stream& s, int64_t offset) const;
 
-  std::vector<uint32_t> stream_;     // (T)
-  std::vector<int64_t> doc_begin_;   // kIndex: stream index of each document's first token
-  std::string source_;
+  std::vector<Stream> streams_;
+  BlendOrder blend_;
+  std::vector<int64_t> consumed_;  // (sources)
   int64_t batch_, seq_;
   StreamOptions options_;
-  SamplerPosition position_;
+  bool validation_;
 };
 
-// The fixed evaluation set: the first `count` batches of a sampler over `data` from position 0,
-// so every evaluation sees the same windows. An error when they do not fit in one pass (the
-// message says how many windows there are and how many are needed).
-Result<std::vector<Batch>> fixed_batches(io::TokenDataset data, int64_t vocab_size, int64_t batch,
+// The fixed evaluation set: the first batches of a validation sampler from its start, as many
+// as fit (at most `count`) before any source repeats a sample, so every evaluation sees the same
+// distinct windows. An error when not even one batch fits (the message says how many rows fit
+// and what to change).
+Result<std::vector<Batch>> fixed_batches(DataBlend data, int64_t vocab_size, int64_t batch,
                                          int64_t seq, int64_t count,
                                          const StreamOptions& options = {});
 

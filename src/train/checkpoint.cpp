@@ -27,9 +27,12 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 constexpr const char* kStateFormat = "packmoe-trainer-state";
-constexpr int64_t kStateVersion = 2;
+constexpr int64_t kStateVersion = 3;
 // Version 1 also held per-linear NVFP4 SR counters ("sr_offsets", and per shard); they are ignored:
 // the trainer now derives every micro-batch's offset from the step (nvfp4_grad_sr_offset).
+// Versions 1 and 2 read one unshuffled stream: "sampler" {offset, epoch, stream_tokens}, which
+// is that source's sample count epoch x windows + offset / seq_len (and train.shuffle false).
+constexpr int64_t kSamplerCountsVersion = 3;
 constexpr int64_t kOldestStateVersion = 1;
 constexpr int64_t kMaxWorldSize = int64_t{1} << 20;
 
@@ -76,9 +79,13 @@ json state_json(const TrainerCheckpoint& c) {
   j["version"] = kStateVersion;
   j["step"] = c.step;
   j["optimizer_steps"] = c.optimizer_steps;
-  j["sampler"] = {{"offset", c.sampler.offset},
-                  {"epoch", c.sampler.epoch},
-                  {"stream_tokens", c.train_stream_tokens}};
+  PACKMOE_CHECK(c.sampler.consumed.size() == c.train_sources.size(),
+                c.sampler.consumed.size() << " sample counts for " << c.train_sources.size()
+                                          << " sources");
+  json sources = json::array();
+  for (const SourceShape& shape : c.train_sources)
+    sources.push_back({{"tokens", shape.tokens}, {"windows", shape.windows}});
+  j["sampler"] = {{"consumed", c.sampler.consumed}, {"sources", std::move(sources)}};
   j["train"] = train_config_to_json(c.config);
   j["world_size"] = c.world_size;
   j["shard_plan"] = c.shard_plan ? shard_plan_json(c) : json(nullptr);
@@ -208,6 +215,27 @@ Status parse_shard_plan(const json& j, const StateReader& r, TrainerCheckpoint* 
   return Status::ok();
 }
 
+// Versions 1 and 2: {offset, epoch, stream_tokens} of one unshuffled stream (train config read).
+Status parse_legacy_sampler(const json& sampler, const StateReader& r, TrainerCheckpoint* c) {
+  int64_t offset = 0, epoch = 0, tokens = 0;
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(sampler, "sampler.", "offset", 0, &offset));
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(sampler, "sampler.", "epoch", 0, &epoch));
+  PACKMOE_RETURN_IF_ERROR(r.int_at_least(sampler, "sampler.", "stream_tokens", 1, &tokens));
+  const int64_t S = c->config.seq_len;
+  if (tokens < S + 1 || offset % S != 0 || offset > tokens - S - 1)
+    return r.error("sampler position (epoch " + std::to_string(epoch) + ", offset " +
+                   std::to_string(offset) + ") is not a window start of a stream of " +
+                   std::to_string(tokens) + " tokens at seq_len " + std::to_string(S));
+  const int64_t windows = (tokens - S - 1) / S + 1;
+  int64_t consumed = 0;
+  if (__builtin_mul_overflow(epoch, windows, &consumed) ||
+      __builtin_add_overflow(consumed, offset / S, &consumed))
+    return r.error("sampler.epoch " + std::to_string(epoch) + " is out of range");
+  c->sampler.consumed = {consumed};
+  c->train_sources = {SourceShape{tokens, windows}};
+  return Status::ok();
+}
+
 // Parses trainer_state.json into `c` (model already read: it checks the train config and the shard
 // plan).
 Status parse_state(const json& j, const std::string& path, int64_t marker_step,
@@ -237,24 +265,50 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
   if (c->world_size > kMaxWorldSize)
     return r.error("world_size " + std::to_string(c->world_size) + " is out of range");
 
-  Status s;
-  const json* sampler = r.find(j, "", "sampler", &s);
-  if (!sampler) return s;
-  PACKMOE_RETURN_IF_ERROR(r.object(*sampler, "sampler"));
-  PACKMOE_RETURN_IF_ERROR(r.int_at_least(*sampler, "sampler.", "offset", 0, &c->sampler.offset));
-  PACKMOE_RETURN_IF_ERROR(r.int_at_least(*sampler, "sampler.", "epoch", 0, &c->sampler.epoch));
-  PACKMOE_RETURN_IF_ERROR(
-      r.int_at_least(*sampler, "sampler.", "stream_tokens", 1, &c->train_stream_tokens));
-
   PACKMOE_RETURN_IF_ERROR(parse_shard_plan(j, r, c));
 
+  Status s;
   const json* train = r.find(j, "", "train", &s);
   if (!train) return s;
   TrainConfig config;
   Status applied = apply_train_json(*train, &config);
+  if (version < kSamplerCountsVersion) config.shuffle = false;  // what those versions read
   if (applied.is_ok()) applied = validate(config, c->model);
   if (!applied) return r.error(applied.message());
   c->config = config;
+
+  const json* sampler = r.find(j, "", "sampler", &s);
+  if (!sampler) return s;
+  PACKMOE_RETURN_IF_ERROR(r.object(*sampler, "sampler"));
+  if (version < kSamplerCountsVersion) return parse_legacy_sampler(*sampler, r, c);
+  const json* consumed = r.find(*sampler, "sampler.", "consumed", &s);
+  if (!consumed) return s;
+  const json* sources = r.find(*sampler, "sampler.", "sources", &s);
+  if (!sources) return s;
+  if (!consumed->is_array() || !sources->is_array() || consumed->size() != sources->size() ||
+      consumed->empty() || consumed->size() > kMaxBlendSources)
+    return r.error("sampler.consumed and sampler.sources must be arrays of one entry per data "
+                   "source (got " + json_brief(*consumed) + " and " + json_brief(*sources) + ")");
+  c->sampler.consumed.clear();
+  c->train_sources.clear();
+  for (size_t d = 0; d < consumed->size(); ++d) {
+    const std::string at = "sampler.sources[" + std::to_string(d) + "].";
+    const json& n = (*consumed)[d];
+    if (!n.is_number_unsigned() || n.get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()})
+      return r.error("sampler.consumed[" + std::to_string(d) + "] must be an integer >= 0 (got " +
+                     json_brief(n) + ")");
+    c->sampler.consumed.push_back(n.get<int64_t>());
+    PACKMOE_RETURN_IF_ERROR(r.object((*sources)[d], at));
+    SourceShape shape;
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least((*sources)[d], at, "tokens", 2, &shape.tokens));
+    PACKMOE_RETURN_IF_ERROR(r.int_at_least((*sources)[d], at, "windows", 1, &shape.windows));
+    if (shape.windows != (shape.tokens - 1 - c->config.seq_len) / c->config.seq_len + 1 ||
+        shape.tokens < c->config.seq_len + 1)
+      return r.error(at + "windows " + std::to_string(shape.windows) + " is not the sample count of " +
+                     std::to_string(shape.tokens) + " tokens at seq_len " +
+                     std::to_string(c->config.seq_len));
+    c->train_sources.push_back(shape);
+  }
   return Status::ok();
 }
 

@@ -62,8 +62,9 @@ struct TrainerCheckpoint {
   ModelWeights masters;         // F32, ModelWeights names and shapes
   io::StateTensors moments;     // exp_avg_name / exp_avg_sq_name of every parameter, full
   int64_t optimizer_steps = 0;  // AdamW's t
-  SamplerPosition sampler;      // where the next training row starts
-  int64_t train_stream_tokens = 0;  // the training stream it indexes
+  SamplerState sampler;         // samples drawn from each training source so far
+  std::vector<SourceShape> train_sources;  // (sources) the training data it counts
+
   int64_t world_size = 1;           // ranks that wrote it
   // Data-parallel saves only: the plan (the moments were in one shard file per rank).
   std::optional<SavedShardPlan> shard_plan;

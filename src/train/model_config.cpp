@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <climits>
 #include <nlohmann/json.hpp>
+#include <span>
+#include <tuple>
 #include <sstream>
 
 #include "core/checked_math.h"
@@ -275,11 +277,111 @@ Status read_bool(const json& j, const char* key, bool& out) {
 
 bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
 
+// ---- what a Hugging Face config may say (docs/model-config.md has the reasons) ----------------
+
+// Read into ModelConfig (or checked to have the one value packmoe implements, below).
+constexpr const char* kReadKeys[] = {
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size",
+    "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "rope_scaling", "tie_word_embeddings", "decoder_sparse_step", "num_experts_per_tok",
+    "num_experts", "num_local_experts", "norm_topk_prob", "router_aux_loss_coef",
+    "mlp_only_layers", "initializer_range", "hidden_act", "attention_bias", "attention_dropout",
+    "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+    "quantization_config"};
+// Known and without effect on the model packmoe trains: token ids of the tokenizer and of
+// generation, the dtype the weights were saved in (the weight reader checks the tensors'),
+// inference switches, bookkeeping.
+constexpr const char* kIgnoredKeys[] = {
+    "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+    "transformers_version", "use_cache", "output_router_logits", "_name_or_path"};
+// The sizes a config must give: absent, Qwen3MoeConfig's defaults would silently make a
+// 30B-class layer shape ({"vocab_size": 1024, "num_hidden_layers": 2} would be 1.2B parameters).
+constexpr const char* kRequiredKeys[] = {"vocab_size", "hidden_size", "intermediate_size",
+                                         "num_hidden_layers", "num_attention_heads",
+                                         "num_key_value_heads"};
+constexpr const char* kRequiredMoeKeys[] = {"moe_intermediate_size", "num_experts_per_tok"};
+
+bool one_of(const std::string& key, std::span<const char* const> keys) {
+  for (const char* k : keys)
+    if (key == k) return true;
+  return false;
+}
+
+Status unsupported(const std::string& field, const json& v, const std::string& why) {
+  return Status::error(field + " = " + json_brief(v) + " is not supported (" + why + ")");
+}
+
+// The fields whose other values packmoe does not implement: each such value is an error naming
+// the field and the value, never silently trained as something else.
+Status check_unsupported(const json& j) {
+  // Arrays of names: every entry must be the one packmoe implements; the first other one is named.
+  for (const auto& [field, name, why] :
+       {std::tuple{"architectures", "Qwen3MoeForCausalLM", "packmoe trains Qwen3MoeForCausalLM"},
+        std::tuple{"layer_types", "full_attention", "every layer is \"full_attention\""}}) {
+    if (!present(j, field)) continue;
+    const json& a = j[field];
+    if (!a.is_array()) return unsupported(field, a, std::string("an array of \"") + name + "\"");
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i] != name)
+        return unsupported(std::string(field) + "[" + std::to_string(i) + "]", a[i], why);
+  }
+  if (present(j, "hidden_act") && j["hidden_act"] != "silu")
+    return unsupported("hidden_act", j["hidden_act"], "the experts and MLPs are SwiGLU: silu");
+  if (present(j, "attention_bias") && j["attention_bias"] != false)
+    return unsupported("attention_bias", j["attention_bias"], "q/k/v/o projections have no bias");
+  if (present(j, "attention_dropout") &&
+      !(j["attention_dropout"].is_number() && j["attention_dropout"].get<double>() == 0))
+    return unsupported("attention_dropout", j["attention_dropout"], "packmoe has no dropout");
+  if (present(j, "use_sliding_window") && j["use_sliding_window"] != false)
+    return unsupported("use_sliding_window", j["use_sliding_window"],
+                       "attention is full causal attention over the sequence");
+  if (present(j, "quantization_config"))
+    return unsupported("quantization_config", j["quantization_config"],
+                       "packmoe reads F32 or BF16 weights and quantizes them itself");
+  // RoPE: the default rotation only; rope_scaling (v4) or rope_parameters (v5) of another type,
+  // or with parameters of one (factor, ...), would be trained as something else.
+  for (const char* field : {"rope_scaling", "rope_parameters"}) {
+    if (!present(j, field)) continue;
+    const json& r = j[field];
+    if (!r.is_object())
+      return Status::error(std::string(field) + " must be an object (got " + describe(r) + ")");
+    const char* type_key = r.contains("rope_type") || !r.contains("type") ? "rope_type" : "type";
+    const json type = r.value(type_key, json("default"));
+    if (type != "default")
+      return unsupported(std::string(field) + "." + type_key, type,
+                         "packmoe implements rope_type \"default\" only");
+    for (const auto& [key, v] : r.items())
+      if (key != type_key && !(key == "rope_theta" && std::string(field) == "rope_parameters"))
+        return unsupported(std::string(field) + "." + key, v,
+                           "the default RoPE takes rope_theta only");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
-Result<ModelConfig> model_config_from_json(const json& j) {
+Result<ModelConfig> model_config_from_json(const json& j, std::vector<std::string>* unknown_keys) {
   if (!j.is_object())
     return Status::error("config.json must be a JSON object (got " + describe(j) + ")");
+  PACKMOE_RETURN_IF_ERROR(check_unsupported(j));
+  for (const auto& [key, v] : j.items())
+    if (!one_of(key, kReadKeys) && !one_of(key, kIgnoredKeys) && unknown_keys)
+      unknown_keys->push_back(key);
+  std::string missing;
+  for (const char* key : kRequiredKeys)
+    if (!present(j, key)) missing += (missing.empty() ? "" : ", ") + std::string(key);
+  const bool no_experts = (present(j, "num_experts") && j["num_experts"] == 0) ||
+                          (present(j, "num_local_experts") && j["num_local_experts"] == 0);
+  if (!present(j, "num_experts") && !present(j, "num_local_experts"))
+    missing += (missing.empty() ? "" : ", ") + std::string("num_experts");
+  if (!no_experts)
+    for (const char* key : kRequiredMoeKeys)
+      if (!present(j, key)) missing += (missing.empty() ? "" : ", ") + std::string(key);
+  if (!missing.empty())
+    return Status::error("the config does not give " + missing +
+                         " (packmoe takes no model size from Qwen3MoeConfig's defaults, the "
+                         "shape of a 30B-class model)");
   ModelConfig c;
   if (present(j, "model_type")) {
     if (!j["model_type"].is_string())
@@ -296,12 +398,8 @@ Result<ModelConfig> model_config_from_json(const json& j) {
   PACKMOE_RETURN_IF_ERROR(read_int(j, "max_position_embeddings", c.max_position_embeddings));
   PACKMOE_RETURN_IF_ERROR(read_double(j, "rms_norm_eps", c.rms_norm_eps));
   // v5 moved rope_theta into rope_parameters; a top-level value wins when both exist.
-  if (present(j, "rope_parameters")) {
-    if (!j["rope_parameters"].is_object())
-      return Status::error("rope_parameters must be an object (got " +
-                           describe(j["rope_parameters"]) + ")");
+  if (present(j, "rope_parameters"))
     PACKMOE_RETURN_IF_ERROR(read_double(j["rope_parameters"], "rope_theta", c.rope_theta));
-  }
   PACKMOE_RETURN_IF_ERROR(read_double(j, "rope_theta", c.rope_theta));
   PACKMOE_RETURN_IF_ERROR(read_bool(j, "tie_word_embeddings", c.tie_word_embeddings));
   PACKMOE_RETURN_IF_ERROR(read_int(j, "decoder_sparse_step", c.decoder_sparse_step));
@@ -338,16 +436,18 @@ Result<ModelConfig> model_config_from_json(const json& j) {
   return c;
 }
 
-Result<ModelConfig> parse_model_config(const std::string& text) {
+Result<ModelConfig> parse_model_config(const std::string& text,
+                                       std::vector<std::string>* unknown_keys) {
   Result<json> j = parse_json_text(text, "config.json");
   if (!j) return j.status();
-  return model_config_from_json(j.value());
+  return model_config_from_json(j.value(), unknown_keys);
 }
 
-Result<ModelConfig> load_model_config(const std::string& path) {
+Result<ModelConfig> load_model_config(const std::string& path,
+                                      std::vector<std::string>* unknown_keys) {
   Result<std::string> text = io::read_regular_file(path, io::kMaxJsonFileBytes);
   if (!text) return Status::error("cannot open model config: " + text.status().message());
-  Result<ModelConfig> config = parse_model_config(text.value());
+  Result<ModelConfig> config = parse_model_config(text.value(), unknown_keys);
   // A config that describes a model this machine cannot hold is refused here, before a reader
   // (a checkpoint, Hugging Face weights) allocates its tensors.
   if (config) {

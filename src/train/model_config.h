@@ -1,7 +1,9 @@
 // ModelConfig: the model's shape, with Hugging Face `Qwen3MoeConfig` field names so that our
 // config.json is the one `transformers` reads. Invariant: a ModelConfig returned by any function
-// here (preset, parse, load) has passed validate(); unknown JSON keys are ignored, since real HF
-// configs carry many fields we do not use.
+// here (preset, parse, load) has passed validate(), and a config read from JSON says nothing
+// packmoe would train differently: a field value packmoe does not implement (rope scaling,
+// sliding window, another architecture, ...) is an error naming it, a key it does not know is
+// reported to the caller (docs/model-config.md lists every key of a Qwen3-MoE config).
 #pragma once
 
 #include <cstdint>
@@ -52,14 +54,24 @@ Result<ModelConfig> model_config_preset(const std::string& name);
 // dtype of the weights it goes with as "torch_dtype" (transformers 4) and "dtype" (5): "float32"
 // or "bfloat16" for weights_dtype kF32 / kBF16. Reading accepts v5-style
 // `rope_parameters.rope_theta`, the `num_local_experts` alias, and `null` for an absent value; a
-// wrong JSON type is an error naming the field.
+// wrong JSON type is an error naming the field, and so is a missing size (vocab_size,
+// hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+// num_experts and, with experts, moe_intermediate_size and num_experts_per_tok: HF's defaults
+// for them are a 30B-class shape) and a value packmoe does not implement (architectures other
+// than Qwen3MoeForCausalLM, hidden_act other than silu, attention_bias, attention_dropout,
+// use_sliding_window, non-full layer_types, rope_scaling / rope_parameters other than the
+// default type, quantization_config). Keys it neither reads nor knows to be without effect go to
+// `unknown_keys` (when given), in key order, for the caller's warning.
 nlohmann::json model_config_to_json(const ModelConfig& config, DType weights_dtype = DType::kF32);
-Result<ModelConfig> model_config_from_json(const nlohmann::json& json);
-Result<ModelConfig> parse_model_config(const std::string& text);
+Result<ModelConfig> model_config_from_json(const nlohmann::json& json,
+                                           std::vector<std::string>* unknown_keys = nullptr);
+Result<ModelConfig> parse_model_config(const std::string& text,
+                                       std::vector<std::string>* unknown_keys = nullptr);
 
 // config.json on disk; saving writes a temporary file next to `path` and renames it over `path`,
 // so a crash never leaves a half-written config.
-Result<ModelConfig> load_model_config(const std::string& path);
+Result<ModelConfig> load_model_config(const std::string& path,
+                                      std::vector<std::string>* unknown_keys = nullptr);
 Status save_model_config(const ModelConfig& config, const std::string& path,
                          DType weights_dtype = DType::kF32);
 

@@ -61,6 +61,12 @@ Status read(const std::string& key, const json& v, double* out) {
   return Status::ok();
 }
 
+Status read(const std::string& key, const json& v, bool* out) {
+  if (!v.is_boolean()) return type_error(key, "true or false", v);
+  *out = v.get<bool>();
+  return Status::ok();
+}
+
 Status read_name(const std::string& key, const json& v, std::string* out) {
   if (!v.is_string()) return type_error(key, "a string", v);
   *out = v.get<std::string>();
@@ -103,6 +109,8 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
   if (c.eval_interval > 0)
     PACKMOE_RETURN_IF_ERROR(in_int_range("eval_batches", c.eval_batches, 1, kMaxAccumBits));
   PACKMOE_RETURN_IF_ERROR(in_int_range("log_interval", c.log_interval, 1, kMaxStepsBits));
+  PACKMOE_RETURN_IF_ERROR(in_range("valid_fraction", c.valid_fraction, 0,
+                                   std::nextafter(1.0, 0.0), "[0, 1)"));
   // NVFP4 gradient SR numbers each micro-batch's draws by its step and place in the step
   // (nvfp4_grad_sr_offset).
   if (c.precision.recipe.recipe == Recipe::kNvfp4) {
@@ -188,10 +196,13 @@ json train_config_to_json(const TrainConfig& c) {
   j["eval_batches"] = c.eval_batches;
   j["log_interval"] = c.log_interval;
   j["seed"] = c.seed;
+  j["shuffle"] = c.shuffle;
+  j["valid_fraction"] = c.valid_fraction;
   j["recipe"] = recipe_name(c.precision.recipe.recipe);
   j["layout"] = layout_name(c.precision.layout);
   j["primary"] = primary_name(c.precision.primary);
   j["gather_mode"] = gather_mode_name(c.gather_mode);
+  if (!c.tokenizer.empty()) j["tokenizer"] = c.tokenizer;
   return j;
 }
 
@@ -235,6 +246,13 @@ Status apply_train_json(const json& j, TrainConfig* c) {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->log_interval));
     } else if (key == "seed") {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->seed));
+    } else if (key == "shuffle") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->shuffle));
+    } else if (key == "valid_fraction") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->valid_fraction));
+    } else if (key == "tokenizer") {
+      if (!v.is_string()) return type_error(key, "a path", v);
+      c->tokenizer = v.get<std::string>();
     } else if (key == "gather_mode") {
       std::string name;
       PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));

@@ -33,12 +33,22 @@ struct TrainConfig {
   int64_t eval_interval = 100;    // evaluate every N steps and after the last; 0: never
   int64_t eval_batches = 8;       // fixed validation micro-batches per evaluation
   int64_t log_interval = 50;      // steps per log line
-  uint64_t seed = 1234;           // weight init (random_model_weights) and NVFP4 stochastic rounding
+  uint64_t seed = 1234;           // weight init, NVFP4 stochastic rounding and the data order
+  // Data: documents and samples in a seeded order per epoch (Megatron's GPTDataset shuffle);
+  // false: source order (docs/data.md).
+  bool shuffle = true;
+  // Share of each source held out for validation when no validation data is given, in [0, 1)
+  // (io/data_split.h: by document, or by position when a side would be empty).
+  double valid_fraction = 0.1;
   // Expert precision and every parameter's layout. precision.recipe.sr_seed is replaced by seed.
   ModelPrecision precision;
   // How data parallelism (mpirun) all-gathers updated parameters; no effect on one rank. All modes
   // give bitwise the same weights (docs/dist.md); they differ in bytes moved and memory.
   GatherMode gather_mode = GatherMode::kBf16;
+  // The tokenizer the data was tokenized with (`--tokenizer`), as an absolute path; empty: byte
+  // tokens or pre-tokenized files without one. Stored in checkpoints so that export-hf copies
+  // its files beside the weights (docs/tokenizers.md).
+  std::string tokenizer;
 };
 
 // Upper bounds of the integer settings, as powers of two: far above any real run, low enough that
@@ -76,7 +86,8 @@ const char* primary_name(PrimaryWeight primary);
 nlohmann::json train_config_to_json(const TrainConfig& config);
 
 // Overwrites the fields present in `json` (an object whose keys are the field names above plus
-// "recipe", "layout", "primary"; gather_mode by name: bf16, lowp, reuse-grad-buffer); an unknown key or a wrong type is an error naming the key.
+// "recipe", "layout", "primary", "tokenizer" (a path); gather_mode by name: bf16, lowp,
+// reuse-grad-buffer); an unknown key or a wrong type is an error naming the key.
 Status apply_train_json(const nlohmann::json& json, TrainConfig* config);
 
 }  // namespace packmoe::train

@@ -75,6 +75,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
                          std::to_string(config.grad_accum_steps * world) +
                          " micro-batches per step; its stochastic rounding numbers at most " +
                          std::to_string(int64_t{1} << kSrIndexBits));
+  for (StreamOptions* stream : {&data.train_stream, &data.validation_stream}) {
+    stream->shuffle = config.shuffle;
+    stream->seed = config.seed;
+  }
   Result<BatchSampler> sampler =
       BatchSampler::create(std::move(data.train), model.vocab_size, config.micro_batch_size,
                            config.seq_len, data.train_stream);
@@ -89,10 +93,30 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
   }
   ModelPrecision precision = config.precision;
   precision.recipe.sr_seed = config.seed;
-  auto m = std::make_unique<Model>(backend, model, precision,
-                                   init ? *init : random_model_weights(model, config.seed));
-  return std::unique_ptr<Trainer>(new Trainer(std::move(m), config, std::move(sampler.value()),
-                                              std::move(validation), parallel));
+  StartupTimes times;
+  auto start = std::chrono::steady_clock::now();
+  // Each phase ends with one synchronization, so its time is its own (device work included).
+  auto phase_done = [&](double& seconds) {
+    backend.synchronize();
+    seconds = seconds_since(start);
+    start = std::chrono::steady_clock::now();
+  };
+  std::unique_ptr<Model> m;
+  if (init) {
+    m = std::make_unique<Model>(backend, model, precision, *init);
+  } else {
+    // The random init is made where the model lives (on CUDA: on the device, no host copy) and
+    // freed once the layers hold their copies.
+    const ModelWeights random = random_model_weights(backend, model, config.seed);
+    phase_done(times.weights);
+    m = std::make_unique<Model>(backend, model, precision, random);
+  }
+  phase_done(times.model);
+  std::unique_ptr<Trainer> t(new Trainer(std::move(m), config, std::move(sampler.value()),
+                                         std::move(validation), parallel));
+  phase_done(times.optimizer);
+  t->startup_ = times;
+  return t;
 }
 
 Result<std::unique_ptr<Trainer>> Trainer::resume(Backend& backend, const TrainerCheckpoint& c,
@@ -101,7 +125,10 @@ Result<std::unique_ptr<Trainer>> Trainer::resume(Backend& backend, const Trainer
   Result<std::unique_ptr<Trainer>> t =
       create(backend, c.model, config, std::move(data), &c.masters, parallel);
   if (!t) return t.status();
+  const auto start = std::chrono::steady_clock::now();
   PACKMOE_RETURN_IF_ERROR(t.value()->load_checkpoint(c));
+  backend.synchronize();
+  t.value()->startup_.state = seconds_since(start);
   return t;
 }
 
@@ -132,8 +159,8 @@ TrainerCheckpoint Trainer::snapshot() const {
   c.step = step_;
   c.model = model_->config();
   c.config = config_;
-  c.sampler = train_sampler_.next_row_position();
-  c.train_stream_tokens = train_sampler_.stream_tokens();
+  c.sampler = train_sampler_.state();
+  c.train_sources = train_sampler_.shapes();
   const std::vector<NamedParam>& params = model_->params();
   const FullOptimizerState full = optimizer_->gather_state();
   PACKMOE_CHECK(full.master.size() == params.size(), "optimizer out of step with the model");
@@ -190,12 +217,19 @@ Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::stri
 Status Trainer::check_resumable(const TrainerCheckpoint& c) const {
   const std::string where = c.dir.empty() ? std::string("the checkpoint") : c.dir;
   PACKMOE_RETURN_IF_ERROR(check_same_model(model_->config(), c.model, where + "/" + kConfigFile));
-  if (c.train_stream_tokens != train_sampler_.stream_tokens())
-    return Status::error(where + ": its training stream had " +
-                         std::to_string(c.train_stream_tokens) + " tokens, this run's has " +
-                         std::to_string(train_sampler_.stream_tokens()) +
+  const std::vector<SourceShape> here = train_sampler_.shapes();
+  if (c.train_sources.size() != here.size())
+    return Status::error(where + ": it was trained on " + std::to_string(c.train_sources.size()) +
+                         " data source(s), this run has " + std::to_string(here.size()) +
                          ": resume on the data it was trained on");
-  const Status position = train_sampler_.check_position(c.sampler);
+  for (size_t d = 0; d < here.size(); ++d)
+    if (!(c.train_sources[d] == here[d]))
+      return Status::error(where + ": its training source " + std::to_string(d) + " had " +
+                           std::to_string(c.train_sources[d].tokens) + " tokens (" +
+                           std::to_string(c.train_sources[d].windows) + " samples), this run's has " +
+                           std::to_string(here[d].tokens) + " (" + std::to_string(here[d].windows) +
+                           "): resume on the data (and --valid-fraction, --seq-len) it was trained on");
+  const Status position = train_sampler_.check_state(c.sampler);
   if (!position) return Status::error(where + ": " + position.message());
   return Status::ok();
 }
@@ -213,7 +247,7 @@ void Trainer::restore_state(const TrainerCheckpoint& c) {
   }
   const Status loaded = optimizer_->load_state(full);
   PACKMOE_CHECK(loaded.is_ok(), "restore_state after check_resumable: " << loaded.message());
-  const Status position = train_sampler_.set_position(c.sampler);
+  const Status position = train_sampler_.set_state(c.sampler);
   PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
   step_ = c.step;
 }
@@ -247,11 +281,12 @@ Result<StepResult> Trainer::train_step() {
     }
     set_sr_offset(*model_, r.step, micro * world + rank);
     optimizer_->prepare_forward();
-    Result<QueuedLosses> losses = model_->queue_forward(batch);
+    // Before the forward: the training forward already adds the LM head's gradient.
+    optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
+    Result<QueuedLosses> losses = model_->queue_forward(batch, optimizer_->loss_scale(A));
     if (!losses) return losses.status();
     queued.push_back(losses.value());
-    optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
-    model_->backward(optimizer_->loss_scale(A));
+    model_->backward();
     r.tokens += batch.batch * batch.seq * world;
   }
   double sums[2] = {0, 0};  // lm, aux loss over this rank's micro-batches, in micro-batch order
@@ -294,9 +329,9 @@ Result<EvalResult> Trainer::evaluate() {
   const auto start = std::chrono::steady_clock::now();
   optimizer_->prepare_forward();  // every rank holds all weights: each evaluates it all
   EvalResult r;
-  std::vector<QueuedLosses> queued;
+  std::vector<QueuedLosses> queued;  // read once, after the last batch
   for (const Batch& batch : validation_) {
-    Result<QueuedLosses> losses = model_->queue_forward(batch);
+    Result<QueuedLosses> losses = model_->queue_forward(batch, std::nullopt);
     if (!losses) return losses.status();
     queued.push_back(losses.value());
     r.tokens += batch.batch * batch.seq;

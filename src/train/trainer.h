@@ -28,11 +28,12 @@
 
 namespace packmoe::train {
 
-// Data for a run. The token streams are built by BatchSampler (train/batch_sampler.h).
+// Data for a run: the sources read by BatchSampler (train/batch_sampler.h). The streams' document
+// masks apply; their shuffle and seed are the TrainConfig's (shuffle, seed).
 struct TrainData {
-  io::TokenDataset train;
-  io::TokenDataset validation;  // unused when eval_interval = 0
-  StreamOptions train_stream;   // the byte corpus separates documents with '\n'
+  DataBlend train;
+  DataBlend validation;  // unused when eval_interval = 0
+  StreamOptions train_stream;
   StreamOptions validation_stream;
 };
 
@@ -53,6 +54,15 @@ struct TrainerParallelism {
   int64_t bucket_elems = DistOptimizerConfig{}.bucket_elems;  // the reduce-scatter unit
 };
 
+// Seconds of each phase of Trainer::create / resume, the device synchronized at the end of each
+// (what `packmoe train` prints at start-up).
+struct StartupTimes {
+  double weights = 0;    // random_model_weights in the backend's memory (0 with given weights)
+  double model = 0;      // the layers: primary weights and FP32 masters from the init
+  double optimizer = 0;  // grad buffer, master shard and moments, the staged gather
+  double state = 0;      // resume: the checkpoint's masters, moments and data position
+};
+
 struct EvalResult {
   double loss = 0;  // mean lm loss over the fixed validation batches (each has B x S targets)
   int64_t tokens = 0;
@@ -62,7 +72,7 @@ struct EvalResult {
 class Trainer {
  public:
   // Builds the model from `init` (e.g. HF weights; its masters are these exact values) or, when
-  // null, random_model_weights(model, config.seed); the optimizer over model.params() (weight
+  // null, random_model_weights(backend, model, config.seed) (in the backend's memory); the optimizer over model.params() (weight
   // decay per NamedParam; parameters whose NamedParam::reads_fp32 is set keep FP32 replicas; the
   // rest travel in config.gather_mode), the train sampler at position 0 and the fixed validation
   // set (eval_batches batches, when eval_interval > 0). With N ranks, rank r trains on micro-batch
@@ -78,8 +88,8 @@ class Trainer {
   // A trainer that continues `checkpoint` (read_trainer_checkpoint, saved by any number of ranks)
   // under `config`, which may differ from the checkpoint's: the layout, recipe and primary weight
   // freely (the masters, AdamW moments, step and data position carry over as they are), the
-  // schedule and steps too. The data must be the stream the checkpoint indexes (same token count)
-  // and the position a window start for config.seq_len. Collective; every rank returns the same
+  // schedule and steps too. The data must be the sources the checkpoint's sampler state counts
+  // (the same shapes: tokens and samples per epoch). Collective; every rank returns the same
   // status.
   static Result<std::unique_ptr<Trainer>> resume(Backend& backend,
                                                  const TrainerCheckpoint& checkpoint,
@@ -129,14 +139,18 @@ class Trainer {
   Model& model() { return *model_; }
   const Model& model() const { return *model_; }
   BatchSampler& train_sampler() { return train_sampler_; }
+  // Validation micro-batches per evaluation: eval_batches, or fewer when the validation data
+  // holds fewer distinct rows (fixed_batches).
+  int64_t eval_batches() const { return static_cast<int64_t>(validation_.size()); }
   bool on_cuda() const;  // throughput reports TFLOP/s and MFU only there
   double flops_per_token() const { return model_flops_per_token(model_->config(), config_.seq_len); }
+  const StartupTimes& startup_times() const { return startup_; }
 
  private:
   Trainer(std::unique_ptr<Model> model, const TrainConfig& config, BatchSampler train_sampler,
           std::vector<Batch> validation, const TrainerParallelism& parallel);
-  // Errors unless `c` can continue here: the same model, the same training stream, a position
-  // that is a window start of it.
+  // Errors unless `c` can continue here: the same model, the same training sources, a sampler
+  // state of them.
   Status check_resumable(const TrainerCheckpoint& c) const;
   // Masters, moments, optimizer step count, sampler position and step from a checked checkpoint.
   void restore_state(const TrainerCheckpoint& c);
@@ -151,6 +165,7 @@ class Trainer {
   std::unique_ptr<DistOptimizer> optimizer_;
   DeviceBuffer loss_sums_;  // (2) F64 in comm_'s memory: the loss all-reduce
   int64_t step_ = 0;
+  StartupTimes startup_;
 };
 
 }  // namespace packmoe::train

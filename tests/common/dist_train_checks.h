@@ -52,7 +52,9 @@ inline train::TrainData corpus() {
   std::string text;
   for (int i = 0; i < 400; ++i)
     text += "line " + std::to_string(i * 7919 % 1013) + " of the packmoe dist corpus\n";
-  for (unsigned char c : text) d.train.tokens.push_back(c);
+  io::TokenDataset tokens;
+  for (unsigned char c : text) tokens.tokens.push_back(c);
+  d.train = train::single_source(std::move(tokens));
   return d;
 }
 
@@ -213,8 +215,8 @@ TEST(DistTrain, BackwardReportsEveryParameterOnceEmbeddingLast) {
   t->optimizer().prepare_forward();  // the weights of the optimizer's masters
   for (int pass = 0; pass < 2; ++pass) {
     order.clear();
-    ASSERT_TRUE(t->model().forward(batch).is_ok());
-    t->model().backward(1.0f);
+    ASSERT_TRUE(t->model().forward(batch, 1.0f).is_ok());
+    t->model().backward();
     std::vector<size_t> sorted = order;
     std::sort(sorted.begin(), sorted.end());
     ASSERT_EQ(sorted.size(), t->model().params().size());
@@ -222,9 +224,9 @@ TEST(DistTrain, BackwardReportsEveryParameterOnceEmbeddingLast) {
     EXPECT_EQ(order.back(), 0u) << "the embedding table is reported last";
   }
   t->model().set_grad_ready_hook({});
-  ASSERT_TRUE(t->model().forward(batch).is_ok());
+  ASSERT_TRUE(t->model().forward(batch, 1.0f).is_ok());
   order.clear();
-  t->model().backward(1.0f);
+  t->model().backward();
   EXPECT_TRUE(order.empty());
 }
 
@@ -242,9 +244,9 @@ TEST(DistTrain, ABackwardAfterTheOverlappedReduceScatterAborts) {
   DistOptimizer& opt = t->optimizer();
   const Batch batch = t->train_sampler().next();
   opt.prepare_forward();
-  ASSERT_TRUE(t->model().forward(batch).is_ok());
   opt.prepare_backward(/*last_of_step=*/true);
-  t->model().backward(opt.loss_scale(1));
+  ASSERT_TRUE(t->model().forward(batch, opt.loss_scale(1)).is_ok());
+  t->model().backward();
   EXPECT_TRUE(opt.grad_buffer().reducing());
   ASSERT_TRUE(t->model().forward(batch).is_ok());
   EXPECT_DEATH(opt.prepare_backward(), "began their reduce-scatter");

@@ -34,9 +34,8 @@ inline const TrainData& corpus() {
     const Result<io::TextCorpus>& c = loaded_corpus();
     PACKMOE_CHECK(c.is_ok(), c.status().message());
     TrainData d;
-    d.train = std::move(c.value().train);
-    d.validation = std::move(c.value().validation);
-    d.train_stream.separator = d.validation_stream.separator = static_cast<uint32_t>('\n');
+    d.train = single_source(c.value().train, static_cast<uint32_t>('\n'));
+    d.validation = single_source(c.value().validation, static_cast<uint32_t>('\n'));
     return d;
   }();
   return data;
@@ -72,7 +71,7 @@ inline std::unique_ptr<Trainer> make_trainer(const TrainConfig& config,
 // Everything a run produces, as bytes.
 struct Trace {
   std::vector<double> losses, grad_norms, eval_losses;
-  SamplerPosition position;  // of the train sampler at the end
+  SamplerState sampler;  // of the train sampler at the end
   int64_t step = 0, optimizer_steps = 0;
   std::vector<std::vector<uint8_t>> masters, exp_avg, exp_avg_sq;
 };
@@ -84,7 +83,7 @@ inline std::vector<uint8_t> bytes_of(const Tensor& t) {
 
 // The trainer's state (not its history) into `trace`.
 inline void capture_state(Trainer& t, Trace* trace) {
-  trace->position = t.train_sampler().position();
+  trace->sampler = t.train_sampler().state();
   trace->step = t.step();
   trace->optimizer_steps = t.optimizer().steps();
   trace->masters.clear();
@@ -137,8 +136,7 @@ inline bool same_bytes(const std::vector<double>& a, const std::vector<double>& 
 inline void expect_bitwise_equal(const Trace& a, const Trace& b) {
   EXPECT_TRUE(same_bytes(a.losses, b.losses));
   EXPECT_TRUE(same_bytes(a.grad_norms, b.grad_norms));
-  EXPECT_EQ(a.position.offset, b.position.offset);
-  EXPECT_EQ(a.position.epoch, b.position.epoch);
+  EXPECT_EQ(a.sampler.consumed, b.sampler.consumed);
   EXPECT_EQ(a.step, b.step);
   EXPECT_EQ(a.optimizer_steps, b.optimizer_steps);
   ASSERT_EQ(a.masters.size(), b.masters.size());

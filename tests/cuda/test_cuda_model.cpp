@@ -67,10 +67,10 @@ TrainRun train(Backend& backend, const ModelConfig& config, const ModelPrecision
   TrainRun run;
   for (int s = 0; s < steps; ++s) {
     model.zero_grad();
-    Result<ForwardLosses> l = model.forward(text_batch(rng, 4, 64));
+    Result<ForwardLosses> l = model.forward(text_batch(rng, 4, 64), 1.0f);
     EXPECT_TRUE(l.is_ok()) << l.status().message();
     if (!l.is_ok()) return run;
-    model.backward(1.0f);
+    model.backward();
     run.losses.push_back(l.value().total());
     if (s == 0)
       for (const NamedParam& p : model.params()) {

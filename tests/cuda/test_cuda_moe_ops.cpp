@@ -667,17 +667,31 @@ TEST(CudaElementwise, AdamW) {
     fill_f32(*m, c, rng, 1e-2f, false);
     fill_f32(*v, c, rng, 1e-4f, true);
     fill_f32(*g, c, rng, 1e-2f, false);
+    // Every other case also writes the BF16 image of the updated param in the same pass.
+    const bool image = step % 2 == 0;
+    auto b = segments(*gpu, c, 2);
     AdamWArgs a;
     a.scalars = adamw_step_scalars(cfg, t);
     a.param = {p->h_all<float>(), c.n}, a.exp_avg = {m->h_all<float>(), c.n};
     a.exp_avg_sq = {v->h_all<float>(), c.n}, a.grad = {const_ptrs(g->h_all<float>()), c.n};
+    if (image) a.bf16 = {b->h_all<uint16_t>(), c.n};
     expect_ok(ops::adamw(cpu_backend(), a));
     a.param = {p->d_all<float>(), c.n}, a.exp_avg = {m->d_all<float>(), c.n};
     a.exp_avg_sq = {v->d_all<float>(), c.n}, a.grad = {const_ptrs(g->d_all<float>()), c.n};
+    if (image) a.bf16 = {b->d_all<uint16_t>(), c.n};
     expect_ok(ops::adamw(*gpu, a));
     p->compare(tally, seg_name(c).append(": param"));
     m->compare(tally, seg_name(c).append(": exp_avg"));
     v->compare(tally, seg_name(c).append(": exp_avg_sq"));
+    if (image) {
+      b->compare(tally, seg_name(c).append(": bf16 image"));
+      // The image is the cast of the updated param (CPU side, element by element).
+      const std::vector<float*> ph = p->h_all<float>();
+      const std::vector<uint16_t*> bh = b->h_all<uint16_t>();
+      for (size_t s = 0; s < ph.size(); ++s)
+        for (int64_t i = 0; i < c.n; ++i)
+          ASSERT_EQ(bh[s][i], f32_to_bf16(ph[s][i])) << seg_name(c) << " segment " << s << " " << i;
+    }
     ++tally.cases;
   }
 }

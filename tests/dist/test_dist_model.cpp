@@ -92,8 +92,8 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
       std::vector<ForwardLosses> ref_losses;
       for (int i = 0; i < world; ++i) {
         ref[i]->zero_grad();
-        ref_losses.push_back(ref[i]->forward(micro_batch(g_seed, s, i)).value());
-        ref[i]->backward(scale);
+        ref_losses.push_back(ref[i]->forward(micro_batch(g_seed, s, i), scale).value());
+        ref[i]->backward();
       }
       std::vector<const GroupedStorage*> grads;
       for (size_t p = 0; p < ref[0]->params().size(); ++p) {
@@ -110,9 +110,10 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
         }
 
       opt.prepare_forward();
-      const ForwardLosses mine = model.forward(micro_batch(g_seed, s, comm().rank())).value();
       opt.prepare_backward(/*last_of_step=*/true);
-      model.backward(opt.loss_scale(1));
+      const ForwardLosses mine =
+          model.forward(micro_batch(g_seed, s, comm().rank()), opt.loss_scale(1)).value();
+      model.backward();
       EXPECT_TRUE(opt.grad_buffer().reducing());
       const DistStepResult r = opt.step();
       EXPECT_EQ(mine.lm_loss, ref_losses[comm().rank()].lm_loss);

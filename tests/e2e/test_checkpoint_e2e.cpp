@@ -227,20 +227,40 @@ void rewrite_weights(
 // A version-1 trainer state (it also held per-linear NVFP4 SR counters) still loads; the counters
 // are ignored, since every micro-batch's SR offset follows from the step, so the run continues
 // bitwise like the uninterrupted one.
+// Versions 1 and 2 read the data unshuffled, their sampler a stream position: a run without
+// shuffling, its state rewritten in the old form (and without the newer train keys), continues
+// bitwise.
 TEST_F(CheckpointE2E, Version1StateLoadsAndContinuesBitwise) {
-  const TrainConfig c = resume_run(Recipe::kNvfp4, Layout::kSingle);
+  TrainConfig c = resume_run(Recipe::kNvfp4, Layout::kSingle);
+  c.shuffle = false;
   const Trace straight = run(c, kSteps);
   Trace resumed;
-  const std::string saved = save_after_steps(c, "v2", &resumed);
-  const std::string v1 = recommit(saved, root("v1"), [](const fs::path& d) {
-    set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
-      j["version"] = 1;
-      j["sr_offsets"] = nlohmann::json::array(
-          {{{"linear", "model.layers.0.self_attn.q_proj.weight"}, {"offset", 51200}}});
+  const std::string saved = save_after_steps(c, "v3", &resumed);
+  for (int version : {1, 2}) {
+    SCOPED_TRACE(version);
+    Trace continued = resumed;
+    const std::string old = recommit(saved, root("v" + std::to_string(version)),
+                                     [&](const fs::path& d) {
+      set_json(d / kTrainerStateFile, [&](nlohmann::json& j) {
+        j["version"] = version;
+        if (version == 1)
+          j["sr_offsets"] = nlohmann::json::array(
+              {{{"linear", "model.layers.0.self_attn.q_proj.weight"}, {"offset", 51200}}});
+        const int64_t consumed = j["sampler"]["consumed"][0].get<int64_t>();
+        const int64_t tokens = j["sampler"]["sources"][0]["tokens"].get<int64_t>();
+        const int64_t windows = j["sampler"]["sources"][0]["windows"].get<int64_t>();
+        const int64_t S = j["train"]["seq_len"].get<int64_t>();
+        j["sampler"] = {{"offset", consumed % windows * S},
+                        {"epoch", consumed / windows},
+                        {"stream_tokens", tokens}};
+        j["train"].erase("shuffle");
+        j["train"].erase("valid_fraction");
+      });
     });
-  });
-  train(*resume(v1, c), kSteps - kSaveAt, &resumed);
-  expect_bitwise_equal(straight, resumed);
+    EXPECT_FALSE(read_trainer_checkpoint(old).value().config.shuffle);
+    train(*resume(old, c), kSteps - kSaveAt, &continued);
+    expect_bitwise_equal(straight, continued);
+  }
 }
 
 TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
@@ -352,24 +372,36 @@ TEST_F(CheckpointE2E, BadCheckpointsGiveOneClearErrorAndChangeNothing) {
                    recommit(good, root("version"),
                             [&](const fs::path& d) {
                               set_json(d / kTrainerStateFile,
-                                       [](nlohmann::json& j) { j["version"] = 3; });
+                                       [](nlohmann::json& j) { j["version"] = 4; });
                             }),
-                   "version 3 is not supported (this build reads 1 to 2)"});
+                   "version 4 is not supported (this build reads 1 to 3)"});
   cases.push_back({"other data",
                    recommit(good, root("data"),
                             [&](const fs::path& d) {
                               set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
-                                j["sampler"]["stream_tokens"] = 1000;
+                                const int64_t S = j["train"]["seq_len"].get<int64_t>();
+                                j["sampler"]["sources"][0] = {{"tokens", 1000},
+                                                              {"windows", (999 - S) / S + 1}};
                               });
                             }),
-                   "its training stream had 1000 tokens"});
+                   "its training source 0 had 1000 tokens"});
   cases.push_back({"bad position",
                    recommit(good, root("position"),
                             [&](const fs::path& d) {
-                              set_json(d / kTrainerStateFile,
-                                       [](nlohmann::json& j) { j["sampler"]["offset"] = 33; });
+                              set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
+                                j["sampler"]["consumed"][0] = -3;
+                              });
                             }),
-                   "is not a window start"});
+                   "sampler.consumed[0] must be an integer >= 0 (got -3)"});
+  cases.push_back({"another blend",
+                   recommit(good, root("blend"),
+                            [&](const fs::path& d) {
+                              set_json(d / kTrainerStateFile, [](nlohmann::json& j) {
+                                j["sampler"]["consumed"].push_back(0);
+                                j["sampler"]["sources"].push_back(j["sampler"]["sources"][0]);
+                              });
+                            }),
+                   "trained on 2 data source(s), this run has 1"});
 
   // The trainer that must stay untouched: one step in, its state captured.
   std::unique_ptr<Trainer> t = make_trainer(c);

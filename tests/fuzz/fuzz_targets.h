@@ -1,6 +1,7 @@
 // One fuzz target per parser of untrusted input: safetensors (header and tensors), the Megatron
 // .idx and llm.c shard headers, JSON configs (--config / config.json / the "train" object), a
-// checkpoint's trainer_state.json and its complete.json. Each takes any bytes and must return
+// checkpoint's trainer_state.json and its complete.json, a tokenizer.json, and text through
+// the tokenizer (any bytes: encoded or refused, valid text decodes back). Each takes any bytes and must return
 // (a Status or a value), never crash, hang, leak or read outside its input. Shared by the libFuzzer
 // executables (tests/fuzz/fuzz_*.cpp, -DPACKMOE_FUZZ=ON) and the deterministic corpus-and-mutation
 // test CI runs (tests/unit/test_fuzz_corpus.cpp), which also takes its seed inputs from here.
@@ -26,6 +27,8 @@
 #include "train/model_config.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
+#include "common/test_tokenizer_json.h"
+#include "tokenize/tokenizer.h"
 
 namespace packmoe::fuzz {
 
@@ -121,6 +124,36 @@ inline int fuzz_json_config(const uint8_t* data, size_t size) {
   return 0;
 }
 
+// ---- tokenizers -----------------------------------------------------------------------------
+// The input as a tokenizer.json; when it loads, a few texts go through encode and decode.
+inline int fuzz_tokenizer_json(const uint8_t* data, size_t size) {
+  const fs::path dir = scratch() / "tokenizer";
+  fs::create_directories(dir);
+  write_file(dir / "tokenizer.json", data, size);
+  Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(dir.string());
+  if (!t) return 0;
+  for (const char* text : {"hello world", "<|im_start|>it's 123\n\n  x", "\xE6\x97\xA5\xF0\x9F\x98\x80"}) {
+    Result<std::vector<uint32_t>> ids = t.value()->encode(text);
+    if (ids) (void)t.value()->decode(ids.value());
+  }
+  return 0;
+}
+
+// The input as text for the test tokenizer (tests/common/test_tokenizer_json.h): any bytes are
+// encoded or refused as invalid UTF-8, and valid text decodes back to itself.
+inline int fuzz_tokenizer_encode(const uint8_t* data, size_t size) {
+  static const std::unique_ptr<tokenize::Tokenizer> tok = [] {
+    const fs::path dir = scratch() / "tokenizer_encode";
+    fs::create_directories(dir);
+    std::ofstream(dir / "tokenizer.json") << test::test_tokenizer_json().dump();
+    return std::move(tokenize::load_tokenizer(dir.string()).value());
+  }();
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  Result<std::vector<uint32_t>> ids = tok->encode(text);
+  if (ids && tok->decode(ids.value()) != text) std::abort();
+  return 0;
+}
+
 // ---- checkpoints ----------------------------------------------------------------------------
 
 // A real checkpoint of a very small model, written once per process: ROOT/step-00000001.
@@ -144,7 +177,9 @@ inline const fs::path& seed_checkpoint() {
     c.eval_interval = 0;
     c.warmup_steps = 1;
     train::TrainData d;
-    for (int i = 0; i < 64; ++i) d.train.tokens.push_back(static_cast<uint32_t>(i % 16));
+    io::TokenDataset tokens;
+    for (int i = 0; i < 64; ++i) tokens.tokens.push_back(static_cast<uint32_t>(i % 16));
+    d.train = train::single_source(std::move(tokens));
     auto trainer = train::Trainer::create(cpu_backend(), m, c, std::move(d)).value();
     (void)trainer->train_step();
     const fs::path root = scratch() / "ckpt";
@@ -221,6 +256,21 @@ inline std::vector<Target> targets() {
                               8),
          };
        }},
+#if PACKMOE_WITH_TOKENIZERS  // a build without PCRE2 / ICU / SentencePiece refuses every load
+      {"tokenizer_json", fuzz_tokenizer_json,
+       [] {
+         nlohmann::json gpt2 = test::test_tokenizer_json(test::PreTokenizer::kGpt2);
+         gpt2["normalizer"] = {{"type", "NFC"}};
+         return std::vector<Bytes>{bytes_of(test::test_tokenizer_json().dump()),
+                                   bytes_of(gpt2.dump())};
+       }},
+      {"tokenizer_encode", fuzz_tokenizer_encode,
+       [] {
+         return std::vector<Bytes>{bytes_of("<|im_start|>user\nhello world<|im_end|>"),
+                                   bytes_of("it's 123 \xE6\x97\xA5x \xF0\x9F\x98\x80!  \t\r\n"),
+                                   bytes_of("e\xCC\x81 <think>'T \xE3\x80\x80")};
+       }},
+#endif
       {"megatron_idx", fuzz_megatron_idx,
        [] {
          io::TokenDataset d;

@@ -152,9 +152,9 @@ ModelPrecision precision(Recipe recipe, Layout layout) {
 }
 
 ForwardLosses step(Model& m, const Batch& b, float loss_scale) {
-  Result<ForwardLosses> l = m.forward(b);
+  Result<ForwardLosses> l = m.forward(b, loss_scale);
   EXPECT_TRUE(l.is_ok()) << l.status().message();
-  m.backward(loss_scale);
+  m.backward();
   return l.value();
 }
 

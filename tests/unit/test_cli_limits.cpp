@@ -93,8 +93,12 @@ TEST(CliLimits, HostileFlagsAndConfigsAreOneErrorLine) {
   write_bytes(dir / "deep_train.json", "{\"train\": " + nested(100000) + "}");
   write_bytes(dir / "deep_value.json", "{\"train\": {\"steps\": " + nested(50) + "}}");
   write_bytes(dir / "nul.json", std::string("{\"train\": {}}\0garbage", 22));
-  write_bytes(dir / "vocab.json", R"({"vocab_size": 1099511627776})");
-  write_bytes(dir / "overflow.json", R"({"vocab_size": 9223372036854775807})");
+  // The tiny preset's sizes with a vocabulary too large for the machine / for 64 bits.
+  const std::string sizes = R"("hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+      "moe_intermediate_size": 32, "num_experts_per_tok": 2, )";
+  write_bytes(dir / "vocab.json", "{" + sizes + R"("vocab_size": 1099511627776})");
+  write_bytes(dir / "overflow.json", "{" + sizes + R"("vocab_size": 9223372036854775807})");
   write_bytes(dir / "u64.json", R"({"train": {"steps": 18446744073709551615}})");
   struct Case {
     std::string args, needle;

@@ -172,17 +172,23 @@ TEST(Model, ForwardRejectsBadIdsAndTargets) {
       {"negative target other than -100", with(false, 4, -2)},
   };
   for (const auto& b : bad) {
-    const Result<ForwardLosses> r = model.forward(b.batch);
-    EXPECT_FALSE(r.is_ok()) << b.what << " accepted";
-    if (!r.is_ok()) {
-      EXPECT_FALSE(r.status().message().empty()) << b.what;
+    for (const Result<ForwardLosses>& r : {model.forward(b.batch), model.forward(b.batch, 1.0f)}) {
+      EXPECT_FALSE(r.is_ok()) << b.what << " accepted";
+      if (!r.is_ok()) {
+        EXPECT_FALSE(r.status().message().empty()) << b.what;
+      }
+      EXPECT_EQ(model.state(), ModelState::kIdle) << b.what << ": a rejected batch left state";
     }
-    EXPECT_EQ(model.state(), ModelState::kIdle) << b.what << ": a rejected batch left state";
   }
-  const Result<ForwardLosses> ok = model.forward(good);
+  // An evaluation forward owes no backward; a training forward does.
+  const Result<ForwardLosses> eval = model.forward(good);
+  ASSERT_TRUE(eval.is_ok()) << eval.status().message();
+  EXPECT_EQ(model.state(), ModelState::kIdle);
+  const Result<ForwardLosses> ok = model.forward(good, 1.0f);
   ASSERT_TRUE(ok.is_ok()) << ok.status().message();
   EXPECT_EQ(ok.value().target_tokens, 6);
   EXPECT_TRUE(std::isfinite(ok.value().lm_loss));
+  EXPECT_EQ(std::memcmp(&ok.value().lm_loss, &eval.value().lm_loss, sizeof(float)), 0);
   EXPECT_EQ(model.state(), ModelState::kForwardDone);
 }
 

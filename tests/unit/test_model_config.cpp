@@ -115,7 +115,8 @@ TEST(ModelConfig, UnknownPreset) {
             "unknown model preset 'huge' (known: tiny, small, qwen3_30b_a3b_layers)");
 }
 
-// Qwen3-30B-A3B's config.json as published on the Hub, with keys packmoe ignores.
+// Qwen3-30B-A3B's config.json as published on the Hub: every key is read, checked or known to be
+// without effect (docs/model-config.md).
 constexpr const char* kHfConfig = R"({
   "architectures": ["Qwen3MoeForCausalLM"],
   "attention_bias": false,
@@ -153,9 +154,11 @@ constexpr const char* kHfConfig = R"({
   "vocab_size": 151936
 })";
 
-TEST(ModelConfig, ParsesRealHfConfigWithUnknownKeys) {
-  Result<ModelConfig> r = parse_model_config(kHfConfig);
+TEST(ModelConfig, ParsesRealHfConfigAndKnowsEveryKey) {
+  std::vector<std::string> unknown;
+  Result<ModelConfig> r = parse_model_config(kHfConfig, &unknown);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
+  EXPECT_TRUE(unknown.empty()) << unknown.front();
   ModelConfig c = r.value();
   EXPECT_EQ(c.num_hidden_layers, 48);
   EXPECT_EQ(c.head_dim, 128);
@@ -179,19 +182,31 @@ TEST(ModelConfig, HfFallbacksAndAliases) {
   // head_dim absent -> hidden / heads; v5 rope_parameters; num_local_experts alias; null = absent.
   Result<ModelConfig> r = parse_model_config(R"({"hidden_size": 256, "num_attention_heads": 8,
       "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
-      "num_local_experts": 16, "num_experts_per_tok": 4, "head_dim": null})");
+      "num_local_experts": 16, "num_experts_per_tok": 4, "head_dim": null, "vocab_size": 512,
+      "intermediate_size": 512, "moe_intermediate_size": 64, "num_hidden_layers": 2})");
   ASSERT_TRUE(r.is_ok()) << r.status().message();
   EXPECT_EQ(r.value().head_dim, 32);
   EXPECT_EQ(r.value().rope_theta, 5e5);
   EXPECT_EQ(r.value().num_experts, 16);
-  // Everything absent means the HF class defaults.
-  Result<ModelConfig> d = parse_model_config("{}");
-  ASSERT_TRUE(d.is_ok()) << d.status().message();
-  EXPECT_EQ(d.value().vocab_size, 151936);
-  EXPECT_EQ(d.value().head_dim, 2048 / 32);
-  EXPECT_EQ(d.value().num_hidden_layers, 24);
-  EXPECT_FALSE(d.value().norm_topk_prob);
-  EXPECT_EQ(d.value().rope_theta, 10000.0);
+  // Other absent fields take the HF class defaults.
+  EXPECT_FALSE(r.value().norm_topk_prob);
+  EXPECT_EQ(r.value().rms_norm_eps, 1e-6);
+  EXPECT_EQ(r.value().max_position_embeddings, 32768);
+  // Absent sizes do not: the defaults are a 30B-class shape (issue 26: this partial config was
+  // 1.2B parameters and died allocating them).
+  EXPECT_EQ(parse_model_config(R"({"vocab_size": 1024, "num_hidden_layers": 2})").status().message(),
+            "the config does not give hidden_size, intermediate_size, num_attention_heads, "
+            "num_key_value_heads, num_experts, moe_intermediate_size, num_experts_per_tok "
+            "(packmoe takes no model size from Qwen3MoeConfig's defaults, the shape of a "
+            "30B-class model)");
+  EXPECT_NE(parse_model_config("{}").status().message().find("does not give vocab_size"),
+            std::string::npos);
+  // A dense model (no experts) needs no expert sizes.
+  json dense = model_config_to_json(tiny());
+  dense["num_experts"] = 0;
+  dense.erase("moe_intermediate_size");
+  dense.erase("num_experts_per_tok");
+  EXPECT_TRUE(model_config_from_json(dense).is_ok());
 }
 
 std::string error_of(const std::string& patch_text) {
@@ -199,6 +214,60 @@ std::string error_of(const std::string& patch_text) {
   j.merge_patch(json::parse(patch_text));
   Result<ModelConfig> r = model_config_from_json(j);
   return r.is_ok() ? "(no error)" : r.status().message();
+}
+
+// Each value packmoe does not implement is one error naming the field and the value; a value
+// with no effect (sliding_window while use_sliding_window is false) is accepted.
+TEST(ModelConfig, UnsupportedFieldsAreErrorsNamingFieldAndValue) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})",
+       "rope_scaling.rope_type = \"yarn\" is not supported (packmoe implements rope_type "
+       "\"default\" only)"},
+      {R"({"rope_scaling": {"type": "linear", "factor": 2.0}})",
+       "rope_scaling.type = \"linear\" is not supported"},
+      {R"({"rope_scaling": {"rope_type": "default", "factor": 2.0}})",
+       "rope_scaling.factor = 2.0 is not supported (the default RoPE takes rope_theta only)"},
+      {R"({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})",
+       "rope_parameters.rope_type = \"llama3\" is not supported"},
+      {R"({"rope_parameters": {"rope_theta": 5e5, "partial_rotary_factor": 0.5}})",
+       "rope_parameters.partial_rotary_factor = 0.5 is not supported"},
+      {R"({"use_sliding_window": true, "sliding_window": 4096})",
+       "use_sliding_window = true is not supported"},
+      {R"({"layer_types": ["full_attention", "sliding_attention"]})",
+       "layer_types[1] = \"sliding_attention\" is not supported"},
+      {R"({"architectures": ["LlamaForCausalLM"]})",
+       "architectures[0] = \"LlamaForCausalLM\" is not supported (packmoe trains "
+       "Qwen3MoeForCausalLM)"},
+      {R"({"model_type": "qwen3"})", "model_type = \"qwen3\" is not supported"},
+      {R"({"attention_bias": true})", "attention_bias = true is not supported"},
+      {R"({"hidden_act": "gelu"})", "hidden_act = \"gelu\" is not supported"},
+      {R"({"attention_dropout": 0.1})", "attention_dropout = 0.1 is not supported"},
+      {R"({"quantization_config": {"quant_method": "fp8"}})", "quantization_config = "},
+      {R"({"num_experts": 4, "num_experts_per_tok": 5})",
+       "num_experts_per_tok = 5 must not exceed num_experts = 4"},
+  };
+  for (const auto& [patch, needle] : cases) {
+    SCOPED_TRACE(patch);
+    const std::string e = error_of(patch);
+    EXPECT_NE(e.find(needle), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos);
+  }
+  EXPECT_EQ(error_of(R"({"sliding_window": 4096, "max_window_layers": 2, "rope_scaling": null,
+                         "layer_types": ["full_attention", "full_attention"]})"),
+            "(no error)");
+  EXPECT_EQ(error_of(R"({"rope_scaling": {"rope_type": "default"}})"), "(no error)");
+}
+
+TEST(ModelConfig, UnknownKeysAreReportedInKeyOrder) {
+  json j = model_config_to_json(tiny());
+  j["frobnicate"] = 1;
+  j["auto_map"] = {{"AutoModel", "x.Model"}};
+  std::vector<std::string> unknown;
+  ASSERT_TRUE(model_config_from_json(j, &unknown).is_ok());
+  EXPECT_EQ(unknown, (std::vector<std::string>{"auto_map", "frobnicate"}));  // key order
+  unknown.clear();
+  ASSERT_TRUE(model_config_from_json(model_config_to_json(tiny()), &unknown).is_ok());
+  EXPECT_TRUE(unknown.empty());
 }
 
 TEST(ModelConfig, EveryValidationError) {
@@ -260,15 +329,22 @@ TEST(ModelConfig, EveryValidationError) {
                 .message()
                 .find("config.json: not valid JSON: "),
             std::string::npos);
+  json no_head_dim = model_config_to_json(tiny());
+  no_head_dim.erase("head_dim");
+  no_head_dim["hidden_size"] = 100;
+  no_head_dim["num_attention_heads"] = 32;
   EXPECT_EQ(
-      parse_model_config(R"({"hidden_size": 100, "num_attention_heads": 32})").status().message(),
+      model_config_from_json(no_head_dim).status().message(),
       "head_dim is absent and hidden_size = 100 is not a multiple of num_attention_heads = 32");
   EXPECT_EQ(load_model_config("/nonexistent/config.json").status().message(),
             "cannot open model config: /nonexistent/config.json: cannot open: No such file or "
             "directory");
   // A file error names the file.
   fs::path path = temp_dir() / "config.json";
-  std::ofstream(path) << R"({"num_experts": 2, "num_experts_per_tok": 3})";
+  json few = model_config_to_json(tiny());
+  few["num_experts"] = 2;
+  few["num_experts_per_tok"] = 3;
+  std::ofstream(path) << few.dump();
   EXPECT_EQ(load_model_config(path.string()).status().message(),
             path.string() + ": num_experts_per_tok = 3 must not exceed num_experts = 2");
   // Saving refuses an invalid config and leaves no file.

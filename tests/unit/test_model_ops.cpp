@@ -283,36 +283,45 @@ TEST(ModelOps, CrossEntropyUniformAndIgnore) {
   const int64_t T = 3, V = 50;
   std::vector<float> z(T * V, 2.5f);  // uniform rows: loss ln V whatever the target
   std::vector<int32_t> tgt = {7, -100, 49};
-  float loss = 0;
-  int64_t valid = 0;
-  std::vector<float> mx(T), sm(T), dz(T * V);
-  CrossEntropyArgs f{T, V, -100, z.data(), tgt.data(), &loss, &valid, mx.data(), sm.data()};
+  std::vector<float> token_loss(T, 7.0f);
+  std::vector<uint16_t> dz(T * V, 0xFFFF);
+  const float g = 2.0f / 2.0f;  // dloss / n
+  CrossEntropyArgs f{T, V, -100, g, z.data(), tgt.data(), token_loss.data(), dz.data()};
   ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
-  EXPECT_EQ(valid, 2);
+  float loss = 0;
+  CrossEntropyMeanArgs mean{T, 2, token_loss.data(), &loss};
+  ASSERT_TRUE(cross_entropy_mean_cpu(mean).is_ok());
   EXPECT_LE(ulp_distance(loss, static_cast<float>(std::log(50.0))), 2);
+  EXPECT_EQ(token_loss[1], 0.0f) << "an ignored token adds +0";
+  // dlogits of a uniform row: 1/V everywhere, 1/V - 1 at the target, times g, rounded to BF16.
+  EXPECT_NEAR(bf16_to_f32(dz[0]), 1.0 / V, 1e-7 + 1.0 / V / 256);
+  EXPECT_NEAR(bf16_to_f32(dz[7]), 1.0 / V - 1.0, 1.0 / 256);
+  for (int64_t e = 0; e < V; ++e) EXPECT_EQ(dz[V + e], 0) << "ignored row: +0";
   // The ignored row's logits do not matter.
   for (int64_t e = 0; e < V; ++e) z[V + e] = static_cast<float>(e);
-  float loss2 = 0;
-  f.loss = &loss2;
   ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
+  float loss2 = 0;
+  mean.loss = &loss2;
+  ASSERT_TRUE(cross_entropy_mean_cpu(mean).is_ok());
   EXPECT_EQ(loss2, loss);
-  // dlogits of a uniform row: 1/V everywhere, 1/V - 1 at the target, times dloss / n.
-  CrossEntropyBackwardArgs b{T, V, -100, 2.0f, z.data(), tgt.data(), mx.data(), sm.data(),
-                             dz.data()};
-  ASSERT_TRUE(cross_entropy_backward_cpu(b).is_ok());
-  EXPECT_NEAR(dz[0], 1.0 / V, 1e-7);
-  EXPECT_NEAR(dz[7], 1.0 / V - 1.0, 1e-6);
-  for (int64_t e = 0; e < V; ++e) EXPECT_EQ(dz[V + e], 0.0f);
+  // The loss only (dlogits null) writes the same per-token losses.
+  std::vector<float> only(T);
+  f.loss = only.data();
+  f.dlogits = nullptr;
+  ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
+  EXPECT_EQ(only, token_loss);
 
-  // Every target ignored: loss 0, no gradient (not NaN).
+  // Every target ignored: loss 0 (not NaN), no gradient.
   std::vector<int32_t> none(T, -100);
   f.targets = none.data();
+  f.dlogits = dz.data();
+  f.grad_scale = 0.0f;
   ASSERT_TRUE(cross_entropy_cpu(f).is_ok());
+  mean.valid = 0;
+  mean.token_loss = only.data();
+  ASSERT_TRUE(cross_entropy_mean_cpu(mean).is_ok());
   EXPECT_EQ(loss2, 0.0f);
-  EXPECT_EQ(valid, 0);
-  b.targets = none.data();
-  ASSERT_TRUE(cross_entropy_backward_cpu(b).is_ok());
-  for (float g : dz) EXPECT_EQ(g, 0.0f);
+  for (uint16_t d : dz) EXPECT_EQ(d, 0);
 }
 
 // ---- argument errors ----------------------------------------------------------------------------
@@ -356,15 +365,42 @@ TEST(ModelOps, Errors) {
   expect_error(validate_attention_backward(ab), "dv is null");
 
   const std::vector<int32_t> tgt = {1, 9};
-  float loss = 0;
-  CrossEntropyArgs c{2, 8, -100, in, tgt.data(), &loss, nullptr, out.data(), out2.data()};
+  uint16_t dz[16] = {};
+  CrossEntropyArgs c{2, 8, -100, 1.0f, in, tgt.data(), out.data(), dz};
   expect_error(cross_entropy_cpu(c), "target 9 at position 1");
-  CrossEntropyBackwardArgs cb{2, 8, -100, 1.0f, in, tgt.data(), in, in, out.data()};
-  expect_error(cross_entropy_backward_cpu(cb), "not the ignore index");
-  cb.dloss = std::numeric_limits<float>::infinity();
-  expect_error(validate_cross_entropy_backward(cb), "dloss");
+  expect_error(cross_entropy_cpu(c), "not the ignore index");
+  EXPECT_EQ(out[0], -1.0f) << "nothing written";
+  c.grad_scale = std::numeric_limits<float>::infinity();
+  expect_error(validate_cross_entropy(c), "grad_scale");
+  c.grad_scale = 1.0f;
   c.loss = nullptr;
   expect_error(validate_cross_entropy(c), "loss is null");
+  float loss = 0;
+  expect_error(validate_cross_entropy_mean({2, 3, in, &loss}), "valid = 3");
+}
+
+// embedding_backward adds each id's sum (from +0, ascending t) onto a non-zero table; rows of ids
+// that do not occur keep their bits.
+TEST(ModelOps, EmbeddingBackwardAddsEachIdsSum) {
+  std::mt19937 rng(fresh_seed());
+  const int64_t T = 40, V = 9, H = 5;
+  const auto dout = randn(T * H, rng), table0 = randn(V * H, rng);
+  std::vector<int32_t> ids(T);
+  for (int64_t t = 0; t < T; ++t) ids[t] = static_cast<int32_t>(rng() % (V - 2));  // V-2, V-1 unused
+  std::vector<float> dtable = table0;
+  ASSERT_TRUE(embedding_backward_cpu({T, V, H, ids.data(), dout.data(), dtable.data()}).is_ok());
+  for (int64_t v = 0; v < V; ++v)
+    for (int64_t h = 0; h < H; ++h) {
+      float sum = 0.0f;
+      bool seen = false;
+      for (int64_t t = 0; t < T; ++t)
+        if (ids[t] == v) {
+          sum += dout[t * H + h];
+          seen = true;
+        }
+      const float want = seen ? table0[v * H + h] + sum : table0[v * H + h];
+      EXPECT_EQ(std::memcmp(&want, &dtable[v * H + h], sizeof(float)), 0) << v << "," << h;
+    }
 }
 
 // dweight's order, written out here with plain loops (backend/reduce_order.h's definition):

@@ -110,10 +110,10 @@ TEST(NoHostSync, ModelMicroBatchesNeverWaitAndTheStepReadsItsLossesOnce) {
   b.reset();
   std::vector<QueuedLosses> queued;
   for (const Batch& batch : batches) {
-    Result<QueuedLosses> l = model.queue_forward(batch);
+    Result<QueuedLosses> l = model.queue_forward(batch, 1.0f / 3.0f);
     ASSERT_TRUE(l.is_ok()) << l.status().message();
     queued.push_back(l.value());
-    model.backward(1.0f / 3.0f);
+    model.backward();
   }
   EXPECT_EQ(b.waits(), 0) << b.device_to_host << " device-to-host copies, " << b.synchronizations
                           << " synchronizations in 3 micro-batches";
@@ -125,9 +125,9 @@ TEST(NoHostSync, ModelMicroBatchesNeverWaitAndTheStepReadsItsLossesOnce) {
   // twin backward keeps the two models' weights and state alike).
   ASSERT_EQ(got.size(), batches.size());
   for (size_t i = 0; i < batches.size(); ++i) {
-    Result<ForwardLosses> want = twin.forward(batches[i]);
+    Result<ForwardLosses> want = twin.forward(batches[i], 1.0f / 3.0f);
     ASSERT_TRUE(want.is_ok());
-    twin.backward(1.0f / 3.0f);
+    twin.backward();
     EXPECT_EQ(std::memcmp(&got[i].lm_loss, &want.value().lm_loss, sizeof(float)), 0) << i;
     EXPECT_EQ(std::memcmp(&got[i].aux_loss, &want.value().aux_loss, sizeof(float)), 0) << i;
     EXPECT_GT(got[i].aux_loss, 0.0f) << "two MoE layers' aux summed";

@@ -106,22 +106,23 @@ TEST(ResumeState, TruncateMetricsDropsLaterStepsAndATornLine) {
   fs::remove_all(p.parent_path());
 }
 
-TEST(ResumeState, PositionSavedAtAnEpochEndIsTheWrap) {
+TEST(ResumeState, SamplerStateAtAnEpochEndContinuesInTheNextEpoch) {
   io::TokenDataset d;
   for (uint32_t i = 0; i < 100; ++i) d.tokens.push_back(i % 50);
-  BatchSampler s = BatchSampler::create(d, 50, 1, 16).value();  // windows at 0, 16, ..., 80
-  for (int i = 0; i < 6; ++i) s.next();
-  EXPECT_EQ(s.position().offset, 96);  // past the last window: the next row wraps
-  EXPECT_FALSE(s.check_position(s.position()).is_ok());
-  const SamplerPosition resume = s.next_row_position();
-  EXPECT_EQ(resume.offset, 0);
-  EXPECT_EQ(resume.epoch, 1);
-  BatchSampler t = BatchSampler::create(d, 50, 1, 16).value();
-  ASSERT_TRUE(t.set_position(resume).is_ok());
-  EXPECT_EQ(s.next().inputs, t.next().inputs);
-  EXPECT_EQ(s.position().offset, t.position().offset);
-  EXPECT_EQ(s.position().epoch, t.position().epoch);
-  EXPECT_EQ(t.next_row_position().offset, t.position().offset);  // mid-epoch: unchanged
+  StreamOptions shuffled;
+  shuffled.shuffle = true;
+  shuffled.seed = 7;
+  for (const StreamOptions& o : {StreamOptions{}, shuffled}) {
+    BatchSampler s = BatchSampler::create(single_source(d), 50, 1, 16, o).value();  // 6 windows
+    for (int i = 0; i < 6; ++i) s.next();
+    EXPECT_EQ(s.state().consumed, std::vector<int64_t>{6});  // the next row starts epoch 1
+    BatchSampler t = BatchSampler::create(single_source(d), 50, 1, 16, o).value();
+    ASSERT_TRUE(t.set_state(s.state()).is_ok());
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(s.next().inputs, t.next().inputs);
+    EXPECT_EQ(s.state().consumed, t.state().consumed);
+    EXPECT_FALSE(t.set_state({{-1}}).is_ok());
+    EXPECT_FALSE(t.set_state({{1, 2}}).is_ok());  // another number of sources
+  }
 }
 
 TEST(ResumeState, SameModelCheckNamesTheFirstDifference) {

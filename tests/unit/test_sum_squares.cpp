@@ -45,13 +45,15 @@ std::vector<float> rand_floats(size_t n, std::mt19937_64& rng) {
   return v;
 }
 
-// One chunk: lane l = +0 + x[l]^2 + x[l + 32]^2 + ... (a loop per lane), then the five levels of
-// the tree written as separate arrays: level16[l] = lane[l] + lane[l + 16], and so on.
-double chunk_by_lanes(const float* x, int64_t n) {
+// The R32 tree over n terms: lane l = +0 + term(l) + term(l + 32) + ... (a loop per lane), then
+// the five levels of the tree written as separate arrays: level16[l] = lane[l] + lane[l + 16], and
+// so on.
+template <typename Term>
+double by_lanes(int64_t n, Term term) {
   std::array<double, 32> lane{};
   for (int l = 0; l < 32; ++l) {
     double acc = 0.0;
-    for (int64_t i = l; i < n; i += 32) acc = acc + static_cast<double>(x[i]) * x[i];
+    for (int64_t i = l; i < n; i += 32) acc = acc + term(i);
     lane[l] = acc;
   }
   std::array<double, 16> level16;
@@ -64,16 +66,28 @@ double chunk_by_lanes(const float* x, int64_t n) {
   return level2[0] + level2[1];
 }
 
-// Chunks of kSumSquaresChunk per segment, summed from +0 in (segment, chunk) order.
+// One chunk: the tree over its squares (each exact in FP64).
+double chunk_by_lanes(const float* x, int64_t n) {
+  return by_lanes(n, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; });
+}
+
+// Chunks of kSumSquaresChunk per segment; the chunk sums in (segment, chunk) order in groups of
+// kSumSquaresGroup, the tree over each group, then the tree over the group sums.
 double by_chunks(const std::vector<std::vector<float>>& segs) {
-  double total = 0.0;
+  std::vector<double> partial;
   for (const std::vector<float>& s : segs)
     for (size_t first = 0; first < s.size(); first += kSumSquaresChunk) {
       const int64_t len =
           std::min<int64_t>(kSumSquaresChunk, static_cast<int64_t>(s.size() - first));
-      total = total + chunk_by_lanes(s.data() + first, len);
+      partial.push_back(chunk_by_lanes(s.data() + first, len));
     }
-  return total;
+  std::vector<double> group;
+  for (size_t first = 0; first < partial.size(); first += kSumSquaresGroup) {
+    const int64_t len =
+        std::min<int64_t>(kSumSquaresGroup, static_cast<int64_t>(partial.size() - first));
+    group.push_back(by_lanes(len, [&](int64_t c) { return partial[first + c]; }));
+  }
+  return by_lanes(static_cast<int64_t>(group.size()), [&](int64_t g) { return group[g]; });
 }
 
 Segments<const float> segments_of(const std::vector<std::vector<float>>& segs) {
@@ -97,14 +111,19 @@ TEST(SumSquares, ChunkR32OrderBitwise) {
     int groups;
     size_t n;
   };
-  // Below, at and above one lane round and one chunk; several chunks per segment.
+  // Below, at and above one lane round and one chunk; several chunks per segment; more than 32
+  // chunks (the second tree's lanes loop); one whole group; more than one group.
   for (const Case& c : std::vector<Case>{{1, 1},
                                          {1, 31},
                                          {2, 33},
                                          {3, 100},
                                          {1, static_cast<size_t>(kSumSquaresChunk)},
                                          {2, static_cast<size_t>(kSumSquaresChunk) + 1},
-                                         {3, 3 * static_cast<size_t>(kSumSquaresChunk) - 7}}) {
+                                         {3, 3 * static_cast<size_t>(kSumSquaresChunk) - 7},
+                                         {2, 40 * static_cast<size_t>(kSumSquaresChunk) + 5},
+                                         {1, static_cast<size_t>(kSumSquaresChunk * kSumSquaresGroup)},
+                                         {2, static_cast<size_t>(kSumSquaresChunk *
+                                                                 (kSumSquaresGroup + 40)) + 3}}) {
     const std::vector<std::vector<float>> segs = rand_segments(c.groups, c.n, rng);
     double got = -1.0;
     ASSERT_TRUE(sum_squares_cpu(segments_of(segs), &got).is_ok());
@@ -125,7 +144,7 @@ TEST(SumSquares, HandWrittenSmallCase) {
   double got = 0.0;
   ASSERT_TRUE(sum_squares_cpu(s, &got).is_ok());
   EXPECT_EQ(got, 37.5);
-  // A second identical segment doubles it (sequential over segments).
+  // A second identical segment doubles it (the tree over the two chunk sums).
   s.ptr = {x.data(), x.data()};
   ASSERT_TRUE(sum_squares_cpu(s, &got).is_ok());
   EXPECT_EQ(got, 75.0);

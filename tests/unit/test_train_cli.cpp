@@ -154,12 +154,29 @@ TEST(TrainCli, BadInputIsOneErrorLineAndNoOutput) {
   };
   write_text(dir / "broken.json", "{\"train\": {\"steps\": 3,");
   write_text(dir / "unknown.json", R"({"train": {"warmup": 3}})");
-  write_text(dir / "model.json", R"({"num_attention_heads": 4, "num_key_value_heads": 3})");
+  // Model configs: the tiny preset's config.json with one field patched.
+  auto model_file = [&](const std::string& name, const std::string& patch) {
+    nlohmann::json j = train::model_config_to_json(train::model_config_preset("tiny").value());
+    j.merge_patch(nlohmann::json::parse(patch));
+    write_text(dir / name, j.dump());
+    return (dir / name).string();
+  };
+  model_file("model.json", R"({"num_key_value_heads": 3})");
+  write_text(dir / "partial.json", R"({"vocab_size": 1024, "num_hidden_layers": 2})");
+  fs::create_directories(dir / "yarn-hf");
+  model_file("yarn-hf/config.json", R"({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})");
   write_text(dir / "array.json", "[1, 2]");
   write_text(dir / "bad.shard", std::string(1024 + 10, '\0'));  // llm.c header of zeros
   io::TokenDataset big;
   big.tokens = {1, 2, 3, 300, 4, 5};  // 300 is outside the tiny model's 256 bytes
   ASSERT_TRUE(io::write_megatron((dir / "big").string(), big).is_ok());
+  io::TokenDataset few;
+  few.tokens = {1, 2, 3, 4, 5, 6};  // one document: 5 train / 1 validation tokens by position
+  ASSERT_TRUE(io::write_megatron((dir / "few").string(), few).is_ok());
+  const std::string few_src = "megatron:" + (dir / "few").string();
+  io::TokenDataset many;
+  for (uint32_t i = 0; i < 100; ++i) many.tokens.push_back(i);
+  ASSERT_TRUE(io::write_megatron((dir / "many").string(), many).is_ok());
   const std::vector<Case> cases = {
       {"train --frobnicate 3", "--frobnicate"},
       {"train --steps", "--steps"},
@@ -184,7 +201,34 @@ TEST(TrainCli, BadInputIsOneErrorLineAndNoOutput) {
       {"train --data text:" + (dir / "none").string(), (dir / "none").string()},
       {"train --data megatron:" + (dir / "big").string() + " --eval-interval 0",
        "token 300 at index 3 is not below the model's vocab_size 256"},
-      {"train --data megatron:" + (dir / "big").string(), "give --valid-data or --eval-interval 0"},
+      {"train --data " + few_src,
+       (dir / "few").string() + ": the training side of the data has 5 tokens, fewer than the "
+                                "seq_len + 1 = 65 one row needs"},
+      {"train --data megatron:" + (dir / "many").string() + " --valid-data " + few_src +
+           " --seq-len 8",
+       (dir / "few").string() + ": the validation side of the data has 6 tokens, fewer than the "
+                                "seq_len + 1 = 9 one row needs (raise --valid-fraction, lower "
+                                "--seq-len or give --valid-data)"},
+      {"train --data '0.7 " + few_src + " " + few_src + "'", "a weighted list is pairs"},
+      {"train --data '" + few_src + " 0.3 " + few_src + "'",
+       "'0.3' is a weight, but the first source has none"},
+      {"train --data '-1 " + few_src + "'", "'-1' is not a positive weight"},
+      {"train --data '0.5 " + few_src + ",0.5 books'", "--data 'books' must be fortunes"},
+      {"train --valid-fraction 1", "valid_fraction = 1 must be in [0, 1)"},
+      // Token data of its own, so the case needs no fortunes package (the GPU machine has none).
+      {"train --data megatron:" + (dir / "many").string() + " --valid-fraction 0",
+       "--valid-fraction 0 holds no validation data back"},
+      {"train --config " + (dir / "partial.json").string(),
+       "partial.json: the config does not give hidden_size, intermediate_size, "
+       "num_attention_heads, num_key_value_heads, num_experts, moe_intermediate_size, "
+       "num_experts_per_tok"},
+      {"train --init-from-hf " + (dir / "yarn-hf").string(),
+       "--init-from-hf: " + (dir / "yarn-hf" / "config.json").string() +
+           ": rope_scaling.rope_type = \"yarn\" is not supported"},
+      {"train --config " + model_file("window.json", R"({"use_sliding_window": true})"),
+       "window.json: use_sliding_window = true is not supported"},
+      {"train --config " + model_file("arch.json", R"({"architectures": ["MixtralForCausalLM"]})"),
+       "arch.json: architectures[0] = \"MixtralForCausalLM\" is not supported"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
@@ -204,7 +248,7 @@ TEST(TrainCli, HelpExplainsEveryOption) {
         "--beta2",        "--eps",         "--grad-clip",     "--eval-interval", "--eval-batches",
         "--log-interval", "--seed",        "--device",        "--data",          "--valid-data",
         "--out",          "--save-dir",    "--save-interval", "--keep-last",     "--save-primary",
-        "--resume",       "--init-from-hf"})
+        "--resume",       "--init-from-hf", "--shuffle",     "--no-shuffle",    "--valid-fraction"})
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
   EXPECT_NE(r.output.find("(default: 1000)"), std::string::npos) << r.output;
   const RunResult e = run_cli("export-hf --help");
@@ -451,8 +495,7 @@ TEST(TrainCli, InitFromHfStartsFromExactlyThoseWeights) {
   Result<io::TextCorpus> corpus = io::load_text_corpus();
   ASSERT_TRUE(corpus.is_ok());
   train::TrainData data;
-  data.train = std::move(corpus.value().train);
-  data.train_stream.separator = static_cast<uint32_t>('\n');
+  data.train = train::single_source(std::move(corpus.value().train), static_cast<uint32_t>('\n'));
   train::TrainConfig c;
   c.steps = 1;
   c.micro_batch_size = 2;

@@ -70,10 +70,15 @@ const ModelKernels kModel{
     [](Backend&, const AttentionArgs& a) { return attention_cpu(a); },
     [](Backend&, const AttentionBackwardArgs& a) { return attention_backward_cpu(a); },
     [](Backend&, const CrossEntropyArgs& a) { return cross_entropy_cpu(a); },
-    [](Backend&, const CrossEntropyBackwardArgs& a) { return cross_entropy_backward_cpu(a); },
+    [](Backend&, const CrossEntropyMeanArgs& a) { return cross_entropy_mean_cpu(a); },
 };
 
-const OpKernels kCpuKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel};
+const InitKernels kInit{
+    [](Backend&, const InitNormalArgs& a) { return init_normal_cpu(a); },
+    [](Backend&, const FillArgs& a) { return fill_f32_cpu(a); },
+};
+
+const OpKernels kCpuKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel, &kInit};
 
 }  // namespace
 

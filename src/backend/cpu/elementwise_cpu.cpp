@@ -33,6 +33,9 @@ Status adamw_cpu(const AdamWArgs& a) {
     for (int64_t i = 0; i < a.param.n; ++i)
       adamw_update(a.param.ptr[g][i], a.exp_avg.ptr[g][i], a.exp_avg_sq.ptr[g][i], a.grad.ptr[g][i],
                    a.scalars);
+  if (!a.bf16.ptr.empty())
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < a.param.n; ++i) a.bf16.ptr[g][i] = f32_to_bf16(a.param.ptr[g][i]);
   return Status::ok();
 }
 
@@ -49,9 +52,12 @@ Status sum_squares_cpu(const Segments<const float>& x, double* out) {
       return v * v;
     });
   }
-  double total = 0.0;
-  for (double v : partial) total = total + v;
-  *out = total;
+  const int64_t groups = (chunks + kSumSquaresGroup - 1) / kSumSquaresGroup;
+  *out = sum_r32<double>(groups, [&](int64_t g) {
+    const int64_t first = g * kSumSquaresGroup;
+    return sum_r32<double>(std::min(kSumSquaresGroup, chunks - first),
+                           [&](int64_t c) { return partial[first + c]; });
+  });
   return Status::ok();
 }
 

@@ -88,16 +88,24 @@ Status embedding_cpu(const EmbeddingArgs& a) {
 
 Status embedding_backward_cpu(const EmbeddingBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(check_ids("embedding_backward", a.ids, a.tokens, a.vocab));
-  const int64_t H = a.hidden;
-  constexpr int64_t kBlock = 64;  // columns per thread task: t stays ascending inside each column
-  const int64_t blocks = (H + kBlock - 1) / kBlock;
+  const int64_t H = a.hidden, T = a.tokens;
+  // The token positions grouped by id, ascending t inside each id (a stable sort by id).
+  std::vector<int64_t> order(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return a.ids[x] < a.ids[y]; });
+  std::vector<int64_t> starts;  // first position of each id's segment in `order`
+  for (int64_t p = 0; p < T; ++p)
+    if (p == 0 || a.ids[order[p]] != a.ids[order[p - 1]]) starts.push_back(p);
+  const int64_t segments = static_cast<int64_t>(starts.size());
 #pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t h0 = blk * kBlock, h1 = std::min(H, h0 + kBlock);
-    for (int64_t t = 0; t < a.tokens; ++t) {
-      float* dst = a.dtable + static_cast<int64_t>(a.ids[t]) * H;  // (H)
-      const float* src = a.dout + t * H;                             // (H)
-      for (int64_t h = h0; h < h1; ++h) dst[h] = dst[h] + src[h];
+  for (int64_t g = 0; g < segments; ++g) {
+    const int64_t p0 = starts[g], p1 = g + 1 < segments ? starts[g + 1] : T;
+    float* dst = a.dtable + static_cast<int64_t>(a.ids[order[p0]]) * H;  // (H)
+    for (int64_t h = 0; h < H; ++h) {
+      float s = 0.0f;
+      for (int64_t p = p0; p < p1; ++p) s = s + a.dout[order[p] * H + h];
+      dst[h] = dst[h] + s;
     }
   }
   return Status::ok();
@@ -303,46 +311,34 @@ Status cross_entropy_cpu(const CrossEntropyArgs& a) {
   const Result<int64_t> n = count_targets("cross_entropy", a.targets, a.tokens, a.vocab,
                                           a.ignore_index);
   if (!n.is_ok()) return n.status();
-  const int64_t T = a.tokens, V = a.vocab;
-  std::vector<float> loss_t(T);  // (T) +0 for ignored tokens
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* z = a.logits + t * V;  // (V)
-    float m = z[0];
-    for (int64_t e = 1; e < V; ++e) m = z[e] > m ? z[e] : m;
-    const float s = sum_r32(V, [&](int64_t e) { return moe_exp_f32(z[e] - m); });
-    a.row_max[t] = m;
-    a.row_sum[t] = s;
-    const int32_t tgt = a.targets[t];
-    loss_t[t] = tgt == a.ignore_index ? 0.0f : model_log_f32(s) - (z[tgt] - m);
-  }
-  const float sum = sum_r32(T, [&](int64_t t) { return loss_t[t]; });
-  *a.loss = n.value() == 0 ? 0.0f : sum / static_cast<float>(n.value());
-  if (a.valid != nullptr) *a.valid = n.value();
-  return Status::ok();
-}
-
-Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a) {
-  const Result<int64_t> n = count_targets("cross_entropy_backward", a.targets, a.tokens, a.vocab,
-                                          a.ignore_index);
-  if (!n.is_ok()) return n.status();
   const int64_t V = a.vocab;
-  const float g = n.value() == 0 ? 0.0f : a.dloss / static_cast<float>(n.value());
+  const float g = a.grad_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < a.tokens; ++t) {
     const float* z = a.logits + t * V;  // (V)
-    float* dz = a.dlogits + t * V;      // (V)
     const int32_t tgt = a.targets[t];
-    if (tgt == a.ignore_index || n.value() == 0) {
-      for (int64_t e = 0; e < V; ++e) dz[e] = 0.0f;
-      continue;
-    }
-    const float m = a.row_max[t], s = a.row_sum[t];
+    const bool ignored = tgt == a.ignore_index;
+    float m = z[0];
+    for (int64_t e = 1; e < V; ++e) m = z[e] > m ? z[e] : m;
+    const float s = sum_r32(V, [&](int64_t e) { return moe_exp_f32(z[e] - m); });
+    a.loss[t] = ignored ? 0.0f : model_log_f32(s) - (z[tgt] - m);
+    if (a.dlogits == nullptr) continue;
+    uint16_t* dz = a.dlogits + t * V;  // (V)
     for (int64_t e = 0; e < V; ++e) {
+      if (ignored) {
+        dz[e] = 0;  // bf16 +0
+        continue;
+      }
       const float p = moe_exp_f32(z[e] - m) / s;
-      dz[e] = (e == tgt ? p - 1.0f : p) * g;
+      dz[e] = f32_to_bf16((e == tgt ? p - 1.0f : p) * g);
     }
   }
+  return Status::ok();
+}
+
+Status cross_entropy_mean_cpu(const CrossEntropyMeanArgs& a) {
+  const float sum = sum_r32(a.tokens, [&](int64_t t) { return a.token_loss[t]; });
+  *a.loss = a.valid == 0 ? 0.0f : sum / static_cast<float>(a.valid);
   return Status::ok();
 }
 

@@ -75,12 +75,15 @@ const ModelKernels kModel{
     [](Backend& b, const AttentionArgs& a) { return attention_sm90(cuda(b), a); },
     [](Backend& b, const AttentionBackwardArgs& a) { return attention_backward_sm90(cuda(b), a); },
     [](Backend& b, const CrossEntropyArgs& a) { return cross_entropy_sm90(cuda(b), a); },
-    [](Backend& b, const CrossEntropyBackwardArgs& a) {
-      return cross_entropy_backward_sm90(cuda(b), a);
-    },
+    [](Backend& b, const CrossEntropyMeanArgs& a) { return cross_entropy_mean_sm90(cuda(b), a); },
 };
 
-const OpKernels kCudaKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel};
+const InitKernels kInit{
+    [](Backend& b, const InitNormalArgs& a) { return init_normal_sm90(cuda(b), a); },
+    [](Backend& b, const FillArgs& a) { return fill_f32_sm90(cuda(b), a); },
+};
+
+const OpKernels kCudaKernels{&kQuantize, &kGemm, &kMoe, &kElementwise, &kModel, &kInit};
 
 }  // namespace
 

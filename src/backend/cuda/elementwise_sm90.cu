@@ -138,9 +138,11 @@ __global__ void __launch_bounds__(Config::kThreads)
   }
 }
 
-// Tables: 0 param, 1 exp_avg, 2 exp_avg_sq (all in place), 3 grad.
+// Tables: 0 param, 1 exp_avg, 2 exp_avg_sq (all in place), 3 grad, with kBf16 4 the param's BF16
+// image (written).
+template <bool kBf16>
 __global__ void __launch_bounds__(Config::kThreads)
-    adamw_kernel(const __grid_constant__ SegTable<4> t, AdamWStepScalars s, bool vec) {
+    adamw_kernel(const __grid_constant__ SegTable<kBf16 ? 5 : 4> t, AdamWStepScalars s, bool vec) {
   int64_t g, first;
   int valid;
   if (!seg_chunk<4>(t.groups, t.n, g, first, valid)) return;
@@ -160,8 +162,14 @@ __global__ void __launch_bounds__(Config::kThreads)
     *reinterpret_cast<float4*>(p) = p4;
     *reinterpret_cast<float4*>(m) = m4;
     *reinterpret_cast<float4*>(v) = v4;
+    if constexpr (kBf16)
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.get(4, g)) + first) =
+          make_uint2(pack_bf16(p4.x, p4.y), pack_bf16(p4.z, p4.w));
   } else {
-    for (int j = 0; j < valid; ++j) adamw_update(p[j], m[j], v[j], gr[j], s);
+    for (int j = 0; j < valid; ++j) {
+      adamw_update(p[j], m[j], v[j], gr[j], s);
+      if constexpr (kBf16) static_cast<uint16_t*>(t.get(4, g))[first + j] = f32_to_bf16(p[j]);
+    }
   }
 }
 
@@ -186,13 +194,12 @@ __global__ void __launch_bounds__(Config::kThreads)
   const float* x = static_cast<const float*>(t.get(0, g)) + first;  // (n)
   double acc = 0.0;
   int64_t i = lane;
-  for (; i + 96 < n; i += 128) {  // four coalesced loads in flight ahead of the ordered adds
-    const double v0 = __ldg(x + i), v1 = __ldg(x + i + 32), v2 = __ldg(x + i + 64),
-                 v3 = __ldg(x + i + 96);
-    acc = acc + v0 * v0;
-    acc = acc + v1 * v1;
-    acc = acc + v2 * v2;
-    acc = acc + v3 * v3;
+  for (; i + 7 * 32 < n; i += 8 * 32) {  // eight coalesced loads in flight ahead of the ordered adds
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __ldg(x + i + 32 * j);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = acc + static_cast<double>(v[j]) * static_cast<double>(v[j]);
   }
   for (; i < n; i += 32) {
     const double v = __ldg(x + i);
@@ -202,11 +209,28 @@ __global__ void __launch_bounds__(Config::kThreads)
   if (lane == 0) partial[c] = acc;
 }
 
-// sum_squares, stage 2: the sequential sum from +0 of the partials in (segment, chunk) order.
-__global__ void sum_squares_total_kernel(const double* partial, int64_t chunks, double* out) {
-  double total = 0.0;
-  for (int64_t c = 0; c < chunks; ++c) total = total + partial[c];
-  *out = total;
+// sum_squares, stage 2: one warp per group of kSumSquaresGroup chunk sums, their R32 sum (lane l
+// adds chunk sums l, l + 32, ... of the group, coalesced, then the butterfly) into group_sum.
+__global__ void __launch_bounds__(Config::kThreads)
+    sum_squares_groups_kernel(const double* partial, int64_t chunks, int64_t groups,
+                              double* group_sum) {
+  const int lane = threadIdx.x & 31;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
+  if (g >= groups) return;
+  const int64_t first = g * kSumSquaresGroup;
+  const int64_t n = chunks - first < kSumSquaresGroup ? chunks - first : kSumSquaresGroup;
+  double acc = 0.0;
+  for (int64_t c = lane; c < n; c += 32) acc = acc + partial[first + c];
+  acc = r32_butterfly(acc);
+  if (lane == 0) group_sum[g] = acc;
+}
+
+// sum_squares, stage 3: one warp, the R32 sum of the group sums.
+__global__ void sum_squares_total_kernel(const double* group_sum, int64_t groups, double* out) {
+  double acc = 0.0;
+  for (int64_t g = threadIdx.x; g < groups; g += 32) acc = acc + group_sum[g];
+  acc = r32_butterfly(acc);
+  if (threadIdx.x == 0) *out = acc;
 }
 
 }  // namespace
@@ -237,13 +261,20 @@ Status add_f32_sm90(CudaBackend& be, const Segments<float>& dst, const Segments<
 Status adamw_sm90(CudaBackend& be, const AdamWArgs& a) {
   const int64_t G = static_cast<int64_t>(a.param.ptr.size());
   if (G == 0 || a.param.n == 0) return Status::ok();
-  const SegTable<4> t = make_table<4>(
-      be,
-      {as_void(a.param.ptr), as_void(a.exp_avg.ptr), as_void(a.exp_avg_sq.ptr), as_void(a.grad.ptr)},
-      a.param.n);
+  const unsigned grid = grid_for(G * ((a.param.n + 3) / 4), Config::kThreads);
+  const std::vector<void*> p = as_void(a.param.ptr), m = as_void(a.exp_avg.ptr),
+                           v = as_void(a.exp_avg_sq.ptr), g = as_void(a.grad.ptr);
   const bool vec = all_aligned16(a.param.ptr, a.exp_avg.ptr, a.exp_avg_sq.ptr, a.grad.ptr);
-  adamw_kernel<<<grid_for(G * ((a.param.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
-                 be.stream()>>>(t, a.scalars, vec);
+  if (a.bf16.ptr.empty()) {
+    adamw_kernel<false><<<grid, Config::kThreads, 0, be.stream()>>>(
+        make_table<4>(be, {p, m, v, g}, a.param.n), a.scalars, vec);
+  } else {
+    // 4 floats -> 4 BF16 (8 bytes) per thread: the image needs 8-byte alignment for the wide path.
+    bool vec8 = vec;
+    for (uint16_t* q : a.bf16.ptr) vec8 = vec8 && reinterpret_cast<uintptr_t>(q) % 8 == 0;
+    adamw_kernel<true><<<grid, Config::kThreads, 0, be.stream()>>>(
+        make_table<5>(be, {p, m, v, g, as_void(a.bf16.ptr)}, a.param.n), a.scalars, vec8);
+  }
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
@@ -257,11 +288,17 @@ Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double*
   const int64_t cps = (x.n + kSumSquaresChunk - 1) / kSumSquaresChunk;
   const int64_t chunks = G * cps;
   const SegTable<1> t = make_table<1>(be, {as_void(x.ptr)}, x.n);
-  auto* partial = static_cast<double*>(be.workspace(static_cast<size_t>(chunks) * sizeof(double)));
+  const int64_t groups = (chunks + kSumSquaresGroup - 1) / kSumSquaresGroup;
+  auto* partial = static_cast<double*>(
+      be.workspace(static_cast<size_t>(chunks + groups) * sizeof(double)));  // chunks, then groups
+  double* group_sum = partial + chunks;
   sum_squares_chunks_kernel<<<grid_for(chunks, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
       t, cps, chunks, partial);
   PACKMOE_CUDA_CHECK_LAUNCH();
-  sum_squares_total_kernel<<<1, 1, 0, be.stream()>>>(partial, chunks, out);
+  sum_squares_groups_kernel<<<grid_for(groups, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
+      partial, chunks, groups, group_sum);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  sum_squares_total_kernel<<<1, 32, 0, be.stream()>>>(group_sum, groups, out);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

@@ -2,7 +2,8 @@
 // attention core (attention_sm90.cu). Invariant:
 // each value is backend/ops/model.h's exact FP32 arithmetic (R32 = strided lanes + xor butterfly or 32
 // explicit partials, maxima in index order, moe_exp_f32 / model_log_f32, --fmad=false), so every
-// op writes the CPU reference's bytes. Bad ids / targets: a check kernel's flag is read back (one
+// op writes the CPU reference's bytes, but for cross_entropy (an online max / sum in one read of
+// the row, the hardware exp: deterministic, within a stated bound of the CPU). Bad ids / targets: a check kernel's flag is read back (one
 // sync) and the CPU's error Status is returned before anything is written.
 #include <cuda_runtime.h>
 
@@ -106,7 +107,8 @@ __global__ void __launch_bounds__(Config::kThreads)
 }
 
 // After the stable sort of (id, t) by id: the thread of a segment's first position p sums column h
-// of its tokens in sorted (= increasing t) order onto dtable; the others return.
+// of its tokens in sorted (= increasing t) order from +0 and adds the sum onto dtable; the others
+// return.
 __global__ void __launch_bounds__(Config::kThreads)
     embedding_backward_kernel(const uint32_t* sorted_ids, const int32_t* sorted_t, int64_t tokens,
                               int64_t hidden, const float* dout, float* dtable) {
@@ -116,10 +118,10 @@ __global__ void __launch_bounds__(Config::kThreads)
   const uint32_t v = sorted_ids[p];
   if (p > 0 && sorted_ids[p - 1] == v) return;
   float* dst = dtable + static_cast<int64_t>(v) * hidden + h;
-  float acc = *dst;
+  float acc = 0.0f;
   for (int64_t q = p; q < tokens && sorted_ids[q] == v; ++q)
     acc = acc + dout[static_cast<int64_t>(sorted_t[q]) * hidden + h];
-  *dst = acc;
+  *dst = *dst + acc;
 }
 
 // ---- RMSNorm ------------------------------------------------------------------------------------
@@ -229,75 +231,152 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- cross-entropy ------------------------------------------------------------------------------
 
-// One warp per token: row_max, row_sum and loss_t (backend/ops/model.h). The max is the CPU's sequential
-// `m = z[e] > m ? z[e] : m` from z[0]: z[0] when that is NaN, else the first element holding the
-// largest non-NaN value (so the sign of a zero maximum matches too).
-__global__ void __launch_bounds__(Config::kThreads)
-    cross_entropy_rows_kernel(const __grid_constant__ CrossEntropyArgs a, float* loss_t) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
-  if (t >= a.tokens) return;
-  const int64_t V = a.vocab;
-  const float* z = a.logits + t * V;  // (V)
-  float key = 0.0f;
-  int64_t idx = -1;
-  for (int64_t e = lane; e < V; e += 32) {
-    const float x = z[e];
-    if (x == x && (idx < 0 || x > key)) {
-      key = x;
-      idx = e;
-    }
+constexpr int kCeThreads = 512;  // one row per CTA: 16 warps
+constexpr int kCeWarps = kCeThreads / 32;
+
+// The hardware exp (ex2.approx: about 2 ulp, subnormals flushed): the kernel is bound by the
+// exponentials as much as by the bytes, and its results are held to a bound, not to the CPU's bits.
+__device__ __forceinline__ float ce_exp(float x) { return __expf(x); }
+
+// (m, s) of a running softmax: s = sum of exp(x - m) over the values seen. A rescale when the
+// maximum grows is one extra rounding; NaN inputs make s NaN (loss and dlogits NaN, never a
+// silently finite value). An empty part is (-Inf, 0).
+__device__ __forceinline__ void online_add(float& m, float& s, float x) {
+  if (x > m) {
+    s = (s == 0.0f ? 0.0f : s * ce_exp(m - x)) + 1.0f;
+    m = x;
+  } else {
+    s = s + ce_exp(x - m);
   }
+}
+
+// Merges part b into a. Commutative bit for bit (max and IEEE + and * are), so a butterfly leaves
+// every lane with the same value.
+__device__ __forceinline__ void online_merge(float& m, float& s, float mb, float sb) {
+  const float M = mb > m ? mb : m;
+  const float ta = s == 0.0f ? 0.0f : s * ce_exp(m - M);
+  const float tb = sb == 0.0f ? 0.0f : sb * ce_exp(mb - M);
+  m = M;
+  s = ta + tb;
+}
+
+__device__ __forceinline__ void online_butterfly(float& m, float& s) {
 #pragma unroll
   for (int off = 16; off >= 1; off /= 2) {
-    const float ok = __shfl_xor_sync(kFullMask, key, off);
-    const int64_t oi = __shfl_xor_sync(kFullMask, idx, off);
-    if (oi >= 0 && (idx < 0 || ok > key || (ok == key && oi < idx))) {
-      key = ok;
-      idx = oi;
+    const float mo = __shfl_xor_sync(kFullMask, m, off);
+    const float so = __shfl_xor_sync(kFullMask, s, off);
+    online_merge(m, s, mo, so);
+  }
+}
+
+// Each thread takes groups of 4 consecutive logits (group u = elements 4u .. 4u + 3 < V), groups
+// tid, tid + 512, ...: float4 loads and 8-byte BF16 stores when V % 4 == 0 and both bases are
+// 16-byte aligned, else 4 scalar accesses; the same elements in the same order either way, so the
+// alignment does not change a bit.
+template <bool kVec4>
+__device__ __forceinline__ void ce_load(const float* z, int64_t V, int64_t u, float (&x)[4]) {
+  if constexpr (kVec4) {
+    const float4 v = reinterpret_cast<const float4*>(z)[u];
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = 4 * u + j < V ? z[4 * u + j] : 0.0f;
+  }
+}
+
+template <bool kVec4>
+__device__ __forceinline__ void ce_store(uint16_t* d, int64_t V, int64_t u,
+                                         const uint16_t (&y)[4]) {
+  if constexpr (kVec4) {
+    uint2 w;
+    w.x = static_cast<uint32_t>(y[0]) | (static_cast<uint32_t>(y[1]) << 16);
+    w.y = static_cast<uint32_t>(y[2]) | (static_cast<uint32_t>(y[3]) << 16);
+    reinterpret_cast<uint2*>(d)[u] = w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (4 * u + j < V) d[4 * u + j] = y[j];
+  }
+}
+
+// One CTA per token row: pass 1 reads the row once for (m, s) (then the warp butterflies and
+// warp 0 merges the 16 warps in a fixed tree), the loss uses the target logit; pass 2 reads it
+// again and writes dlogits. Row-local and in a fixed order: deterministic and batch-invariant. An
+// ignored row is not read.
+template <bool kVec4>
+__global__ void __launch_bounds__(kCeThreads)
+    cross_entropy_kernel(const __grid_constant__ CrossEntropyArgs a) {
+  __shared__ float part_m[kCeWarps], part_s[kCeWarps];
+  const int64_t t = blockIdx.x;
+  const int64_t V = a.vocab, groups = (V + 3) / 4;
+  const float* z = a.logits + t * V;  // (V)
+  const int32_t tgt = a.targets[t];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint16_t* dz = a.dlogits == nullptr ? nullptr : a.dlogits + t * V;  // (V)
+  if (tgt == a.ignore_index) {  // uniform over the CTA: loss +0, dlogits +0, the row unread
+    if (threadIdx.x == 0) a.loss[t] = 0.0f;
+    if (dz != nullptr)
+      for (int64_t u = threadIdx.x; u < groups; u += kCeThreads) {
+        const uint16_t y[4] = {};
+        ce_store<kVec4>(dz, V, u, y);
+      }
+    return;
+  }
+
+  float m = -f32_from_bits(0x7F800000u), s = 0.0f;
+  for (int64_t u = threadIdx.x; u < groups; u += kCeThreads) {
+    float x[4];
+    ce_load<kVec4>(z, V, u, x);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (kVec4 || 4 * u + j < V) online_add(m, s, x[j]);
+  }
+  online_butterfly(m, s);
+  if (lane == 0) {
+    part_m[warp] = m;
+    part_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kCeWarps ? part_m[lane] : -f32_from_bits(0x7F800000u);
+    s = lane < kCeWarps ? part_s[lane] : 0.0f;
+    online_butterfly(m, s);
+    if (lane == 0) {
+      part_m[0] = m;
+      part_s[0] = s;
+      a.loss[t] = model_log_f32(s) - (z[tgt] - m);
     }
   }
-  const float z0 = z[0];
-  const float m = z0 != z0 ? z0 : key;
-  float acc = 0.0f;
-  for (int64_t e = lane; e < V; e += 32) acc = acc + moe_exp_f32(z[e] - m);
-  const float s = r32_butterfly(acc);
-  if (lane == 0) {
-    a.row_max[t] = m;
-    a.row_sum[t] = s;
-    const int32_t tgt = a.targets[t];
-    loss_t[t] = tgt == a.ignore_index ? 0.0f : model_log_f32(s) - (z[tgt] - m);
+  if (dz == nullptr) return;
+  __syncthreads();
+  m = part_m[0];
+  s = part_s[0];
+  const float g = a.grad_scale, inv_s = 1.0f / s;
+  for (int64_t u = threadIdx.x; u < groups; u += kCeThreads) {
+    float x[4];
+    uint16_t y[4];
+    ce_load<kVec4>(z, V, u, x);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t e = 4 * u + j;
+      const float p = ce_exp(x[j] - m) * inv_s;
+      y[j] = f32_to_bf16((e == tgt ? p - 1.0f : p) * g);
+    }
+    ce_store<kVec4>(dz, V, u, y);
   }
 }
 
-// loss = (R32 sum_t loss_t) / float(n), +0 when n = 0; one warp.
-__global__ void cross_entropy_loss_kernel(const float* loss_t, int64_t tokens, int64_t n,
-                                          float* loss, int64_t* valid) {
+// loss = (R32 sum_t token_loss) / float(n), +0 when n = 0; one warp.
+__global__ void cross_entropy_mean_kernel(const float* token_loss, int64_t tokens, int64_t n,
+                                          float* loss) {
   const int lane = threadIdx.x;
   float acc = 0.0f;
-  for (int64_t t = lane; t < tokens; t += 32) acc = acc + loss_t[t];
+  for (int64_t t = lane; t < tokens; t += 32) acc = acc + token_loss[t];
   const float sum = r32_butterfly(acc);
-  if (lane == 0) {
-    *loss = n == 0 ? 0.0f : sum / static_cast<float>(n);
-    if (valid) *valid = n;
-  }
-}
-
-// dlogits per element; CTA = 256 columns of one row (blocks_per_row CTAs a row).
-__global__ void __launch_bounds__(Config::kThreads)
-    cross_entropy_backward_kernel(const __grid_constant__ CrossEntropyBackwardArgs a,
-                                  int64_t blocks_per_row, float g, bool any_valid) {
-  const int64_t t = blockIdx.x / blocks_per_row;
-  const int64_t e = (blockIdx.x - t * blocks_per_row) * Config::kThreads + threadIdx.x;
-  const int64_t V = a.vocab;
-  if (e >= V) return;
-  const int32_t tgt = a.targets[t];
-  float out = 0.0f;
-  if (tgt != a.ignore_index && any_valid) {
-    const float p = moe_exp_f32(a.logits[t * V + e] - a.row_max[t]) / a.row_sum[t];
-    out = (e == tgt ? p - 1.0f : p) * g;
-  }
-  a.dlogits[t * V + e] = out;
+  if (lane == 0) *loss = n == 0 ? 0.0f : sum / static_cast<float>(n);
 }
 
 }  // namespace
@@ -388,31 +467,23 @@ Status rope_sm90(CudaBackend& be, const RopeArgs& a, bool inverse) {
 }
 
 Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a) {
-  Carve c;
-  const size_t flag_at = c.add<IdCheck>(1), loss_at = c.add<float>(a.tokens);
-  void* ws = be.workspace(c.bytes());
-  const Result<int64_t> n = check_ids(be, at<IdCheck>(ws, flag_at), "cross_entropy", a.targets,
-                                      a.tokens, a.vocab, &a.ignore_index);
+  const Result<int64_t> n =
+      check_ids(be, static_cast<IdCheck*>(be.workspace(sizeof(IdCheck))), "cross_entropy",
+                a.targets, a.tokens, a.vocab, &a.ignore_index);
   if (!n.is_ok()) return n.status();
-  float* loss_t = at<float>(ws, loss_at);  // (T)
-  cross_entropy_rows_kernel<<<blocks_for(a.tokens, Config::kWarps), Config::kThreads, 0,
-                              be.stream()>>>(a, loss_t);
-  PACKMOE_CUDA_CHECK_LAUNCH();
-  cross_entropy_loss_kernel<<<1, 32, 0, be.stream()>>>(loss_t, a.tokens, n.value(), a.loss,
-                                                       a.valid);
+  const bool vec = a.vocab % 4 == 0 && cuda::aligned16(a.logits) &&
+                   (a.dlogits == nullptr || cuda::aligned16(a.dlogits));
+  const unsigned grid = static_cast<unsigned>(a.tokens);  // < 2^24 (validated)
+  if (vec)
+    cross_entropy_kernel<true><<<grid, kCeThreads, 0, be.stream()>>>(a);
+  else
+    cross_entropy_kernel<false><<<grid, kCeThreads, 0, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
-Status cross_entropy_backward_sm90(CudaBackend& be, const CrossEntropyBackwardArgs& a) {
-  const Result<int64_t> n =
-      check_ids(be, static_cast<IdCheck*>(be.workspace(sizeof(IdCheck))), "cross_entropy_backward",
-                a.targets, a.tokens, a.vocab, &a.ignore_index);
-  if (!n.is_ok()) return n.status();
-  const float g = n.value() == 0 ? 0.0f : a.dloss / static_cast<float>(n.value());
-  const int64_t bpr = (a.vocab + Config::kThreads - 1) / Config::kThreads;
-  cross_entropy_backward_kernel<<<blocks_for(a.tokens * bpr, 1), Config::kThreads, 0,
-                                  be.stream()>>>(a, bpr, g, n.value() > 0);
+Status cross_entropy_mean_sm90(CudaBackend& be, const CrossEntropyMeanArgs& a) {
+  cross_entropy_mean_kernel<<<1, 32, 0, be.stream()>>>(a.token_loss, a.tokens, a.valid, a.loss);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

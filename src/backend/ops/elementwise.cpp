@@ -41,6 +41,9 @@ Status adamw(Backend& b, const AdamWArgs& a) {
       a.param.ptr.size(), a.param.n,
       {a.exp_avg.ptr.size(), a.exp_avg_sq.ptr.size(), a.grad.ptr.size()},
       {a.exp_avg.n, a.exp_avg_sq.n, a.grad.n}, "adamw"));
+  if (!a.bf16.ptr.empty())
+    PACKMOE_RETURN_IF_ERROR(validate_segments(a.param.ptr.size(), a.param.n, {a.bf16.ptr.size()},
+                                              {a.bf16.n}, "adamw bf16 output"));
   return b.kernels().elementwise->adamw(b, a);
 }
 

@@ -52,14 +52,22 @@ struct AdamWArgs {
   Segments<float> exp_avg;     // m, in place
   Segments<float> exp_avg_sq;  // v, in place
   Segments<const float> grad;  // main_grad
+  // Optional (no pointers: none): bf16[i] = f32_to_bf16(updated param[i]) (RNE), the bytes
+  // cast_f32_to_bf16 of the updated param would write, in the same pass.
+  Segments<uint16_t> bf16;
 };
 
 // Sum of squares for the global gradient norm, in FP64 (each x * x is exact in FP64: 24-bit
 // significands multiply into 48 bits). Each segment is cut into chunks of kSumSquaresChunk
 // elements (the last may be shorter); a chunk's sum is the R32 sum of reduce_order.h over its
-// elements' squares, in FP64; the result is the sequential FP64 sum (from +0) of the chunk sums in
-// (segment, chunk) order. Zero segments or n = 0 give +0.
-inline constexpr int64_t kSumSquaresChunk = 65536;
+// elements' squares, in FP64. The chunk sums, in (segment, chunk) order, are cut into groups of
+// kSumSquaresGroup (the last may be shorter); a group's sum is the R32 sum of its chunk sums; the
+// result is the R32 sum of the group sums. All in FP64. Zero segments or n = 0 give +0. (The
+// chunk is short enough that a 100M-parameter model's gradient has thousands of chunks for the
+// GPU's warps to share; the groups keep every sequential chain short for a 3B model's 10^5 or so
+// chunks; with at most kSumSquaresGroup chunks the last level adds +0 to the one group sum.)
+inline constexpr int64_t kSumSquaresChunk = 4096;
+inline constexpr int64_t kSumSquaresGroup = 1024;
 
 // Same segment count and length everywhere; touches no memory.
 Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t> counts,

@@ -148,25 +148,19 @@ Status validate_cross_entropy(const CrossEntropyArgs& a) {
   constexpr const char* op = "cross_entropy";
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
   PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
-  return require_non_null(op, {{a.logits, "logits"},
-                               {a.targets, "targets"},
-                               {a.loss, "loss"},
-                               {a.row_max, "row_max"},
-                               {a.row_sum, "row_sum"}});
+  if (!std::isfinite(a.grad_scale))
+    return Status::error(std::string(op) + ": grad_scale must be finite, got " +
+                         std::to_string(a.grad_scale));
+  return require_non_null(op, {{a.logits, "logits"}, {a.targets, "targets"}, {a.loss, "loss"}});
 }
 
-Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a) {
-  constexpr const char* op = "cross_entropy_backward";
+Status validate_cross_entropy_mean(const CrossEntropyMeanArgs& a) {
+  constexpr const char* op = "cross_entropy_mean";
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
-  PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
-  if (!std::isfinite(a.dloss))
-    return Status::error(std::string(op) + ": dloss must be finite, got " +
-                         std::to_string(a.dloss));
-  return require_non_null(op, {{a.logits, "logits"},
-                               {a.targets, "targets"},
-                               {a.row_max, "row_max"},
-                               {a.row_sum, "row_sum"},
-                               {a.dlogits, "dlogits"}});
+  if (a.valid < 0 || a.valid > a.tokens)
+    return Status::error(std::string(op) + ": valid = " + num(a.valid) + " outside [0, T = " +
+                         num(a.tokens) + "]");
+  return require_non_null(op, {{a.token_loss, "token_loss"}, {a.loss, "loss"}});
 }
 
 Status rope_table(const RopeTableArgs& a) {
@@ -237,9 +231,9 @@ Status cross_entropy(Backend& b, const CrossEntropyArgs& a) {
   return b.kernels().model->cross_entropy(b, a);
 }
 
-Status cross_entropy_backward(Backend& b, const CrossEntropyBackwardArgs& a) {
-  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_backward(a));
-  return b.kernels().model->cross_entropy_backward(b, a);
+Status cross_entropy_mean(Backend& b, const CrossEntropyMeanArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_cross_entropy_mean(a));
+  return b.kernels().model->cross_entropy_mean(b, a);
 }
 
 }  // namespace ops

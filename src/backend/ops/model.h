@@ -2,7 +2,8 @@
 // RoPE, causal GQA attention core and shifted-label cross-entropy, their argument checks and the
 // host RoPE table. Invariant: as in backend/ops/moe.h, every result is the exact FP32 arithmetic written
 // here (fixed reduction orders, moe_exp_f32 / model_log_f32, no FMA, no libm on a device path), so
-// any backend can reproduce the CPU reference's bits whatever its thread count. All tensors FP32.
+// any backend can reproduce the CPU reference's bits whatever its thread count; attention and
+// cross_entropy say where CUDA only keeps a bound. Tensors FP32 unless marked BF16.
 #pragma once
 
 #include <cstdint>
@@ -67,10 +68,13 @@ struct EmbeddingArgs {
   float* out = nullptr;           // (T, H)
 };
 
-// Backward: dtable is ADDED into (the table's gradient can collect several calls, and zeroing all
-// of (V, H) per call would cost more than the op): for every (v, h), in increasing t over the
-// tokens with ids[t] = v:  dtable[v, h] = dtable[v, h] + dout[t, h]. A scatter in a fixed order, no
-// atomics (a CUDA version sorts the (id, t) pairs and sums each id's segment in t order).
+// Backward: the call's sum is ADDED into dtable (the table's gradient collects several calls, and
+// zeroing all of (V, H) per call would cost more than the op): for every (v, h) with some token of
+// id v, s = +0, then s = s + dout[t, h] in increasing t over the tokens with ids[t] = v, then
+// dtable[v, h] = dtable[v, h] + s; rows of ids that do not occur are not touched. So one call over
+// N micro-batches' tokens and N calls give different sums, but N data-parallel ranks each adding
+// its call's s give what one process adding N calls' s gives. A scatter in a fixed order, no
+// atomics (both backends sort the (id, t) pairs and sum each id's segment in t order).
 struct EmbeddingBackwardArgs {
   int64_t tokens = 0;            // T
   int64_t vocab = 0;             // V
@@ -204,40 +208,42 @@ struct AttentionBackwardArgs {
   float* dv = nullptr;                 // (B, S, Hkv, D)
 };
 
-// ---- cross-entropy over logits, mean over non-ignored targets -----------------------------------
+// ---- cross-entropy over one chunk of logits, forward and backward in one pass ---------------------
 //
 // targets[t] is the label of the NEXT position (the caller shifts: targets[t] = labels[t + 1], the
 // last position -100). A target equal to ignore_index is skipped; any other outside [0, V) is a
-// Status error. Per token t with z = logits[t] (every row, ignored or not, gets row_max/row_sum):
-//   m        = max_e z[e] (sequential);  s = R32 sum_e moe_exp_f32(z[e] - m)
-//   loss_t   = model_log_f32(s) - (z[target] - m)       (+0 for an ignored token)
-//   n        = #non-ignored tokens
-//   loss     = (R32 sum_t loss_t) / float(n),  or +0 when n = 0 (an all-padding batch gives no
-//              gradient instead of NaN)
+// Status error (checked before anything is written). The call covers any T rows (the LM head
+// passes one chunk of tokens, nn/lm_head_loss.h); the batch-wide scale g = dloss / float(n), n the
+// non-ignored targets of the whole batch, is the caller's (0 when n = 0). Per token t with
+// z = logits[t]:
+//   m          = max_e z[e] (sequential);  s = R32 sum_e moe_exp_f32(z[e] - m)
+//   loss[t]    = model_log_f32(s) - (z[target] - m)        (+0 for an ignored token)
+//   dlogits[t, e] = bf16((moe_exp_f32(z[e] - m) / s - [e == target]) * g)   (+0 rows if ignored)
+// dlogits may be null (evaluation: the loss only). CPU: exactly this. CUDA (one row per CTA, one
+// read of the row for m, s and the target logit, a second to write dlogits): m and s by an online
+// max / rescaled sum over fixed thread strides and a fixed tree, the hardware exp and a reciprocal
+// of s, so deterministic and row-local (batch-invariant) but not the CPU's bits: the loss within
+// 1e-5 of it and each dlogit within one BF16 ulp (tests/cuda/test_cuda_model_ops.cpp).
 struct CrossEntropyArgs {
-  int64_t tokens = 0;                // T
-  int64_t vocab = 0;                 // V
-  int32_t ignore_index = -100;
-  const float* logits = nullptr;     // (T, V)
-  const int32_t* targets = nullptr;  // (T)
-  float* loss = nullptr;             // (1,)
-  int64_t* valid = nullptr;          // (1,) n; optional (may be null)
-  float* row_max = nullptr;          // (T) kept for the backward
-  float* row_sum = nullptr;          // (T)
-};
-
-// Backward, dlogits overwritten: with g = dloss / float(n) (0 when n = 0),
-//   dlogits[t, e] = (moe_exp_f32(z[e] - m_t) / s_t - [e == target_t]) * g,   zeros for ignored t.
-struct CrossEntropyBackwardArgs {
-  int64_t tokens = 0;  // T
+  int64_t tokens = 0;  // T (rows of this call)
   int64_t vocab = 0;   // V
   int32_t ignore_index = -100;
-  float dloss = 1.0f;                // dL/dloss, e.g. the loss scale
+  float grad_scale = 0.0f;           // g
   const float* logits = nullptr;     // (T, V)
   const int32_t* targets = nullptr;  // (T)
-  const float* row_max = nullptr;    // (T) from the forward
-  const float* row_sum = nullptr;    // (T)
-  float* dlogits = nullptr;          // (T, V)
+  float* loss = nullptr;             // (T) per token
+  uint16_t* dlogits = nullptr;       // (T, V) BF16, or null
+};
+
+// The batch's loss from the per-token losses of every chunk: with n = valid (the non-ignored
+// targets, counted by the caller),
+//   loss = (R32 sum_t token_loss[t]) / float(n),  or +0 when n = 0 (an all-padding batch gives no
+//          gradient instead of NaN). Every backend: exactly this.
+struct CrossEntropyMeanArgs {
+  int64_t tokens = 0;                  // T (the whole batch)
+  int64_t valid = 0;                   // n, 0 <= n <= T
+  const float* token_loss = nullptr;   // (T)
+  float* loss = nullptr;               // (1,)
 };
 
 // ---- argument checks (shapes, pointers; touch no memory) ---------------------------------------
@@ -250,7 +256,7 @@ Status validate_rope(const RopeArgs& a);
 Status validate_attention(const AttentionArgs& a);
 Status validate_attention_backward(const AttentionBackwardArgs& a);
 Status validate_cross_entropy(const CrossEntropyArgs& a);
-Status validate_cross_entropy_backward(const CrossEntropyBackwardArgs& a);
+Status validate_cross_entropy_mean(const CrossEntropyMeanArgs& a);
 
 // The host RoPE table (backend/ops/model.cpp): validates, then errors for a position outside
 // [0, 2^24).
@@ -268,7 +274,7 @@ Status rope_backward_cpu(const RopeArgs& a);  // in = dout, out = din
 Status attention_cpu(const AttentionArgs& a);
 Status attention_backward_cpu(const AttentionBackwardArgs& a);
 Status cross_entropy_cpu(const CrossEntropyArgs& a);
-Status cross_entropy_backward_cpu(const CrossEntropyBackwardArgs& a);
+Status cross_entropy_mean_cpu(const CrossEntropyMeanArgs& a);
 
 // ---- entries: validate once, then run the backend's implementation (backend/ops/model.cpp) --------
 class Backend;
@@ -282,7 +288,7 @@ Status rope_backward(Backend& b, const RopeArgs& a);
 Status attention(Backend& b, const AttentionArgs& a);
 Status attention_backward(Backend& b, const AttentionBackwardArgs& a);
 Status cross_entropy(Backend& b, const CrossEntropyArgs& a);
-Status cross_entropy_backward(Backend& b, const CrossEntropyBackwardArgs& a);
+Status cross_entropy_mean(Backend& b, const CrossEntropyMeanArgs& a);
 }  // namespace ops
 
 // One device's implementation of the family; every pointer is set (backend/cpu/cpu_kernels.cpp,
@@ -297,7 +303,7 @@ struct ModelKernels {
   Status (*attention)(Backend&, const AttentionArgs&);
   Status (*attention_backward)(Backend&, const AttentionBackwardArgs&);
   Status (*cross_entropy)(Backend&, const CrossEntropyArgs&);
-  Status (*cross_entropy_backward)(Backend&, const CrossEntropyBackwardArgs&);
+  Status (*cross_entropy_mean)(Backend&, const CrossEntropyMeanArgs&);
 };
 
 }  // namespace packmoe

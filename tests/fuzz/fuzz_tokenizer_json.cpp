@@ -1,0 +1,7 @@
+// libFuzzer entry of the tokenizer_json target (tests/fuzz/fuzz_targets.h); built only with
+// -DPACKMOE_FUZZ=ON (clang): build-fuzz/fuzz_tokenizer_json -max_total_time=600 [corpus dir].
+#include "fuzz/fuzz_targets.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return packmoe::fuzz::fuzz_tokenizer_json(data, size);
+}
