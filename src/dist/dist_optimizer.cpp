@@ -133,6 +133,13 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     traffic_.all_gather_bytes += fp32_->bytes;
   }
   stage();
+  // With the BF16 gather, the image's slot of a BF16 param IS its primary: the gather lands in
+  // place and no copy into the param follows (nor a second BF16 copy of the weights).
+  if (cfg_.gather == GatherMode::kBf16)
+    for (int p = 0; p < plan_.params(); ++p)
+      if (params_[p].form != WeightForm::kFp32 && params_[p].param->keeps_bf16())
+        params_[p].param->bind_bf16_primary(
+            bf16_views(static_cast<const uint8_t*>(bf16_class_->buffer->get()), p).ptrs());
   grads_.advance(GradBufferState::kParamsStaged, "construction: masters staged for the gather");
 }
 
