@@ -6,6 +6,10 @@
 // one `packmoe: error:` line.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -24,7 +28,12 @@ namespace {
 class GenerateE2e : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(test::make_test_dir("generate_e2e_"));
+    // One directory for the suite (make_test_dir names it by the test, which is none yet here).
+    const char* tmp = std::getenv("PACKMOE_TEST_TMP");
+    dir_ = new fs::path((tmp && *tmp ? fs::path(tmp) : fs::temp_directory_path()) /
+                        ("generate_e2e_" + std::to_string(::getpid())));
+    fs::remove_all(*dir_);
+    fs::create_directories(*dir_);
     std::ofstream f(*dir_ / "corpus.txt");  // fortune-format documents
     const char* lines[] = {"the cat sat on the mat", "a dog ran in the park", "birds sing at dawn"};
     for (int d = 0; d < 200; ++d) f << lines[d % 3] << " " << d << "\n%\n";

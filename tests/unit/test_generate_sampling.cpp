@@ -60,6 +60,11 @@ TEST(Sampling, TemperatureTopKAndTopPSets) {
   EXPECT_NEAR(c[0].p, 0.25 / 0.38, 1e-6);
   EXPECT_NEAR(c[1].p, 0.09 / 0.38, 1e-6);
   EXPECT_NEAR(c[2].p, 0.04 / 0.38, 1e-6);
+  // Exact quarters: top-p 0.5 is reached by two ids, exactly (">=" p, not "> p").
+  const std::vector<float> flat = {1.0f, 1.0f, 1.0f, 1.0f};
+  EXPECT_EQ(ids_of(candidates(flat, sampling(1, 0, 0.5))), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(ids_of(candidates(flat, sampling(1, 0, 0.25))), (std::vector<int32_t>{0}));
+  EXPECT_EQ(candidates(flat, sampling(1, 0, 0.5))[1].p, 0.5);
   // Equal logits: the lower id first.
   EXPECT_EQ(ids_of(candidates(std::vector<float>{1, 2, 2, 1}, sampling(1, 3, 1))),
             (std::vector<int32_t>{1, 2, 0}));
