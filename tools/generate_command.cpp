@@ -10,6 +10,7 @@
 #include "generate/generator.h"
 #include "generate/model_source.h"
 #include "tools/commands.h"
+#include "tools/exact_integer.h"
 #include "train/train_config.h"
 
 namespace packmoe::tools {
@@ -30,12 +31,15 @@ void add_generate_command(CLI::App& app, GenerateArgs& args) {
   cmd->add_option("--tokenizer", args.tokenizer,
                   "tokenizer.json, a SentencePiece .model or a folder holding one (default: the "
                   "checkpoint run's tokenizer or the directory's own files; none: byte tokens)");
-  cmd->add_option("--max-new-tokens", args.max_new_tokens, "tokens to generate at most (64)");
+  cmd->add_option("--max-new-tokens", args.max_new_tokens, "tokens to generate at most (64)")
+      ->check(exact_integer<int64_t>());
   cmd->add_option("--temperature", args.temperature, "0: greedy (default); > 0: sampling");
-  cmd->add_option("--top-k", args.top_k, "sample among the k most likely tokens (0: all)");
+  cmd->add_option("--top-k", args.top_k, "sample among the k most likely tokens (0: all)")
+      ->check(exact_integer<int64_t>());
   cmd->add_option("--top-p", args.top_p,
                   "sample among the most likely tokens whose probabilities sum to p, in (0, 1]");
-  cmd->add_option("--seed", args.seed, "seed of the sampling draws (0)");
+  cmd->add_option("--seed", args.seed, "seed of the sampling draws (0)")
+      ->check(exact_integer<uint64_t>());
   cmd->add_option("--device", args.device, "auto (CUDA when a GPU is usable), cpu or cuda");
   cmd->add_option("--recipe", args.recipe,
                   "expert precision: bf16 (default), mxfp8, nvfp4 (quantized from the weights)");

@@ -107,7 +107,9 @@ TEST_F(GenerateE2e, BadInputIsOneErrorLine) {
         "generate " + model + " --prompt hi --temperature -1",
         "generate " + model + " --prompt hi --max-new-tokens 0",
         "generate " + model + " --prompt ''",
-        "generate " + model + " --prompt hi --recipe fp4"}) {
+        "generate " + model + " --prompt hi --recipe fp4",
+        "generate " + model + " --prompt hi --seed -1",
+        "generate " + model + " --prompt hi --top-p nan"}) {
     const RunResult r = run_cli(args + " --device cpu");
     EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
     EXPECT_EQ(r.output.rfind("packmoe: error: ", 0), 0u) << args << "\n" << r.output;
