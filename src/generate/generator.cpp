@@ -32,7 +32,9 @@ Result<GenerateResult> generate(Model& model, std::span<const int32_t> prompt,
                          std::to_string(limit));
 
   // The last new token is only emitted, never run, so the cache needs n + max_new - 1 rows.
-  KvCache cache(model.backend(), c, std::min(limit, n + config.max_new_tokens - 1));
+  const int64_t room = limit - n;  // >= 0; compared first so that a huge max_new cannot overflow
+  KvCache cache(model.backend(), c,
+                config.max_new_tokens - 1 >= room ? limit : n + config.max_new_tokens - 1);
   Result<std::vector<float>> logits = forward_cached(model, prompt, cache);
   GenerateResult out;
   for (int64_t step = 0;; ++step) {

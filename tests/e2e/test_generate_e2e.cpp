@@ -85,6 +85,14 @@ TEST_F(GenerateE2e, CheckpointSaveRootAndHfDirectoryGiveTheSameTokens) {
 }
 
 TEST_F(GenerateE2e, SeededSamplingReplays) {
+  // A --max-new-tokens far past the positions allocates only the positions there are.
+  const nlohmann::json far = generate_json((*dir_ / "ckpt").string(),
+                                           "--prompt " + std::string(500, 'a') +
+                                               " --max-new-tokens 9223372036854775807");
+  ASSERT_TRUE(far.contains("ids"));
+  EXPECT_EQ(far["ids"].size(), 13u);  // positions 500..511 run, the 13th new token ends it
+  EXPECT_EQ(far["stop"], "max_positions");
+
   const std::string model = (*dir_ / "ckpt").string();
   const std::string flags = "--prompt 'a dog' --max-new-tokens 16 --temperature 1.5 --top-k 20";
   const nlohmann::json a = generate_json(model, flags + " --seed 5");
