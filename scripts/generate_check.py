@@ -51,9 +51,11 @@ def hf_greedy(torch, model_cls, model_dir, dtype, device, prompt_ids, tokens, st
                              do_sample=False, num_beams=1, repetition_penalty=1.0, top_k=None,
                              top_p=None, temperature=None, eos_token_id=eos,
                              pad_token_id=eos[0] if eos else 0, output_logits=True,
-                             return_dict_in_generate=True)
+                             output_scores=True, return_dict_in_generate=True)
     new = out.sequences[0, len(prompt_ids):].tolist()
-    logits = [step[0].float().cpu() for step in out.logits]
+    # The raw logits of every step (the scores equal them here: no processor is active).
+    steps = out.logits if getattr(out, "logits", None) is not None else out.scores
+    logits = [step[0].float().cpu() for step in steps]
     return new, logits
 
 
