@@ -382,6 +382,14 @@ void Model::backward() {
   state_ = ModelState::kIdle;
 }
 
+DecoderLayer& Model::layer(int64_t i) {
+  PACKMOE_CHECK(i >= 0 && i < static_cast<int64_t>(impl_->layers.size()), "no layer " << i);
+  return *impl_->layers[static_cast<size_t>(i)];
+}
+RmsNorm& Model::final_norm() { return *impl_->final_norm; }
+GroupedLinear& Model::lm_head() { return *impl_->lm_head; }
+const GroupedParam& Model::embedding() const { return impl_->embedding(); }
+
 void Model::grad_ready(size_t first, size_t end) const {
   if (!grad_ready_) return;
   for (size_t i = first; i < end; ++i) grad_ready_(i);

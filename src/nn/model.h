@@ -106,6 +106,7 @@ std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosse
 
 class DecoderLayer;   // nn/decoder_layer.h
 class GroupedLinear;  // nn/grouped_linear.h
+class RmsNorm;        // nn/rms_norm.h
 
 // A parameter with its name (a ModelWeights key), whether AdamW decays it, and whether a layer
 // reads its FP32 weight itself (nn/layer_ops.h f32_weight: every RMSNorm and the embedding table,
@@ -173,6 +174,14 @@ class Model {
   // Installs (or, empty, removes) the hook backward fires per parameter: data parallelism starts
   // a bucket's gradient reduce-scatter as soon as all its parameters are final.
   void set_grad_ready_hook(GradReadyHook hook) { grad_ready_ = std::move(hook); }
+
+  // The layers themselves, for inference that runs them its own way (the KV-cached forward of
+  // nn/kv_cache.h): decoder layer i < num_hidden_layers, the final norm, the LM head and the
+  // embedding table (1, V, H) (the LM head's weight when tied).
+  DecoderLayer& layer(int64_t i);
+  RmsNorm& final_norm();
+  GroupedLinear& lm_head();
+  const GroupedParam& embedding() const;
 
  private:
   Backend* backend_;

@@ -163,5 +163,7 @@ Status attention_sm90(CudaBackend& be, const AttentionArgs& a);
 Status attention_backward_sm90(CudaBackend& be, const AttentionBackwardArgs& a);
 Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a);
 Status cross_entropy_mean_sm90(CudaBackend& be, const CrossEntropyMeanArgs& a);
+// Attention of new queries over a KV cache (attention_kv_sm90.cu): the CPU reference's bytes.
+Status attention_kv_sm90(CudaBackend& be, const AttentionKvArgs& a);
 
 }  // namespace packmoe
