@@ -58,7 +58,7 @@ struct TrainerParallelism {
 // (what `packmoe train` prints at start-up).
 struct StartupTimes {
   double weights = 0;    // random_model_weights in the backend's memory (0 with given weights)
-  double model = 0;      // the layers: primary weights and FP32 masters from the init
+  double model = 0;      // the layers: primary weights from the init (each param keeps it)
   double optimizer = 0;  // grad buffer, master shard and moments, the staged gather
   double state = 0;      // resume: the checkpoint's masters, moments and data position
 };

@@ -155,10 +155,11 @@ inline void expect_same_params(MoEBlock& single, MoEBlock& discrete, const std::
     for (size_t j = 0; j < a.size(); ++j)
       EXPECT_TRUE(a[j].storage->download() == e[j].storage->download())
           << when << ": " << kParamNames[i] << " weight component " << a[j].name << " differs";
-    if (opt_s && opt_d)
+    if (opt_s && opt_d) {
       EXPECT_TRUE(opt_s->master_bytes(static_cast<int>(i)) ==
                   opt_d->master_bytes(static_cast<int>(i)))
           << when << ": " << kParamNames[i] << " master differs";
+    }
     if (grads) {
       EXPECT_TRUE(s[i]->main_grad().download() == d[i]->main_grad().download())
           << when << ": " << kParamNames[i] << " main_grad differs";
