@@ -23,6 +23,7 @@
 #include "common/single_rank_optimizer.h"
 #include "nn/model.h"
 #include "train/model_config.h"
+#include "train/trainer.h"
 
 namespace packmoe {
 namespace {
@@ -61,10 +62,9 @@ struct TrainRun {
 TrainRun train(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
           uint64_t init_seed, uint32_t data_seed, int steps) {
   Model model(backend, config, precision, random_model_weights(config, init_seed));
-  std::vector<DistParam> params;
-  for (const NamedParam& p : model.params())
-    params.push_back({p.param, true, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
-  SingleRankOptimizer opt(backend, params, AdamWConfig{3e-3f, 0.9f, 0.95f, 1e-8f, 0.0f});
+  // Weight decay 0: the params' decay flags do not matter.
+  SingleRankOptimizer opt(backend, train::optimizer_params(model),
+                          AdamWConfig{3e-3f, 0.9f, 0.95f, 1e-8f, 0.0f});
   std::mt19937 rng(data_seed);
   TrainRun run;
   for (int s = 0; s < steps; ++s) {

@@ -15,6 +15,7 @@
 #include "common/dist_optimizer_harness.h"
 #include "nn/model.h"
 #include "train/model_config.h"
+#include "train/trainer.h"
 
 namespace packmoe::dist_checks {
 namespace {
@@ -35,14 +36,6 @@ Batch micro_batch(uint64_t seed, int s, int i) {
     b.targets.insert(b.targets.end(), row.begin() + 1, row.end());
   }
   return b;
-}
-
-std::vector<DistParam> model_dist_params(const Model& m) {
-  std::vector<DistParam> params;
-  for (const NamedParam& p : m.params())
-    params.push_back(
-        {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
-  return params;
 }
 
 // A model copy with no optimizer of its own: kFp32 params keep their FP32 weight as a replica
@@ -104,11 +97,11 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
     std::vector<std::unique_ptr<Model>> ref;
     for (int i = 0; i < world; ++i)
       ref.push_back(std::make_unique<Model>(b, config, c.precision, init));
-    SingleRankOptimizer ref_opt(b, model_dist_params(*ref[0]), kAdamW);
+    SingleRankOptimizer ref_opt(b, train::optimizer_params(*ref[0]), kAdamW);
     for (int i = 1; i < world; ++i) hold_replicas(*ref[i]);
 
     Model model(b, config, c.precision, init);
-    const std::vector<DistParam> params = model_dist_params(model);
+    const std::vector<DistParam> params = train::optimizer_params(model);
     DistOptimizer opt(comm(), params, {kAdamW, c.mode, int64_t{1} << 14});
     EXPECT_GT(opt.plan().buckets().size(), 2u);
     // Each bucket's reduce-scatter starts during backward once its gradients are final.
