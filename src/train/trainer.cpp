@@ -47,8 +47,8 @@ void set_sr_offset(Model& model, int64_t step, int64_t index) {
     model.set_grad_sr_offset(nvfp4_grad_sr_offset(step, index));
 }
 
-// The optimizer's parameters: every model parameter in params() order; the layers that read
-// their FP32 weight itself (every norm, the embedding table) keep full FP32 replicas.
+}  // namespace
+
 std::vector<DistParam> optimizer_params(const Model& model) {
   std::vector<DistParam> params;
   for (const NamedParam& p : model.params())
@@ -56,8 +56,6 @@ std::vector<DistParam> optimizer_params(const Model& model) {
         {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
   return params;
 }
-
-}  // namespace
 
 Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelConfig& model,
                                                  const TrainConfig& config, TrainData data,
