@@ -49,8 +49,6 @@ inline void expect_device_counts_match_host(Backend& b, Recipe r, bool delay) {
   std::normal_distribution<float> dist(0.0f, 0.1f);
   for (int64_t i = 0; i < init.numel(); ++i) init.data_as<float>()[i] = dist(rng);
   GroupedLinear host(b, cfg, init), device(b, cfg, init);
-  host.param().create_master();
-  device.param().create_master();
   const int64_t align = token_alignment(r);
   const std::vector<std::vector<int64_t>> micro = {{3, 0, 5, 2}, {1, 4, 0, 6}};  // x align
   GradAccum accum = GradAccum::kOverwrite;
