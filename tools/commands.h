@@ -59,6 +59,7 @@ struct TrainArgs {
   int64_t save_interval = 0;
   int keep_last = 2;
   bool save_primary = false;
+  std::string tensorboard;  // --tensorboard DIR: event files there (empty: none)
   bool overwrite = false;       // --overwrite: a new run may replace a save root's checkpoints
   double comm_timeout_s = 0;    // --comm-timeout, when given (CommOptions::timeout_s)
   // Attention over documents: --attention-mask causal|document, --eod-token, --reset-position-ids.

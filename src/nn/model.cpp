@@ -26,6 +26,8 @@ struct Model::Impl {
   float loss_scale = 0;   // of the backward it began
   Tensor ids;             // (T) I32
   Tensor dlm;             // (T, H) F32: the LM head's dgrad, computed with the loss
+  // Every MoE layer's router statistics of the last forward (null without MoE layers or aux loss).
+  std::shared_ptr<AuxLossStats> aux_stats;
 
   const GroupedParam& embedding() const { return embed ? *embed : lm_head->param(); }
 };
@@ -152,6 +154,13 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
                                                       is_moe ? &mc : nullptr, li));
   }
   m.final_norm = std::make_unique<RmsNorm>(backend, layout, eps, weight(init, "model.norm.weight"));
+  // One aux loss over every MoE layer's router outputs, as Hugging Face forms it.
+  if (c.router_aux_loss_coef != 0.0)
+    for (auto& layer : m.layers)
+      if (layer->moe()) {
+        if (!m.aux_stats) m.aux_stats = std::make_shared<AuxLossStats>(backend, c.num_experts);
+        layer->moe()->share_aux_loss_stats(m.aux_stats);
+      }
 
   // The parameter list, in model_param_specs order, with the linear that owns each (null for the
   // norms and the untied embedding) and whether a layer reads its FP32 weight (norms, embedding).
@@ -291,9 +300,12 @@ Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float
 
   ForwardLosses losses;
   losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
-  for (auto& layer : m.layers) {
-    x = layer->forward(x, B, S, m.rope);
-    if (layer->moe() && losses.aux_coef != 0.0f) losses.aux_loss += layer->moe()->aux_loss();
+  if (m.aux_stats) m.aux_stats->reset(b);
+  for (auto& layer : m.layers) x = layer->forward(x, B, S, m.rope);
+  if (m.aux_stats) {
+    const Tensor aux = Tensor::empty(b, DType::kF32, {1});
+    m.aux_stats->loss(b, aux.data_as<float>());
+    b.copy(&losses.aux_loss, aux.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   }
   // The LM head and the loss in chunks of tokens (nn/lm_head_loss.h); training also runs the
   // head's backward here, since the loss scale is known: its weight gradient is added into
@@ -310,6 +322,14 @@ Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float
     state_ = ModelState::kForwardDone;
   }
   return losses;
+}
+
+std::vector<std::pair<int64_t, std::vector<int64_t>>> Model::expert_counts() const {
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> out;
+  for (size_t i = 0; i < impl_->layers.size(); ++i)
+    if (MoEBlock* moe = impl_->layers[i]->moe())
+      out.emplace_back(static_cast<int64_t>(i), moe->plan().counts);
+  return out;
 }
 
 void Model::backward() {
