@@ -26,6 +26,7 @@ Status run_demo(const DemoArgs& args);
 
 struct QuantizeArgs {
   std::string device = "auto", format, element = "e4m3", in, out;
+  std::vector<std::string> exclude;  // --exclude REGEX (given: replaces the default list)
   bool two_d = false, quiet = false;
 };
 void add_quantize_command(CLI::App& app, QuantizeArgs& args);
@@ -39,7 +40,9 @@ void add_dequantize_command(CLI::App& app, DequantizeArgs& args);
 Status run_dequantize(const DequantizeArgs& args);
 
 struct PlotArgs {
-  std::string metrics, out = "plot.svg";
+  std::vector<std::string> metrics, names;
+  std::string out = "plot.svg", title;
+  double smooth = 0;
   bool quiet = false;
 };
 void add_plot_command(CLI::App& app, PlotArgs& args);
