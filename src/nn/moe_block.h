@@ -2,9 +2,11 @@
 // softmax, top-k (+ load-balancing aux loss) -> permute (each expert padded to the recipe's token
 // alignment) -> [TokenDispatcher::dispatch] -> FC1 (E, 2F, H) -> SwiGLU -> FC2 (E, H, F) ->
 // [TokenDispatcher::combine] -> unpermute + combine (nn/token_dispatcher.h; local: the identity).
-// Invariants: all arithmetic runs as Backend ops (the host only builds the routing plan from the
-// downloaded top-k indices); the block's state machine (Idle -> ForwardDone -> [WgradPending] ->
-// Idle) mirrors its linears'; both layouts issue identical ops, so their results are bitwise equal.
+// Invariants: all arithmetic runs as Backend ops and nothing waits on the host: the routing plan's
+// counts and the aux loss stay in the backend's memory, and every row buffer is sized by
+// routing_plan_max_rows (the GEMMs take the device counts; the row ops skip unused rows); the
+// block's state machine (Idle -> ForwardDone -> [WgradPending] -> Idle) mirrors its linears'; both
+// layouts issue identical ops, so their results are bitwise equal.
 #pragma once
 
 #include <cstdint>
@@ -107,11 +109,13 @@ class MoEBlock {
   // expert here). Only in state Idle.
   void set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher);
 
-  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests; its
-  // dest and row_slot stay in the backend's memory (empty here).
-  const RoutingPlan& plan() const;
+  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests: its
+  // counts copied to the host (a wait); dest and row_slot stay in the backend's memory (empty
+  // here).
+  RoutingPlan plan() const;
   // The aux loss (without the coefficient) of the statistics the last forward added to: its own
-  // (this layer's) or the shared ones, copied to the host. Needs aux_loss_coef != 0.
+  // (this layer's) or the shared ones, copied to the host (a wait, for tests). Needs
+  // aux_loss_coef != 0.
   float aux_loss() const;
   // Makes forward add its router statistics into `stats` (which its owner resets before each
   // forward of all the layers sharing it) and backward read the totals there. Only in state Idle.
@@ -128,16 +132,20 @@ class MoEBlock {
   bool has_plan_ = false;
   std::shared_ptr<AuxLossStats> aux_stats_;  // with aux_loss_coef != 0: own or shared
   bool aux_stats_shared_ = false;            // shared: reset by their owner, not by forward
+  Tensor counts_;  // (E + 1) I64 of the last forward's plan (plan())
 
-  // Saved by forward for backward (backend memory unless noted).
-  RoutingPlan plan_;  // host: counts, offsets, rows
-  Tensor dest_;       // (T, k) I32, the plan's
-  Tensor row_slot_;   // (>= M) I32, the plan's (-1 past row M)
-  Tensor probs_;      // (T, E) F32
-  Tensor idx_;        // (T, k) I32
-  Tensor w_;          // (T, k) F32
-  Tensor h_;          // (ML, 2F) activation_dtype, FC1's output (SwiGLU's input), expert side
-  Tensor yp_;         // (M, H) activation_dtype, FC2's output (the combine's input)
+  // Saved by forward for backward (backend memory unless noted). Row buffers hold C =
+  // routing_plan_max_rows rows, of which the plan uses M (rows_ on the device).
+  int64_t tokens_ = 0;    // T, host
+  int64_t capacity_ = 0;  // C, host
+  ExpertRows plan_rows_;  // counts (E) I64 padded, used (1) I64 = M; rows undefined
+  Tensor dest_;           // (T, k) I32, the plan's
+  Tensor row_slot_;       // (C) I32, the plan's (-1 past row M)
+  Tensor probs_;          // (T, E) F32
+  Tensor idx_;            // (T, k) I32
+  Tensor w_;              // (T, k) F32
+  Tensor h_;              // (CL, 2F) activation_dtype, FC1's output (SwiGLU's input), expert side
+  Tensor yp_;             // (C, H) activation_dtype, FC2's output (the combine's input)
 };
 
 }  // namespace packmoe

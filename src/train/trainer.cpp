@@ -272,7 +272,7 @@ Result<StepResult> Trainer::train_step() {
   const int world = comm_->size(), rank = comm_->rank();
   StepResult r;
   r.step = step_ + 1;
-  double sums[2] = {0, 0};  // lm, aux loss over this rank's micro-batches
+  std::vector<QueuedLosses> queued;  // this rank's micro-batches', read once after the last
   for (int64_t micro = 0; micro < A; ++micro) {
     Batch batch;
     for (int w = 0; w < world; ++w) {  // micro-batch `rank` of every `world` consecutive ones
@@ -283,12 +283,16 @@ Result<StepResult> Trainer::train_step() {
     optimizer_->prepare_forward();
     // Before the forward: the training forward already adds the LM head's gradient.
     optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
-    Result<ForwardLosses> losses = model_->forward(batch, optimizer_->loss_scale(A));
+    Result<QueuedLosses> losses = model_->queue_forward(batch, optimizer_->loss_scale(A));
     if (!losses) return losses.status();
+    queued.push_back(losses.value());
     model_->backward();
-    sums[0] += losses.value().lm_loss;
-    sums[1] += losses.value().aux_loss;
     r.tokens += batch.batch * batch.seq * world;
+  }
+  double sums[2] = {0, 0};  // lm, aux loss over this rank's micro-batches, in micro-batch order
+  for (const ForwardLosses& l : read_losses(model_->backend(), queued)) {
+    sums[0] += l.lm_loss;
+    sums[1] += l.aux_loss;
   }
   // Rank-ordered F64 sum (MPI; NCCL with 2 ranks is one rounding, the same): with A = 1 the bits
   // of one process accumulating every rank's loss. In the communicator's memory (NCCL: device).
@@ -325,13 +329,15 @@ Result<EvalResult> Trainer::evaluate() {
   const auto start = std::chrono::steady_clock::now();
   optimizer_->prepare_forward();  // every rank holds all weights: each evaluates it all
   EvalResult r;
-  double loss_sum = 0;
+  std::vector<QueuedLosses> queued;  // read once, after the last batch
   for (const Batch& batch : validation_) {
-    Result<ForwardLosses> losses = model_->forward(batch);
+    Result<QueuedLosses> losses = model_->queue_forward(batch, std::nullopt);
     if (!losses) return losses.status();
-    loss_sum += losses.value().lm_loss;
+    queued.push_back(losses.value());
     r.tokens += batch.batch * batch.seq;
   }
+  double loss_sum = 0;
+  for (const ForwardLosses& l : read_losses(model_->backend(), queued)) loss_sum += l.lm_loss;
   r.loss = loss_sum / static_cast<double>(validation_.size());
   r.seconds = seconds_since(start);
   return r;
