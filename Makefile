@@ -2,6 +2,7 @@
 #   make run   -- installs dependencies, configures, builds, runs the main job: packmoe train of
 #                 the tiny model on the fortunes corpus on the CPU (the README's main command)
 #   make test  -- installs dependencies, configures, builds, runs every test this machine can run
+#   make install [PREFIX=~/.local] -- builds, then puts packmoe in PREFIX/bin (default /usr/local)
 # CUDA is built whenever nvcc is found (override: make PACKMOE_CUDA=OFF test). Tests labelled
 # `cuda` need a GPU and run only where one is visible.
 BUILD ?= build
@@ -12,7 +13,9 @@ PACKMOE_CUDA ?= AUTO
 JOBS ?= $(shell nproc)
 NVCC := $(shell command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 
-.PHONY: deps configure build run test clean
+PREFIX ?= /usr/local
+
+.PHONY: deps configure build run test install clean
 
 deps:
 	@scripts/install-deps.sh
@@ -34,6 +37,9 @@ test: build
 	  echo "no GPU visible: running every test but those labelled cuda"; \
 	  ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE cuda; \
 	fi
+
+install: build
+	@cmake --install $(BUILD) --prefix $(PREFIX)
 
 clean:
 	rm -rf $(BUILD)

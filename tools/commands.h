@@ -26,6 +26,7 @@ Status run_demo(const DemoArgs& args);
 
 struct QuantizeArgs {
   std::string device = "auto", format, element = "e4m3", in, out;
+  std::vector<std::string> exclude;  // --exclude REGEX (given: replaces the default list)
   bool two_d = false, quiet = false;
 };
 void add_quantize_command(CLI::App& app, QuantizeArgs& args);
@@ -39,7 +40,9 @@ void add_dequantize_command(CLI::App& app, DequantizeArgs& args);
 Status run_dequantize(const DequantizeArgs& args);
 
 struct PlotArgs {
-  std::string metrics, out = "plot.svg";
+  std::vector<std::string> metrics, names;
+  std::string out = "plot.svg", title;
+  double smooth = 0;
   bool quiet = false;
 };
 void add_plot_command(CLI::App& app, PlotArgs& args);
@@ -59,6 +62,7 @@ struct TrainArgs {
   int64_t save_interval = 0;
   int keep_last = 2;
   bool save_primary = false;
+  std::string tensorboard;  // --tensorboard DIR: event files there (empty: none)
   bool overwrite = false;       // --overwrite: a new run may replace a save root's checkpoints
   double comm_timeout_s = 0;    // --comm-timeout, when given (CommOptions::timeout_s)
   // Attention over documents: --attention-mask causal|document, --eod-token, --reset-position-ids.

@@ -255,6 +255,10 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                   "appends to metrics.jsonl, dropping records past the checkpoint's step "
                   "(default: " +
                       args.out + ")");
+  cmd->add_option("--tensorboard", args.tensorboard,
+                  "also write the run's scalars (loss, eval loss, lr, grad norm, aux loss, "
+                  "tokens/s, MFU, memory, expert load) as a TensorBoard event file in DIR: "
+                  "tensorboard --logdir DIR");
   cmd->add_option("--save-dir", args.save_dir,
                   "checkpoint root: writes ROOT/step-XXXXXXXX atomically (temporary directory, "
                   "CRC-32C marker, rename) every --save-interval steps and after the last step");
@@ -430,6 +434,8 @@ Result<SetUp> set_up(const TrainArgs& args) {
     return Status::error("--overwrite starts a new run; --resume continues one: use one");
   // Outputs are writable, found out now rather than at the first write after the run.
   PACKMOE_RETURN_IF_ERROR(io::check_writable_dir(args.out, "--out"));
+  if (!args.tensorboard.empty())
+    PACKMOE_RETURN_IF_ERROR(io::check_writable_dir(args.tensorboard, "--tensorboard"));
   if (!args.save_dir.empty()) {
     PACKMOE_RETURN_IF_ERROR(io::check_writable_dir(args.save_dir, "--save-dir"));
     // A new run must not mix its checkpoints with another run's (--resume auto would continue
@@ -531,6 +537,20 @@ Result<SetUp> set_up(const TrainArgs& args) {
                          "): drop vocab_size from the config or raise it");
   for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
   if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
+  // Extending a run (--resume with another --steps) keeps the schedule it had: the cosine still
+  // ends where it did, so the LR never jumps; --decay-steps re-stretches it explicitly.
+  if (checkpoint && !config.decay_steps && config.steps != checkpoint->config.steps) {
+    config.decay_steps = checkpoint->config.steps;
+    char note[320];
+    std::snprintf(note, sizeof note,
+                  "schedule: --steps %lld continues a run of %lld steps on its own schedule (the "
+                  "cosine reaches --min-lr %g at step %lld, constant after); --decay-steps N "
+                  "re-stretches it",
+                  static_cast<long long>(config.steps),
+                  static_cast<long long>(checkpoint->config.steps), config.min_lr,
+                  static_cast<long long>(checkpoint->config.steps));
+    set.start.notes.push_back(note);
+  }
   if (args.cmd->count("--shuffle")) config.shuffle = args.shuffle;
   if (args.cmd->count("--recipe")) {
     Result<Recipe> r = train::parse_recipe(args.recipe);
@@ -745,12 +765,15 @@ Status run_train(const TrainArgs& args) {
   loop.save_interval = args.save_interval;
   loop.keep_last = args.keep_last;
   loop.save_primary = args.save_primary;
+  loop.tensorboard_dir = rank0 ? args.tensorboard : std::string();
   Result<train::TrainSummary> summary = train::run_training(*trainer.value(), loop);
   PACKMOE_RETURN_IF_ERROR(agreed(comm.get(), summary ? Status::ok() : summary.status()));
   if (rank0) PACKMOE_RETURN_IF_ERROR(train::plot_metrics_file(metrics_path, plot_path));
   const train::TrainSummary& s = summary.value();
-  std::printf("done in %s: train loss %.4f -> %.4f", train::format_duration(s.seconds).c_str(),
-              s.first_loss, s.last_loss);
+  std::printf("done in %s: train loss %.4f (step %lld) -> %.4f (mean of steps %lld-%lld)",
+              train::format_duration(s.seconds).c_str(), s.first_loss,
+              static_cast<long long>(s.first_step), s.last_loss,
+              static_cast<long long>(s.last_interval_begin), static_cast<long long>(s.last_step));
   if (s.last_eval_loss) std::printf(", validation loss %.4f", *s.last_eval_loss);
   std::printf("\n  metrics: %s\n  plot:    %s\n  config:  %s\n", metrics_path.c_str(),
               plot_path.c_str(), config_path.c_str());

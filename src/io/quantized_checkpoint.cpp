@@ -182,16 +182,20 @@ Status quantize_file(const std::string& in_path, const std::string& out_path,
     if (names.count(e.name + "_scale"))
       return Status::error(where(in_path, e.name) + "has a '_scale' companion: the file is " +
                            "quantized already; dequantize it first");
-    quantizable += e.shape.size() == 2 && is_float_dtype(e.dtype);
+    quantizable += e.shape.size() == 2 && is_float_dtype(e.dtype) &&
+                   !(options.exclude && options.exclude(e.name));
   }
   if (quantizable == 0)
-    return Status::error(in_path + ": no 2-D floating-point tensor to quantize");
+    return Status::error(in_path + ": no 2-D floating-point tensor to quantize" +
+                         (options.exclude ? " (outside the excluded ones)" : ""));
 
   SafetensorsWriter out;
+  std::vector<std::string> fallback;  // 2-D requested, 1-D blocks taken
   for (size_t i = 0; i < entries.size(); ++i) {
     const SafetensorsEntry& e = entries[i];
     if (progress) progress(i + 1, entries.size(), e.name);
-    bool quantize = e.shape.size() == 2 && is_float_dtype(e.dtype);
+    bool quantize = e.shape.size() == 2 && is_float_dtype(e.dtype) &&
+                    !(options.exclude && options.exclude(e.name));
     if (!quantize) {
       out.add(e.name, e.dtype, e.shape, e.bytes);
       continue;
@@ -200,7 +204,20 @@ Status quantize_file(const std::string& in_path, const std::string& out_path,
       if (names.count(e.name + suffix))
         return Status::error(where(in_path, e.name) + "the input already has a tensor named '" +
                              printable_text(e.name + suffix) + "'; is it quantized already?");
-    PACKMOE_RETURN_IF_ERROR(quantize_tensor(e, in_path, options, backend, out));
+    // 2-D tiles need whole tiles of rows; such a tensor takes 1-D blocks (same scale layout).
+    const int64_t tile = options.format == FileFormat::kMxfp8 ? kMxfp8Block : kNvfp4Block;
+    QuantizeFileOptions tensor_options = options;
+    if (options.two_d && e.shape[0] % tile != 0) {
+      tensor_options.two_d = false;
+      fallback.push_back(e.name);
+    }
+    PACKMOE_RETURN_IF_ERROR(quantize_tensor(e, in_path, tensor_options, backend, out));
+  }
+  if (options.fallbacks) *options.fallbacks = fallback;
+  if (!fallback.empty()) {
+    std::string list;
+    for (const std::string& n : fallback) list += (list.empty() ? "" : ",") + n;
+    out.set_metadata("packmoe.block_1d", list);
   }
   for (const auto& [k, v] : file.value().metadata()) out.set_metadata(k, v);
   bool mx = options.format == FileFormat::kMxfp8;

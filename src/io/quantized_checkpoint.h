@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "core/status.h"
@@ -16,8 +17,14 @@ enum class FileFormat { kMxfp8, kNvfp4 };
 
 struct QuantizeFileOptions {
   FileFormat format = FileFormat::kMxfp8;
-  bool two_d = false;               // MXFP8 32x32 / NVFP4 16x16 tiles (weights)
+  // MXFP8 32x32 / NVFP4 16x16 tiles (weights); a tensor whose rows are no multiple of the tile
+  // falls back to 1-D blocks (1x32 / 1x16; its scale layout is the same), named in the metadata
+  // key packmoe.block_1d and in `fallbacks`.
+  bool two_d = false;
   DType element = DType::kE4M3;     // MXFP8 element type (kE4M3 or kE5M2)
+  // Tensors (by name) copied unchanged although 2-D floating point; null: none.
+  std::function<bool(const std::string&)> exclude;
+  std::vector<std::string>* fallbacks = nullptr;  // when set: the tensors that fell back to 1-D
 };
 
 // Called once per tensor before it is converted: (index from 1, count, name).

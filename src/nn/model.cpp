@@ -27,6 +27,8 @@ struct Model::Impl {
   float loss_scale = 0;   // of the backward it began
   Tensor ids;             // (T) I32
   Tensor dlm;             // (T, H) F32: the LM head's dgrad, computed with the loss
+  // Every MoE layer's router statistics of the last forward (null without MoE layers or aux loss).
+  std::shared_ptr<AuxLossStats> aux_stats;
 
   const GroupedParam& embedding() const { return embed ? *embed : lm_head->param(); }
 };
@@ -153,6 +155,13 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
                                                       is_moe ? &mc : nullptr, li));
   }
   m.final_norm = std::make_unique<RmsNorm>(backend, layout, eps, weight(init, "model.norm.weight"));
+  // One aux loss over every MoE layer's router outputs, as Hugging Face forms it.
+  if (c.router_aux_loss_coef != 0.0)
+    for (auto& layer : m.layers)
+      if (layer->moe()) {
+        if (!m.aux_stats) m.aux_stats = std::make_shared<AuxLossStats>(backend, c.num_experts);
+        layer->moe()->share_aux_loss_stats(m.aux_stats);
+      }
 
   // The parameter list, in model_param_specs order, with the linear that owns each (null for the
   // norms and the untied embedding) and whether a layer reads its FP32 weight (norms, embedding).
@@ -285,15 +294,10 @@ Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<floa
   losses.values = Tensor::empty(b, DType::kF32, {2});  // lm | aux
   b.fill_zero(losses.values.data(), losses.values.nbytes());
   float* const loss_values = losses.values.data_as<float>();
-  for (auto& layer : m.layers) {
-    x = layer->forward(x, B, S, m.rope);
-    if (layer->moe() && losses.aux_coef != 0.0f) {  // aux += the layer's, in layer order
-      const Segments<float> aux{{loss_values + 1}, 1};
-      const Segments<const float> layer_aux{{layer->moe()->aux_loss_device().data_as<const float>()},
-                                            1};
-      check_op(ops::add_f32(b, aux, layer_aux), "aux loss sum");
-    }
-  }
+  if (m.aux_stats) m.aux_stats->reset(b);
+  for (auto& layer : m.layers) x = layer->forward(x, B, S, m.rope);
+  // One aux loss over every MoE layer's router statistics, left in the backend's memory.
+  if (m.aux_stats) m.aux_stats->loss(b, loss_values + 1);
   // The LM head and the loss in chunks of tokens (nn/lm_head_loss.h); training also runs the
   // head's backward here, since the loss scale is known: its weight gradient is added into
   // main_grad now and dh waits for backward().
@@ -308,6 +312,14 @@ Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<floa
     state_ = ModelState::kForwardDone;
   }
   return losses;
+}
+
+std::vector<std::pair<int64_t, std::vector<int64_t>>> Model::expert_counts() const {
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> out;
+  for (size_t i = 0; i < impl_->layers.size(); ++i)
+    if (MoEBlock* moe = impl_->layers[i]->moe())
+      out.emplace_back(static_cast<int64_t>(i), moe->plan().counts);
+  return out;
 }
 
 std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued) {

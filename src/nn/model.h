@@ -86,7 +86,9 @@ struct Batch {
 
 struct ForwardLosses {
   float lm_loss = 0;          // cross-entropy, mean over the non-ignored targets
-  float aux_loss = 0;         // sum over MoE layers of the load-balancing aux (without the coef)
+  // Hugging Face's load-balancing loss over every MoE layer's router outputs together (without the
+  // coef; backend/ops/moe.h): k (num_experts_per_tok) when the routing is balanced.
+  float aux_loss = 0;
   float aux_coef = 0;         // router_aux_loss_coef of the config
   int64_t target_tokens = 0;  // non-ignored targets
   // What backward differentiates: lm_loss + aux_coef * aux_loss.
@@ -169,6 +171,9 @@ class Model {
   // its gradient becomes final (the LM head's first, as before).
   void backward();
   void zero_grad();  // every main_grad = 0
+  // Per MoE layer (decoder layer index, counts (E)): the (token, choice) pairs routed to each
+  // expert by the last forward, copied to the host (a wait; for metrics).
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> expert_counts() const;
   // Installs (or, empty, removes) the hook backward fires per parameter: data parallelism starts
   // a bucket's gradient reduce-scatter as soon as all its parameters are final.
   void set_grad_ready_hook(GradReadyHook hook) { grad_ready_ = std::move(hook); }

@@ -37,6 +37,28 @@ Tensor router_init(const Tensor& router) {  // (E, H) -> (1, E, H)
 
 }  // namespace
 
+AuxLossStats::AuxLossStats(Backend& backend, int64_t experts)
+    : counts(Tensor::empty(backend, DType::kI64, {experts})),
+      prob_sums(Tensor::empty(backend, DType::kF32, {experts})) {
+  reset(backend);
+}
+
+void AuxLossStats::reset(Backend& backend) {
+  backend.fill_zero(counts.data(), counts.nbytes());
+  backend.fill_zero(prob_sums.data(), prob_sums.nbytes());
+  tokens = 0;
+}
+
+void AuxLossStats::loss(Backend& backend, float* aux) const {
+  AuxLossArgs a;
+  a.tokens = tokens;
+  a.experts = counts.numel();
+  a.counts = counts.data_as<const int64_t>();
+  a.prob_sums = prob_sums.data_as<const float>();
+  a.aux = aux;
+  check_op(ops::aux_loss(backend, a), "aux_loss");
+}
+
 MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockInit& init)
     : backend_(&backend),
       cfg_(cfg),
@@ -56,6 +78,7 @@ MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockIn
                 "MoEBlock outputs bf16 or f32");
   PACKMOE_CHECK(cfg.activation_dtype == DType::kBF16 || cfg.activation_dtype == DType::kF32,
                 "MoEBlock activations are bf16 or f32");
+  if (cfg.aux_loss_coef != 0.0f) aux_stats_ = std::make_shared<AuxLossStats>(backend, e);
 }
 
 std::vector<GroupedParam*> MoEBlock::params() {
@@ -96,15 +119,17 @@ Tensor MoEBlock::forward(const Tensor& x) {
   check_op(ops::router_topk(b, ra), "router_topk");
 
   if (cfg_.aux_loss_coef != 0.0f) {
-    aux_ = Tensor::empty(b, DType::kF32, {1});
-    AuxLossArgs aa;
+    if (!aux_stats_shared_) aux_stats_->reset(b);
+    AuxLossStatsArgs aa;
     aa.tokens = T;
     aa.experts = E;
     aa.top_k = k;
     aa.probs = probs_.data_as<const float>();
     aa.idx = idx_.data_as<const int32_t>();
-    aa.aux = aux_.data_as<float>();
-    check_op(ops::aux_loss(b, aa), "aux_loss");
+    aa.counts = aux_stats_->counts.data_as<int64_t>();
+    aa.prob_sums = aux_stats_->prob_sums.data_as<float>();
+    check_op(ops::aux_loss_stats(b, aa), "aux_loss_stats");
+    aux_stats_->tokens += T;
   }
 
   // The plan stays in the backend's memory: the rows buffers hold the most rows any plan can
@@ -263,10 +288,10 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
     AuxLossBackwardArgs ab;
     ab.tokens = T;
     ab.experts = E;
-    ab.top_k = k;
+    ab.total_tokens = aux_stats_->tokens;
     ab.daux = cfg_.aux_loss_coef * loss_scale;
     ab.probs = probs_.data_as<const float>();
-    ab.idx = idx_.data_as<const int32_t>();
+    ab.counts = aux_stats_->counts.data_as<const int64_t>();
     ab.dlogits = dlogits.data_as<float>();
     check_op(ops::aux_loss_backward(b, ab), "aux_loss_backward");
   }
@@ -310,16 +335,23 @@ RoutingPlan MoEBlock::plan() const {
   return std::move(plan).value();
 }
 
-const Tensor& MoEBlock::aux_loss_device() const {
+float MoEBlock::aux_loss() const {
   PACKMOE_CHECK(cfg_.aux_loss_coef != 0.0f, "aux_loss: the aux loss is off (aux_loss_coef = 0)");
   PACKMOE_CHECK(has_plan_, "aux_loss before the first forward");
-  return aux_;
+  const Tensor aux = Tensor::empty(*backend_, DType::kF32, {1});
+  aux_stats_->loss(*backend_, aux.data_as<float>());
+  float host = 0.0f;
+  backend_->copy(&host, aux.data(), sizeof host, Backend::CopyKind::kDeviceToHost);
+  return host;
 }
 
-float MoEBlock::aux_loss() const {
-  float aux = 0.0f;
-  backend_->copy(&aux, aux_loss_device().data(), sizeof aux, Backend::CopyKind::kDeviceToHost);
-  return aux;
+void MoEBlock::share_aux_loss_stats(std::shared_ptr<AuxLossStats> stats) {
+  PACKMOE_CHECK(cfg_.aux_loss_coef != 0.0f, "share_aux_loss_stats: the aux loss is off");
+  PACKMOE_CHECK(stats && stats->counts.numel() == experts(),
+                "share_aux_loss_stats: statistics of " << experts() << " experts needed");
+  PACKMOE_CHECK(state_ == BlockState::kIdle, "share_aux_loss_stats only in state Idle");
+  aux_stats_ = std::move(stats);
+  aux_stats_shared_ = true;
 }
 
 }  // namespace packmoe

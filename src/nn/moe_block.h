@@ -51,6 +51,21 @@ struct MoEBlockInit {
   Tensor fc2;     // (E, H, F)  mlp.experts.down_proj
 };
 
+// The statistics the load-balancing aux loss is formed from (backend/ops/moe.h: counts C and
+// probability sums P over T' tokens), in the backend's memory. A block alone adds only its own
+// forward's (the one-layer loss); a Model gives every MoE layer one shared instance, so the loss is
+// Hugging Face's single loss over all the layers' router outputs.
+struct AuxLossStats {
+  AuxLossStats(Backend& backend, int64_t experts);  // zeroed
+  void reset(Backend& backend);                     // zeros C and P, T' = 0
+  // aux (1,) F32 in the backend's memory from the statistics (ops::aux_loss). Needs tokens > 0.
+  void loss(Backend& backend, float* aux) const;
+
+  Tensor counts;       // (E) I64
+  Tensor prob_sums;    // (E) F32
+  int64_t tokens = 0;  // T', host
+};
+
 enum class BlockState {
   kIdle,          // nothing saved
   kForwardDone,   // routing, router outputs and expert activations saved for backward
@@ -97,11 +112,13 @@ class MoEBlock {
   // counts copied to the host (a wait); dest and row_slot stay in the backend's memory (empty
   // here).
   RoutingPlan plan() const;
-  // The aux loss of the last forward (without the coefficient), (1,) F32 in the backend's memory.
-  // Needs aux_loss_coef != 0.
-  const Tensor& aux_loss_device() const;
-  // The same copied to the host (a wait), for tests.
+  // The aux loss (without the coefficient) of the statistics the last forward added to: its own
+  // (this layer's) or the shared ones, copied to the host (a wait, for tests). Needs
+  // aux_loss_coef != 0.
   float aux_loss() const;
+  // Makes forward add its router statistics into `stats` (which its owner resets before each
+  // forward of all the layers sharing it) and backward read the totals there. Only in state Idle.
+  void share_aux_loss_stats(std::shared_ptr<AuxLossStats> stats);
 
  private:
   Backend* backend_;
@@ -112,7 +129,8 @@ class MoEBlock {
   std::unique_ptr<TokenDispatcher> dispatcher_ = std::make_unique<LocalTokenDispatcher>();
   BlockState state_ = BlockState::kIdle;
   bool has_plan_ = false;
-  Tensor aux_;     // (1,) F32 of the last forward
+  std::shared_ptr<AuxLossStats> aux_stats_;  // with aux_loss_coef != 0: own or shared
+  bool aux_stats_shared_ = false;            // shared: reset by their owner, not by forward
   Tensor counts_;  // (E + 1) I64 of the last forward's plan (plan())
 
   // Saved by forward for backward (backend memory unless noted). Row buffers hold C =

@@ -27,6 +27,20 @@ json number(double v) { return std::isfinite(v) ? json(v) : json(nullptr); }
 
 }  // namespace
 
+ExpertLoad expert_load(int64_t layer, const std::vector<int64_t>& counts) {
+  PACKMOE_CHECK(!counts.empty(), "expert_load of no experts");
+  ExpertLoad l;
+  l.layer = layer;
+  l.min = *std::min_element(counts.begin(), counts.end());
+  l.max = *std::max_element(counts.begin(), counts.end());
+  const double n = static_cast<double>(counts.size());
+  double mean = 0, var = 0;
+  for (int64_t c : counts) mean += static_cast<double>(c) / n;
+  for (int64_t c : counts) var += (static_cast<double>(c) - mean) * (static_cast<double>(c) - mean) / n;
+  l.cv = mean > 0 ? std::sqrt(var) / mean : 0.0;
+  return l;
+}
+
 std::string metrics_record_to_json_line(const MetricsRecord& r) {
   // ordered_json keeps the fields in a reading order (step first) for people who `tail` the file.
   nlohmann::ordered_json j;
@@ -39,6 +53,14 @@ std::string metrics_record_to_json_line(const MetricsRecord& r) {
   if (r.tflops) j["tflops"] = number(*r.tflops);
   if (r.mfu) j["mfu"] = number(*r.mfu);
   j["elapsed_s"] = number(r.elapsed_s);
+  if (r.aux_loss) j["aux_loss"] = number(*r.aux_loss);
+  if (r.load_balance) j["load_balance"] = number(*r.load_balance);
+  if (!r.expert_load.empty()) {
+    nlohmann::ordered_json layers = nlohmann::ordered_json::array();
+    for (const ExpertLoad& l : r.expert_load)
+      layers.push_back({{"layer", l.layer}, {"min", l.min}, {"max", l.max}, {"cv", number(l.cv)}});
+    j["expert_load"] = layers;
+  }
   return j.dump();
 }
 
@@ -128,6 +150,8 @@ Result<MetricsRecord> parse_metrics_line(const std::string& line) {
   PACKMOE_RETURN_IF_ERROR(read_number(j, "grad_norm", false, r.grad_norm));
   PACKMOE_RETURN_IF_ERROR(read_number(j, "tflops", false, r.tflops));
   PACKMOE_RETURN_IF_ERROR(read_number(j, "mfu", false, r.mfu));
+  PACKMOE_RETURN_IF_ERROR(read_number(j, "aux_loss", false, r.aux_loss));
+  PACKMOE_RETURN_IF_ERROR(read_number(j, "load_balance", false, r.load_balance));
   return r;
 }
 

@@ -17,6 +17,16 @@ namespace packmoe::train {
 enum class Split { kTrain, kEval };
 const char* split_name(Split split);  // "train" / "eval"
 
+// How the tokens of one MoE layer spread over its experts (routed (token, choice) pairs per
+// expert; packmoe drops none): the smallest and largest count and the coefficient of variation
+// (population standard deviation / mean; 0 is perfectly even).
+struct ExpertLoad {
+  int64_t layer = 0;  // decoder layer index
+  int64_t min = 0, max = 0;
+  double cv = 0;
+};
+ExpertLoad expert_load(int64_t layer, const std::vector<int64_t>& counts);  // counts (E), E >= 1
+
 // One line of metrics.jsonl. Non-finite numbers (a NaN loss) are written as JSON null and read
 // back as NaN, since JSON has no NaN.
 struct MetricsRecord {
@@ -29,6 +39,12 @@ struct MetricsRecord {
   std::optional<double> tflops;  // per GPU
   std::optional<double> mfu;     // fraction of peak, 0..1
   double elapsed_s = 0;          // since the start of the run
+  // Train records with the aux loss on: Hugging Face's load_balancing_loss_func value (the term
+  // router_aux_loss_coef multiplies) and the same divided by top_k, so that 1.0 is balanced.
+  std::optional<double> aux_loss;
+  std::optional<double> load_balance;
+  // Train records of a log step: per MoE layer (written only; the reader ignores it).
+  std::vector<ExpertLoad> expert_load;
 };
 
 std::string metrics_record_to_json_line(const MetricsRecord& record);  // no trailing newline
@@ -69,7 +85,7 @@ struct LogLine {
   std::optional<double> tflops_per_gpu;  // "throughput per GPU (TFLOP/s/GPU)" when known
   double learning_rate = 0;
   double lm_loss = 0;
-  std::optional<double> load_balancing_loss;
+  std::optional<double> load_balancing_loss;  // 1.0 = balanced (MetricsRecord::load_balance)
   std::optional<double> grad_norm;
   double tokens_per_s = 0;
   std::optional<double> peak_memory_gb;  // the device memory's high-water mark, when known

@@ -1,11 +1,14 @@
 // Logging, evaluation cadence, metrics records and progress bar around Trainer::train_step.
 #include "train/train_loop.h"
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cmath>
 #include <optional>
 
 #include "train/metrics.h"
+#include "train/tensorboard.h"
 
 namespace packmoe::train {
 namespace {
@@ -14,6 +17,33 @@ void print_line(const TrainLoopOptions& o, const std::string& line) {
   // With a bar on screen, clear it first so the line replaces it (the bar is redrawn later).
   std::fprintf(o.out, "%s%s\n", o.progress_bar ? "\r\033[K" : "", line.c_str());
   std::fflush(o.out);
+}
+
+// The process's peak resident host memory in GiB (Linux reports ru_maxrss in KiB).
+double host_peak_gib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / (1024.0 * 1024.0);
+}
+
+// The TensorBoard scalars of a train record.
+Scalars train_scalars(const MetricsRecord& r) {
+  Scalars s = {{"train/loss", float(r.loss)},
+               {"train/lr", float(r.lr)},
+               {"train/grad_norm", float(r.grad_norm.value_or(0.0))},
+               {"train/tokens_per_s", float(r.tokens_per_s)},
+               {"memory/host_peak_gib", float(host_peak_gib())}};
+  if (r.aux_loss) s.emplace_back("train/aux_loss", float(*r.aux_loss));
+  if (r.load_balance) s.emplace_back("train/load_balance", float(*r.load_balance));
+  if (r.tflops) s.emplace_back("train/tflops_per_gpu", float(*r.tflops));
+  if (r.mfu) s.emplace_back("train/mfu", float(*r.mfu));
+  for (const ExpertLoad& l : r.expert_load) {
+    const std::string p = "expert_load/layer" + std::to_string(l.layer) + "/";
+    s.emplace_back(p + "cv", float(l.cv));
+    s.emplace_back(p + "min", float(l.min));
+    s.emplace_back(p + "max", float(l.max));
+  }
+  return s;
 }
 
 }  // namespace
@@ -36,6 +66,18 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
     if (!w) return w.status();
     metrics.emplace(std::move(w.value()));
   }
+  std::optional<TensorBoardWriter> tensorboard;
+  if (!o.tensorboard_dir.empty()) {
+    Result<TensorBoardWriter> w = TensorBoardWriter::open(o.tensorboard_dir);
+    if (!w) return w.status();
+    tensorboard.emplace(std::move(w.value()));
+  }
+  // The aux loss is reported when it is on; its balanced value is top_k (backend/ops/moe.h).
+  const ModelConfig& mc = trainer.model().config();
+  bool has_moe = false;
+  for (int64_t i = 0; i < mc.num_hidden_layers; ++i) has_moe |= mc.is_moe_layer(i);
+  const bool aux_on = has_moe && mc.router_aux_loss_coef != 0.0;
+  const double top_k = static_cast<double>(mc.num_experts_per_tok);
   // tokens/s is the job's (every rank's tokens); TFLOP/s and MFU are per GPU.
   const double gpu_flops_per_token = trainer.flops_per_token() / trainer.world_size();
   const bool cuda = trainer.on_cuda();
@@ -49,14 +91,18 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
   // Sums over the current log interval (Megatron averages the losses it prints).
   double interval_loss = 0, interval_aux = 0, interval_seconds = 0;
   int64_t interval_steps = 0, interval_tokens = 0;
+  summary.last_interval_begin = first_step + 1;
   double train_seconds = 0;  // step time only, for the ETA
   while (trainer.step() < c.steps) {
     Result<StepResult> step = trainer.train_step();
     if (!step) return step.status();
     const StepResult& s = step.value();
-    if (s.step == first_step + 1) summary.first_loss = s.loss;
-    summary.last_loss = s.loss;
+    if (s.step == first_step + 1) {
+      summary.first_loss = s.loss;
+      summary.first_step = s.step;
+    }
     train_seconds += s.seconds;
+    const bool log_now = s.step % c.log_interval == 0 || s.step == c.steps;
 
     MetricsRecord rec;
     rec.step = s.step;
@@ -70,14 +116,23 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       rec.mfu = gpu_flops_per_token * rec.tokens_per_s / kH200PeakFlops;
     }
     rec.elapsed_s = elapsed();
+    if (aux_on) {
+      rec.aux_loss = s.aux_loss;
+      rec.load_balance = s.aux_loss / top_k;
+    }
+    // The routing of this step's last micro-batch (this rank's), read only at log steps.
+    if (log_now)
+      for (const auto& [layer, counts] : trainer.model().expert_counts())
+        rec.expert_load.push_back(expert_load(layer, counts));
     if (metrics) PACKMOE_RETURN_IF_ERROR(metrics->write(rec));
+    if (tensorboard) PACKMOE_RETURN_IF_ERROR(tensorboard->write(s.step, train_scalars(rec)));
 
     interval_loss += s.loss;
     interval_aux += s.aux_loss;
     interval_seconds += s.seconds;
     interval_tokens += s.tokens;
     ++interval_steps;
-    if (s.step % c.log_interval == 0 || s.step == c.steps) {
+    if (log_now) {
       LogLine line;
       line.iteration = s.step;
       line.total_iterations = c.steps;
@@ -87,7 +142,7 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       if (cuda) line.tflops_per_gpu = gpu_flops_per_token * tokens_per_s / 1e12;
       line.learning_rate = s.lr;
       line.lm_loss = interval_loss / static_cast<double>(interval_steps);
-      line.load_balancing_loss = interval_aux / static_cast<double>(interval_steps);
+      if (aux_on) line.load_balancing_loss = interval_aux / static_cast<double>(interval_steps) / top_k;
       line.grad_norm = s.grad_norm;
       line.tokens_per_s = tokens_per_s;
       if (const auto mem = trainer.model().backend().memory_use())
@@ -102,6 +157,9 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
         text += mfu;
       }
       print_line(o, text);
+      summary.last_loss = line.lm_loss;
+      summary.last_step = s.step;
+      summary.last_interval_begin = s.step - interval_steps + 1;
       interval_loss = interval_aux = interval_seconds = 0;
       interval_steps = interval_tokens = 0;
     }
@@ -118,6 +176,11 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       er.tokens_per_s = static_cast<double>(eval.value().tokens) / eval.value().seconds;
       er.elapsed_s = elapsed();
       if (metrics) PACKMOE_RETURN_IF_ERROR(metrics->write(er));
+      if (tensorboard)
+        PACKMOE_RETURN_IF_ERROR(tensorboard->write(
+            s.step, {{"eval/loss", float(er.loss)},
+                     {"eval/ppl", float(std::exp(std::min(er.loss, 20.0)))},
+                     {"eval/tokens_per_s", float(er.tokens_per_s)}}));
       print_line(o, format_eval_line(s.step, eval.value().loss));
     }
 

@@ -25,10 +25,17 @@ struct TrainLoopOptions {
   int64_t save_interval = 0;
   int keep_last = 2;
   bool save_primary = false;
+  // TensorBoard event file (train/tensorboard.h) in this directory: the scalars of every step and
+  // evaluation; empty: none.
+  std::string tensorboard_dir;
 };
 
 struct TrainSummary {
-  double first_loss = 0, last_loss = 0;   // train loss of the first and last step run
+  double first_loss = 0;                  // train loss of the first step run, first_step
+  int64_t first_step = 0;
+  double last_loss = 0;                   // mean train loss of the last log interval:
+  int64_t last_interval_begin = 0;        //   steps [last_interval_begin, last_step]
+  int64_t last_step = 0;
   std::optional<double> last_eval_loss;
   double seconds = 0;                     // wall time of the loop
 };

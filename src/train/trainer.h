@@ -40,7 +40,7 @@ struct TrainData {
 struct StepResult {
   int64_t step = 0;       // optimizer steps done, this one included
   double loss = 0;        // mean lm loss over the micro-batches
-  double aux_loss = 0;    // mean load-balancing loss (sum over MoE layers, without the coef)
+  double aux_loss = 0;    // mean load-balancing loss (Hugging Face's over all MoE layers, no coef)
   double grad_norm = 0;   // global norm of the accumulated gradient, before clipping
   double lr = 0;          // the lr of this step
   int64_t tokens = 0;     // A x B x S

@@ -190,8 +190,13 @@ inline Vec swiglu_row(const double* x, const double* gate, const double* up, con
 
 struct Losses {
   double lm = 0;     // cross-entropy, mean over the non-ignored targets
-  double aux = 0;    // sum over MoE layers of the load-balancing loss (no coefficient)
+  // Hugging Face's load-balancing loss over every MoE layer's router outputs concatenated (no
+  // coefficient): E * sum_e (C[e] / T') (P[e] / T'), C the routed pairs, P the probability sums and
+  // T' the tokens of all MoE layers (aux_counts, aux_prob_sums, aux_tokens).
+  double aux = 0;
   double total = 0;  // lm + router_aux_loss_coef * aux
+  std::vector<double> aux_counts, aux_prob_sums;  // (E) over the MoE layers so far
+  int64_t aux_tokens = 0;
   // Per MoE layer in order, (T, k): each token's chosen experts, ascending.
   std::vector<std::vector<int32_t>> chosen;
   // Smallest k-th minus (k+1)-th largest router logit over every MoE layer's tokens.
@@ -200,13 +205,16 @@ struct Losses {
 
 // The MoE block on x (T, H): softmax over all E router logits, top-k (probabilities descending, a
 // tie to the lower expert), renormalised when norm_topk_prob; y = sum_j w_j * expert_j(x); the
-// layer's aux = E * sum_e (tokens routed to e / T) * mean_t probs[t, e] goes into `losses`.
+// layer's routed counts and probability sums are added to `losses` (the aux loss's statistics).
 inline Vec moe(const Vec& x, int64_t T, const ModelConfig& c, const Vec& router,
                const Vec& gate_up, const Vec& down, Bf16Rounding& bf16, Losses& losses) {
   const int64_t H = c.hidden_size, F = c.moe_intermediate_size, E = c.num_experts;
   const int64_t k = c.num_experts_per_tok;
   const Vec logits = linear(x, router.data(), T, H, E);  // (T, E)
-  Vec y(T * H, 0.0), count(E, 0.0), pbar(E, 0.0);
+  Vec y(T * H, 0.0);
+  losses.aux_counts.resize(E, 0.0);
+  losses.aux_prob_sums.resize(E, 0.0);
+  losses.aux_tokens += T;
   std::vector<int32_t> chosen;
   for (int64_t t = 0; t < T; ++t) {
     const double* z = &logits[t * E];
@@ -230,14 +238,11 @@ inline Vec moe(const Vec& x, int64_t T, const ModelConfig& c, const Vec& router,
       const double* gu = &gate_up[e * 2 * F * H];  // gate rows [0, F), up rows [F, 2F)
       const Vec out = swiglu_row(&x[t * H], gu, gu + F * H, &down[e * H * F], H, F, true, bf16);
       for (int64_t h = 0; h < H; ++h) y[t * H + h] += w * out[h];
-      count[e] += 1;
+      losses.aux_counts[e] += 1;
     }
-    for (int64_t e = 0; e < E; ++e) pbar[e] += p[e] / T;
+    for (int64_t e = 0; e < E; ++e) losses.aux_prob_sums[e] += p[e];
     chosen.insert(chosen.end(), top.begin(), top.end());
   }
-  double aux = 0;
-  for (int64_t e = 0; e < E; ++e) aux += count[e] / T * pbar[e];
-  losses.aux += E * aux;
   losses.chosen.push_back(std::move(chosen));
   return y;
 }
@@ -332,6 +337,10 @@ inline Losses forward(const ModelConfig& c, const Weights64& w, const Batch& bat
   const Vec a = bf16(rms_norm(x, w.at("model.norm.weight"), H, c.rms_norm_eps));
   const Vec& head = c.tie_word_embeddings ? embed : w.at("lm_head.weight");
   losses.lm = cross_entropy(linear(a, head.data(), T, H, V), batch.targets, V);
+  const double tokens = static_cast<double>(losses.aux_tokens);
+  for (size_t e = 0; e < losses.aux_counts.size(); ++e)
+    losses.aux += losses.aux_counts[e] / tokens * (losses.aux_prob_sums[e] / tokens);
+  losses.aux *= static_cast<double>(losses.aux_counts.size());
   losses.total = losses.lm + c.router_aux_loss_coef * losses.aux;
   bf16.finish();
   return losses;

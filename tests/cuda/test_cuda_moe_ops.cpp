@@ -216,8 +216,8 @@ TEST(CudaMoeOps, RouterTopkBackward) {
   }
 }
 
-// Aux loss: long R32 column sums (T up to 20000), empty experts, shared-memory bins (k E <= 8192)
-// and global bins (k E > 8192).
+// Aux loss: long R32 column sums (T up to 20000), empty experts, shared-memory bins (E <= 8192)
+// and global bins (E > 8192).
 std::vector<RouterCase> aux_cases() {
   return {
       {1, 1, 1, false, Logits::kNormal, 0},     {20000, 64, 8, true, Logits::kNormal, 16},
@@ -227,21 +227,43 @@ std::vector<RouterCase> aux_cases() {
   };
 }
 
-TEST(CudaMoeOps, AuxLossForward) {
+// Accumulators of earlier layers: counts up to 1000 per expert, probability sums up to 100.
+std::unique_ptr<Mirror> earlier_counts(Backend& gpu, int64_t E, std::mt19937_64& rng) {
+  std::vector<int64_t> c(E);
+  for (auto& v : c) v = static_cast<int64_t>(rng() % 1000);
+  return input_of(gpu, c);
+}
+
+TEST(CudaMoeOps, AuxLossStatsAndLoss) {
   PACKMOE_SKIP_WITHOUT_GPU();
-  Tally tally("aux_loss");
+  Tally tally("aux_loss_stats");
   std::mt19937_64 rng(103);
   for (const RouterCase& c : aux_cases()) {
     const RouterOut fwd = cpu_router(c, make_logits(c, rng));
     auto probs = input_of(*gpu, fwd.probs);
     auto idx = input_of(*gpu, fwd.idx);
-    Mirror aux(*gpu, 4);
-    AuxLossArgs a;
+    auto counts = earlier_counts(*gpu, c.E, rng);  // accumulated into
+    std::vector<float> sums(c.E);
+    for (auto& v : sums) v = 100.0f * static_cast<float>(rng() % 1000) / 1000.0f;
+    auto prob_sums = input_of(*gpu, sums);  // accumulated into
+    AuxLossStatsArgs a;
     a.tokens = c.T, a.experts = c.E, a.top_k = c.k;
-    a.probs = probs->h<float>(), a.idx = idx->h<int32_t>(), a.aux = aux.h<float>();
-    expect_ok(ops::aux_loss(cpu_backend(), a));
-    a.probs = probs->d<float>(), a.idx = idx->d<int32_t>(), a.aux = aux.d<float>();
-    expect_ok(ops::aux_loss(*gpu, a));
+    a.probs = probs->h<float>(), a.idx = idx->h<int32_t>();
+    a.counts = counts->h<int64_t>(), a.prob_sums = prob_sums->h<float>();
+    expect_ok(ops::aux_loss_stats(cpu_backend(), a));
+    a.probs = probs->d<float>(), a.idx = idx->d<int32_t>();
+    a.counts = counts->d<int64_t>(), a.prob_sums = prob_sums->d<float>();
+    expect_ok(ops::aux_loss_stats(*gpu, a));
+    counts->compare(tally, fmt("T%ld E%ld counts", long(c.T), long(c.E)));
+    prob_sums->compare(tally, fmt("T%ld E%ld prob_sums", long(c.T), long(c.E)));
+
+    Mirror aux(*gpu, 4);
+    AuxLossArgs l;
+    l.tokens = 3 * c.T, l.experts = c.E;
+    l.counts = counts->h<int64_t>(), l.prob_sums = prob_sums->h<float>(), l.aux = aux.h<float>();
+    expect_ok(ops::aux_loss(cpu_backend(), l));
+    l.counts = counts->d<int64_t>(), l.prob_sums = prob_sums->d<float>(), l.aux = aux.d<float>();
+    expect_ok(ops::aux_loss(*gpu, l));
     aux.compare(tally, fmt("T%ld E%ld aux", long(c.T), long(c.E)));
     ++tally.cases;
   }
@@ -254,14 +276,14 @@ TEST(CudaMoeOps, AuxLossBackward) {
   for (const RouterCase& c : aux_cases()) {
     const RouterOut fwd = cpu_router(c, make_logits(c, rng));
     auto probs = input_of(*gpu, fwd.probs);
-    auto idx = input_of(*gpu, fwd.idx);
+    auto counts = earlier_counts(*gpu, c.E, rng);
     auto dz = rand_input(*gpu, DType::kF32, c.T * c.E, rng, 1e-3f);  // accumulated into
     AuxLossBackwardArgs a;
-    a.tokens = c.T, a.experts = c.E, a.top_k = c.k;
+    a.tokens = c.T, a.experts = c.E, a.total_tokens = 3 * c.T;
     a.daux = rand_value(rng, 0.01f);
-    a.probs = probs->h<float>(), a.idx = idx->h<int32_t>(), a.dlogits = dz->h<float>();
+    a.probs = probs->h<float>(), a.counts = counts->h<int64_t>(), a.dlogits = dz->h<float>();
     expect_ok(ops::aux_loss_backward(cpu_backend(), a));
-    a.probs = probs->d<float>(), a.idx = idx->d<int32_t>(), a.dlogits = dz->d<float>();
+    a.probs = probs->d<float>(), a.counts = counts->d<int64_t>(), a.dlogits = dz->d<float>();
     expect_ok(ops::aux_loss_backward(*gpu, a));
     dz->compare(tally, fmt("T%ld E%ld dlogits", long(c.T), long(c.E)));
     ++tally.cases;

@@ -175,14 +175,25 @@ std::vector<float> router_backward32(const Router32& fwd, const std::vector<floa
     b.dlogits = dz.data();
     EXPECT_TRUE(router_topk_backward_cpu(b).is_ok());
   }
-  if (daux != 0.0f) {
+  if (daux != 0.0f) {  // one layer: its own statistics are the totals
+    std::vector<int64_t> counts(E, 0);
+    std::vector<float> prob_sums(E, 0.0f);
+    AuxLossStatsArgs s;
+    s.tokens = T;
+    s.experts = E;
+    s.top_k = k;
+    s.probs = fwd.probs.data();
+    s.idx = fwd.idx.data();
+    s.counts = counts.data();
+    s.prob_sums = prob_sums.data();
+    EXPECT_TRUE(aux_loss_stats_cpu(s).is_ok());
     AuxLossBackwardArgs b;
     b.tokens = T;
     b.experts = E;
-    b.top_k = k;
+    b.total_tokens = T;
     b.daux = daux;
     b.probs = fwd.probs.data();
-    b.idx = fwd.idx.data();
+    b.counts = counts.data();
     b.dlogits = dz.data();
     EXPECT_TRUE(aux_loss_backward_cpu(b).is_ok());
   }

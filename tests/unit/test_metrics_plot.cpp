@@ -206,7 +206,8 @@ TEST(Plot, NiceTicks) {
   EXPECT_EQ(nice_ticks(0, 1000, 8),
             (std::vector<double>{0, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000}));
   for (auto [lo, hi] : std::vector<std::pair<double, double>>{
-           {3, 3}, {0, 0}, {-7.5, 0.2}, {1e-5, 3e-5}, {2.1, 2.9e6}}) {
+           {3, 3}, {0, 0}, {-7.5, 0.2}, {1e-5, 3e-5}, {2.1, 2.9e6},
+           {0.5, 0.5 + 1e-16}}) {  // equal but for rounding: once an endless loop
     std::vector<double> t = nice_ticks(lo, hi, 5);
     EXPECT_LE(t.front(), lo);
     EXPECT_GE(t.back(), hi);
@@ -281,7 +282,9 @@ TEST(Plot, SvgHasOnePolylinePerSeries) {
   EXPECT_EQ(svg.find("href"), std::string::npos);
 
   std::vector<Polyline> lines = polylines(svg);
-  ASSERT_EQ(lines.size(), 3u);
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[3].series, "learning rate");
+  EXPECT_EQ(lines[3].points.size(), 10u);
   EXPECT_EQ(lines[0].series, "train loss");
   EXPECT_EQ(lines[0].points.size(), 9u);  // the NaN at step 7 is skipped
   EXPECT_EQ(lines[1].series, "eval loss");
@@ -304,9 +307,48 @@ TEST(Plot, SvgHasOnePolylinePerSeries) {
   EXPECT_NE(svg.find(">step</text>"), std::string::npos);
   EXPECT_NE(svg.find(">loss</text>"), std::string::npos);
   EXPECT_NE(svg.find(">grad norm</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">learning rate</text>"), std::string::npos);
   EXPECT_NE(svg.find("class=\"legend\""), std::string::npos);
   EXPECT_NE(svg.find(">eval loss</text>"), std::string::npos);
   EXPECT_NE(svg.find("class=\"tick\""), std::string::npos);
+}
+
+// Two runs overlaid, each in its colour with its name on every series; smoothing keeps the raw
+// train curves faint behind the EMA. Train losses 1, 2 (run a) with w = 0.5: s = 1, then
+// (0.5 * 0.5 + 0.5 * 2) / (1 - 0.25) = 5/3, i.e. 2/3 of the way from raw point 1 to raw point 2.
+TEST(Plot, RunsOverlaidWithNamesAndSmoothing) {
+  const std::vector<MetricsRecord> a = {train_record(1, 1.0, 1.0), train_record(2, 2.0, 1.0),
+                                        eval_record(2, 1.5)};
+  const std::vector<MetricsRecord> b = {train_record(1, 3.0, 2.0), train_record(2, 2.5, 2.0)};
+  Result<std::string> r =
+      render_metrics_svg({PlotRun{"run a", a}, PlotRun{"b", b}}, PlotOptions{"two runs", 0.5});
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  const std::string& svg = r.value();
+  EXPECT_EQ(xml_problem(svg), "");
+  EXPECT_NE(svg.find(">two runs</text>"), std::string::npos);
+  EXPECT_NE(svg.find("EMA 0.5"), std::string::npos);
+  std::vector<Polyline> series, raw;
+  size_t at = 0;
+  for (const Polyline& p : polylines(svg)) {
+    at = svg.find("<polyline", at) + 1;
+    (svg.compare(at + 9, 11, "class=\"raw\"") == 0 ? raw : series).push_back(p);
+  }
+  // Per run: train, eval (b has none), grad norm, learning rate; raw: train loss and grad norm.
+  std::vector<std::string> names;
+  for (const Polyline& p : series) names.push_back(p.series);
+  EXPECT_EQ(names, (std::vector<std::string>{"run a: train loss", "run a: eval loss", "b: train loss",
+                                             "run a: train grad norm", "b: train grad norm",
+                                             "run a: learning rate", "b: learning rate"}));
+  ASSERT_EQ(raw.size(), 4u);
+  EXPECT_EQ(raw[0].series, "run a: train loss");
+  const auto& sm = series[0].points;
+  const auto& rw = raw[0].points;
+  ASSERT_EQ(sm.size(), 2u);
+  EXPECT_EQ(sm[0].second, rw[0].second);
+  EXPECT_NEAR((sm[1].second - rw[0].second) / (rw[1].second - rw[0].second), 2.0 / 3.0, 0.02);
+  EXPECT_NE(svg.find("stroke-dasharray"), std::string::npos);  // eval dashed when overlaid
+  EXPECT_EQ(render_metrics_svg({PlotRun{"a", a}}, PlotOptions{"t", 1.0}).status().message(),
+            "smoothing = 1 must be in [0, 1)");
 }
 
 TEST(Plot, NoGradNormAndNoData) {
@@ -337,11 +379,39 @@ TEST(PlotCli, WritesSvg) {
   std::string text = read_text(svg);
   EXPECT_EQ(xml_problem(text), "");
   std::vector<Polyline> lines = polylines(text);
-  ASSERT_EQ(lines.size(), 3u);
+  ASSERT_EQ(lines.size(), 4u);  // train loss, eval loss, grad norm, learning rate
   EXPECT_EQ(lines[0].points.size(), 20u);
-  EXPECT_NE(text.find("packmoe training: metrics.jsonl"), std::string::npos);
+  // The title names the run: the metrics file's directory.
+  EXPECT_NE(text.find(">packmoe: " + dir.filename().string() + "</text>"), std::string::npos);
   for (const auto& e : fs::directory_iterator(dir))  // nothing but the input and the plot
     EXPECT_TRUE(e.path() == metrics || e.path() == svg) << e.path();
+}
+
+TEST(PlotCli, OverlaysNamedRuns) {
+  fs::path dir = temp_dir();
+  fs::path svg = dir / "both.svg";
+  for (const char* run : {"small", "tiny"}) {
+    fs::create_directories(dir / run);
+    MetricsWriter w = MetricsWriter::open((dir / run / "metrics.jsonl").string(), false).value();
+    for (int s = 1; s <= 5; ++s) ASSERT_TRUE(w.write(train_record(s, 5.0 / s, 0.5)).is_ok());
+  }
+  const std::string files =
+      (dir / "small" / "metrics.jsonl").string() + " " + (dir / "tiny" / "metrics.jsonl").string();
+  RunResult r = run_cli("plot " + files + " --smooth 0.6 --out " + svg.string());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::string text = read_text(svg);
+  EXPECT_NE(text.find(">packmoe: small, tiny</text>"), std::string::npos);
+  EXPECT_NE(text.find("data-series=\"tiny: train loss\""), std::string::npos);
+  r = run_cli("plot " + files + " --name A --name B --title \"A vs B\" --out " + svg.string());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  text = read_text(svg);
+  EXPECT_NE(text.find(">A vs B</text>"), std::string::npos);
+  EXPECT_NE(text.find("data-series=\"B: learning rate\""), std::string::npos);
+  r = run_cli("plot " + files + " --name A --out " + svg.string());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.output, "packmoe: error: 1 --name for 2 metrics files: give one per file\n");
+  r = run_cli("plot " + files + " --smooth 1 --out " + svg.string());
+  EXPECT_EQ(r.output, "packmoe: error: smoothing = 1 must be in [0, 1)\n");
 }
 
 TEST(PlotCli, Help) {

@@ -60,19 +60,71 @@ RouterOut run_router(const std::vector<float>& logits, int64_t T, int64_t E, int
   return o;
 }
 
-float run_aux(const std::vector<float>& probs, const std::vector<int32_t>& idx, int64_t T,
-              int64_t E, int64_t k) {
+// One layer's router outputs, for the aux loss.
+struct AuxLayer {
+  std::vector<float> probs;  // (T, E)
+  std::vector<int32_t> idx;  // (T, k)
+};
+
+// The aux-loss statistics of `layers` (T tokens each), in order, through aux_loss_stats_cpu.
+struct AuxStatsHost {
+  std::vector<int64_t> counts;
+  std::vector<float> prob_sums;
+  int64_t tokens = 0;
+};
+
+AuxStatsHost run_aux_stats(const std::vector<AuxLayer>& layers, int64_t T, int64_t E, int64_t k) {
+  AuxStatsHost s{std::vector<int64_t>(E, 0), std::vector<float>(E, 0.0f), 0};
+  for (const AuxLayer& l : layers) {
+    AuxLossStatsArgs a;
+    a.tokens = T;
+    a.experts = E;
+    a.top_k = k;
+    a.probs = l.probs.data();
+    a.idx = l.idx.data();
+    a.counts = s.counts.data();
+    a.prob_sums = s.prob_sums.data();
+    const Status st = aux_loss_stats_cpu(a);
+    EXPECT_TRUE(st.is_ok()) << st.message();
+    s.tokens += T;
+  }
+  return s;
+}
+
+float run_aux(const AuxStatsHost& s) {
   float aux = -1.0f;
   AuxLossArgs a;
-  a.tokens = T;
-  a.experts = E;
-  a.top_k = k;
-  a.probs = probs.data();
-  a.idx = idx.data();
+  a.tokens = s.tokens;
+  a.experts = static_cast<int64_t>(s.counts.size());
+  a.counts = s.counts.data();
+  a.prob_sums = s.prob_sums.data();
   a.aux = &aux;
-  const Status s = aux_loss_cpu(a);
-  EXPECT_TRUE(s.is_ok()) << s.message();
+  const Status st = aux_loss_cpu(a);
+  EXPECT_TRUE(st.is_ok()) << st.message();
   return aux;
+}
+
+float run_aux(const std::vector<float>& probs, const std::vector<int32_t>& idx, int64_t T,
+              int64_t E, int64_t k) {
+  return run_aux(run_aux_stats({{probs, idx}}, T, E, k));
+}
+
+// dlogits (T, E) of one layer of `s`, from zeros.
+std::vector<float> run_aux_backward(const AuxStatsHost& s, const std::vector<float>& probs,
+                                    int64_t T, float daux) {
+  const int64_t E = static_cast<int64_t>(s.counts.size());
+  std::vector<float> dlogits(T * E, 0.0f);
+  AuxLossBackwardArgs b;
+  b.tokens = T;
+  b.experts = E;
+  b.total_tokens = s.tokens;
+  b.daux = daux;
+  b.probs = probs.data();
+  b.counts = s.counts.data();
+  b.dlogits = dlogits.data();
+  const Status st = aux_loss_backward_cpu(b);
+  EXPECT_TRUE(st.is_ok()) << st.message();
+  return dlogits;
 }
 
 // ---- exp ----------------------------------------------------------------------------------------
@@ -179,6 +231,30 @@ TEST(MoeAuxLoss, HandCases) {
   EXPECT_EQ(run_aux(std::vector<float>(16, 0.25f), {0, 1, 1, 2, 2, 3, 3, 0}, 4, 4, 2), 2.0f);
   // Collapse onto expert 0 with probs concentrated on it: aux = E * 1 * pbar[0] = 2 * 3/4.
   EXPECT_EQ(run_aux({0.75f, 0.25f, 0.75f, 0.25f}, {0, 0}, 2, 2, 1), 1.5f);
+}
+
+// Two layers form ONE loss over their concatenated rows (Hugging Face load_balancing_loss_func),
+// which is neither the sum (2.5) nor the mean (1.25) of the per-layer losses. T = 2, E = 2, k = 1:
+//   layer 0: probs (3/4, 1/4), (3/4, 1/4); idx 0, 0     (alone: 2 * 3/4 = 1.5)
+//   layer 1: probs (1/4, 3/4), (1/2, 1/2); idx 1, 0     (alone: 2 * (1/2 3/8 + 1/2 5/8) = 1.0)
+//   T' = 4, C = (3, 1), P = (3/2 + 3/4, 1/2 + 5/4) = (9/4, 7/4)
+//   aux = 2 * (3/4 * 9/16 + 1/4 * 7/16) = 2 * 34/64 = 1.0625
+// Backward with daux = 1: q = 2 * (3/4, 1/4) / 4 = (3/8, 1/8) for every row of both layers; layer 1
+// row 0: d = 1/4 3/8 + 3/4 1/8 = 3/16, dlogits = (1/4 (3/8 - 3/16), 3/4 (1/8 - 3/16)) =
+// (3/64, -3/64); row 1: d = 1/4, dlogits = (1/2 1/8, 1/2 (-1/8)) = (1/16, -1/16). Dyadic: exact.
+TEST(MoeAuxLoss, LayersFormOneLossAsHuggingFace) {
+  const std::vector<AuxLayer> layers = {{{0.75f, 0.25f, 0.75f, 0.25f}, {0, 0}},
+                                        {{0.25f, 0.75f, 0.5f, 0.5f}, {1, 0}}};
+  const AuxStatsHost s = run_aux_stats(layers, 2, 2, 1);
+  EXPECT_EQ(s.tokens, 4);
+  EXPECT_EQ(s.counts, (std::vector<int64_t>{3, 1}));
+  EXPECT_EQ(run_aux(s), 1.0625f);
+  EXPECT_EQ(run_aux_backward(s, layers[1].probs, 2, 1.0f),
+            (std::vector<float>{3.0f / 64, -3.0f / 64, 1.0f / 16, -1.0f / 16}));
+  // Layer 0 sees the same q: rows (3/4, 1/4), d = 9/32 + 1/32 = 5/16, dlogits = (3/4 1/16,
+  // 1/4 (-3/16)) = (3/64, -3/64).
+  EXPECT_EQ(run_aux_backward(s, layers[0].probs, 2, 1.0f),
+            (std::vector<float>{3.0f / 64, -3.0f / 64, 3.0f / 64, -3.0f / 64}));
 }
 
 // ---- routing plan -------------------------------------------------------------------------------
@@ -426,16 +502,9 @@ TEST(MoeReduction, ResultsDoNotDependOnThreadCount) {
   auto run = [&](int threads) {
     omp_set_num_threads(threads);
     Outs o{run_router(logits, T, E, k, true), 0.0f, std::vector<float>(T * E), {}};
-    o.aux = run_aux(o.router.probs, o.router.idx, T, E, k);
-    AuxLossBackwardArgs b;
-    b.tokens = T;
-    b.experts = E;
-    b.top_k = k;
-    b.daux = 0.01f;
-    b.probs = o.router.probs.data();
-    b.idx = o.router.idx.data();
-    b.dlogits = o.dlogits.data();
-    EXPECT_TRUE(aux_loss_backward_cpu(b).is_ok());
+    const AuxStatsHost stats = run_aux_stats({{o.router.probs, o.router.idx}}, T, E, k);
+    o.aux = run_aux(stats);
+    o.dlogits = run_aux_backward(stats, o.router.probs, T, 0.01f);
     Result<RoutingPlan> plan = build_routing_plan(o.router.idx.data(), T, E, k, 32);
     EXPECT_TRUE(plan.is_ok());
     const RoutingPlan& p = plan.value();
@@ -511,13 +580,28 @@ TEST(MoeValidation, ClearErrors) {
   expect_error(build_routing_plan(nullptr, 2, 4, 2, 1).status(), "routing_plan: idx is null");
   expect_error(build_routing_plan(idx.data(), 0, 4, 2, 1).status(), "T (tokens) must be positive");
 
+  std::vector<int64_t> cbuf(4, 0);
+  AuxLossStatsArgs as;
+  as.tokens = 2;
+  as.experts = 4;
+  as.top_k = 2;
+  as.probs = buf.data();
+  as.idx = ibuf.data();
+  as.counts = cbuf.data();
+  expect_error(ops::aux_loss_stats(cpu_backend(), as), "aux_loss_stats: prob_sums is null");
   AuxLossArgs al;
-  al.tokens = 2;
+  al.tokens = 0;
   al.experts = 4;
-  al.top_k = 2;
-  al.probs = buf.data();
-  al.idx = ibuf.data();
+  al.counts = cbuf.data();
+  al.prob_sums = buf.data();
+  expect_error(ops::aux_loss(cpu_backend(), al), "aux_loss: T' (tokens of every layer) = 0");
+  al.tokens = 2;
   expect_error(ops::aux_loss(cpu_backend(), al), "aux_loss: aux is null");
+  AuxLossBackwardArgs ab;
+  ab.tokens = 4;
+  ab.experts = 4;
+  ab.total_tokens = 2;
+  expect_error(ops::aux_loss_backward(cpu_backend(), ab), "T' = 2 is smaller than this layer's T = 4");
 
   PermuteArgs pa;
   pa.tokens = 4;

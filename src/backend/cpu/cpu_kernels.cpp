@@ -35,6 +35,7 @@ const GemmKernels kGemm{
 const MoeKernels kMoe{
     [](Backend&, const RouterTopkArgs& a) { return router_topk_cpu(a); },
     [](Backend&, const RouterTopkBackwardArgs& a) { return router_topk_backward_cpu(a); },
+    [](Backend&, const AuxLossStatsArgs& a) { return aux_loss_stats_cpu(a); },
     [](Backend&, const AuxLossArgs& a) { return aux_loss_cpu(a); },
     [](Backend&, const AuxLossBackwardArgs& a) { return aux_loss_backward_cpu(a); },
     [](Backend&, const PermuteArgs& a) { return permute_cpu(a); },

@@ -114,35 +114,35 @@ Status router_topk_backward_cpu(const RouterTopkBackwardArgs& a) {
   return Status::ok();
 }
 
-Status aux_loss_cpu(const AuxLossArgs& a) {
-  const int64_t T = a.tokens, E = a.experts, k = a.top_k;
-  std::vector<int64_t> cnt(k * E, 0);  // (k, E)
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = a.idx[t * k + j];
-      PACKMOE_CHECK(e >= 0 && e < E, "idx " << e << " outside [0, " << E << ")");
-      ++cnt[j * E + e];
-    }
-  std::vector<float> pbar(E);  // (E)
+Status aux_loss_stats_cpu(const AuxLossStatsArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_stats(a));
+  const int64_t T = a.tokens, E = a.experts;
+  const std::vector<int64_t> cnt = expert_counts(a.idx, T * a.top_k, E);
 #pragma omp parallel for schedule(static)
-  for (int64_t e = 0; e < E; ++e)
-    pbar[e] = sum_r32(T, [&](int64_t t) { return a.probs[t * E + e]; }) / static_cast<float>(T);
-  const float sum = sum_r32(k * E, [&](int64_t i) {
-    const float f = static_cast<float>(cnt[i]) / static_cast<float>(T);
-    return f * pbar[i % E];
+  for (int64_t e = 0; e < E; ++e) {
+    a.counts[e] += cnt[e];
+    a.prob_sums[e] = a.prob_sums[e] + sum_r32(T, [&](int64_t t) { return a.probs[t * E + e]; });
+  }
+  return Status::ok();
+}
+
+Status aux_loss_cpu(const AuxLossArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss(a));
+  const float fT = static_cast<float>(a.tokens);
+  const float sum = sum_r32(a.experts, [&](int64_t e) {
+    return (static_cast<float>(a.counts[e]) / fT) * (a.prob_sums[e] / fT);
   });
-  *a.aux = static_cast<float>(E) * sum;
+  *a.aux = static_cast<float>(a.experts) * sum;
   return Status::ok();
 }
 
 Status aux_loss_backward_cpu(const AuxLossBackwardArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_backward(a));
   const int64_t T = a.tokens, E = a.experts;
-  const std::vector<int64_t> cnt = expert_counts(a.idx, T * a.top_k, E);
+  const float fT = static_cast<float>(a.total_tokens);
   std::vector<float> q(E);  // (E) dL/dprobs[t, e], the same for every token
   for (int64_t e = 0; e < E; ++e)
-    q[e] =
-        ((a.daux * static_cast<float>(E)) * (static_cast<float>(cnt[e]) / static_cast<float>(T))) /
-        static_cast<float>(T);
+    q[e] = ((a.daux * static_cast<float>(E)) * (static_cast<float>(a.counts[e]) / fT)) / fT;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const float* p = a.probs + t * E;  // (E)

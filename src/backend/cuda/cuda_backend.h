@@ -106,6 +106,7 @@ Status weight_2d_columnwise_sm90(CudaBackend& be, const Weight2dCopies& w);
 // MoE block ops (moe_ops_sm90.cu, routing_plan_sm90.cu).
 Status router_topk_sm90(CudaBackend& be, const RouterTopkArgs& a);
 Status router_topk_backward_sm90(CudaBackend& be, const RouterTopkBackwardArgs& a);
+Status aux_loss_stats_sm90(CudaBackend& be, const AuxLossStatsArgs& a);
 Status aux_loss_sm90(CudaBackend& be, const AuxLossArgs& a);
 Status aux_loss_backward_sm90(CudaBackend& be, const AuxLossBackwardArgs& a);
 Status permute_sm90(CudaBackend& be, const PermuteArgs& a);

@@ -38,6 +38,7 @@ const MoeKernels kMoe{
     [](Backend& b, const RouterTopkBackwardArgs& a) {
       return router_topk_backward_sm90(cuda(b), a);
     },
+    [](Backend& b, const AuxLossStatsArgs& a) { return aux_loss_stats_sm90(cuda(b), a); },
     [](Backend& b, const AuxLossArgs& a) { return aux_loss_sm90(cuda(b), a); },
     [](Backend& b, const AuxLossBackwardArgs& a) { return aux_loss_backward_sm90(cuda(b), a); },
     [](Backend& b, const PermuteArgs& a) { return permute_sm90(cuda(b), a); },

@@ -21,7 +21,7 @@ struct Config {
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kChunk = 8;                   // elements per thread in the row kernels
   static constexpr int kAuxExperts = 8;              // experts per CTA in the pbar column sums
-  static constexpr int kAuxSmemBins = 8 * 1024;  // k * E counters privatised in shared memory
+  static constexpr int kAuxSmemBins = 8 * 1024;  // E counters privatised in shared memory
   static_assert(kThreads == kAuxExperts * 32, "pbar CTA: 8 experts x 32 R32 lanes");
 };
 
@@ -292,51 +292,49 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- aux loss ------------------------------------------------------------------------------------
 
-// Workspace of the aux-loss forward: cnt (k, E) and a CTA ticket, zeroed before the launch; pbar
-// (E) written by the CTAs.
+// Workspace of aux_loss_stats: this layer's cnt (E) and a CTA ticket, zeroed before the launch.
 struct AuxWorkspace {
-  uint32_t* cnt;     // (k * E)
+  uint32_t* cnt;     // (E)
   uint32_t* ticket;  // (1)
-  float* pbar;       // (E)
 };
 
-// Histogram of idx into `cnt`: per (j, e) when per_choice, else per e. Shared-memory bins when
-// they fit (integer sums are order-free, so privatisation changes nothing).
-__device__ void aux_histogram(const int32_t* idx, int64_t T, int64_t E, int64_t k, bool per_choice,
-                              bool smem_bins, uint32_t* bins_smem, uint32_t* cnt) {
-  const int64_t bins = per_choice ? k * E : E;
+// Histogram of idx per expert into `cnt`. Shared-memory bins when they fit (integer sums are
+// order-free, so privatisation changes nothing).
+__device__ void aux_histogram(const int32_t* idx, int64_t T, int64_t E, int64_t k, bool smem_bins,
+                              uint32_t* bins_smem, uint32_t* cnt) {
   const int64_t slots = T * k;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (smem_bins) {
-    for (int64_t b = threadIdx.x; b < bins; b += blockDim.x) bins_smem[b] = 0;
+    for (int64_t b = threadIdx.x; b < E; b += blockDim.x) bins_smem[b] = 0;
     __syncthreads();
   }
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < slots;
        i += stride) {
     const int32_t e = idx[i];
     if (e < 0 || e >= E) __trap();
-    const int64_t b = per_choice ? (i % k) * E + e : e;
     if (smem_bins)
-      atomicAdd(&bins_smem[b], 1u);
+      atomicAdd(&bins_smem[e], 1u);
     else
-      atomicAdd(&cnt[b], 1u);
+      atomicAdd(&cnt[e], 1u);
   }
   if (smem_bins) {
     __syncthreads();
-    for (int64_t b = threadIdx.x; b < bins; b += blockDim.x)
+    for (int64_t b = threadIdx.x; b < E; b += blockDim.x)
       if (bins_smem[b]) atomicAdd(&cnt[b], bins_smem[b]);
   }
 }
 
-// CTA b: histogram share, then pbar of experts [8 b, 8 b + 8): thread (y, x) is R32 lane y of
-// expert 8 b + x, so a warp reads 4 rows x 32 contiguous bytes. The last CTA to finish forms aux.
+// CTA b: histogram share, then the probability sums of experts [8 b, 8 b + 8): thread (y, x) is
+// R32 lane y of expert 8 b + x, so a warp reads 4 rows x 32 contiguous bytes; each CTA adds its
+// experts' sums into prob_sums. The last CTA to finish adds the counts into counts.
 __global__ void __launch_bounds__(Config::kThreads)
-    aux_loss_kernel(const __grid_constant__ AuxLossArgs a, AuxWorkspace ws, bool smem_bins) {
+    aux_loss_stats_kernel(const __grid_constant__ AuxLossStatsArgs a, AuxWorkspace ws,
+                          bool smem_bins) {
   extern __shared__ uint32_t bins_smem[];
   __shared__ float red[32][Config::kAuxExperts + 1];
   __shared__ bool is_last;
   const int64_t T = a.tokens, E = a.experts, k = a.top_k;
-  aux_histogram(a.idx, T, E, k, /*per_choice=*/true, smem_bins, bins_smem, ws.cnt);
+  aux_histogram(a.idx, T, E, k, smem_bins, bins_smem, ws.cnt);
 
   const int x = threadIdx.x % Config::kAuxExperts;
   const int y = threadIdx.x / Config::kAuxExperts;
@@ -363,44 +361,41 @@ __global__ void __launch_bounds__(Config::kThreads)
     if (y < off) red[y][x] = red[y][x] + red[y + off][x];
     __syncthreads();
   }
-  if (y == 0 && e < E) ws.pbar[e] = red[0][x] / static_cast<float>(T);
+  if (y == 0 && e < E) a.prob_sums[e] = a.prob_sums[e] + red[0][x];
 
-  // Last-CTA pattern: every thread fences its global writes (pbar, cnt atomics) before the ticket.
+  // Last-CTA pattern: every thread fences its cnt atomics before the ticket.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(ws.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
-  if (!is_last || threadIdx.x >= 32) return;
+  if (!is_last) return;
   __threadfence();
+  // L2 reads (ld.cg): other CTAs wrote these, this SM's L1 may not have seen them.
+  for (int64_t i = threadIdx.x; i < E; i += blockDim.x)
+    a.counts[i] += static_cast<int64_t>(__ldcg(ws.cnt + i));
+}
+
+// The loss from the statistics: one warp, R32 over the experts.
+__global__ void aux_loss_kernel(const __grid_constant__ AuxLossArgs a) {
   const int lane = threadIdx.x;
+  const float fT = static_cast<float>(a.tokens);
   float sum = 0.0f;
-  for (int64_t i = lane; i < k * E; i += 32) {
-    // L2 reads (ld.cg): other CTAs wrote these, this SM's L1 may not have seen them.
-    const float f = static_cast<float>(__ldcg(ws.cnt + i)) / static_cast<float>(T);
-    sum = sum + f * __ldcg(ws.pbar + i % E);
-  }
+  for (int64_t e = lane; e < a.experts; e += 32)
+    sum = sum + (static_cast<float>(a.counts[e]) / fT) * (a.prob_sums[e] / fT);
   sum = r32_butterfly(sum);
-  if (lane == 0) *a.aux = static_cast<float>(E) * sum;
+  if (lane == 0) *a.aux = static_cast<float>(a.experts) * sum;
 }
 
-// Backward, pass 1: cnt_e over all tokens (a grid-wide dependency of pass 2).
+// Backward: one warp per token; q[e] is recomputed from the counts wherever used (same bits).
 __global__ void __launch_bounds__(Config::kThreads)
-    aux_count_kernel(const int32_t* idx, int64_t T, int64_t E, int64_t k, bool smem_bins,
-                     uint32_t* cnt) {
-  extern __shared__ uint32_t bins_smem[];
-  aux_histogram(idx, T, E, k, /*per_choice=*/false, smem_bins, bins_smem, cnt);
-}
-
-// Backward, pass 2: one warp per token; q[e] is recomputed from cnt wherever used (same bits).
-__global__ void __launch_bounds__(Config::kThreads)
-    aux_loss_backward_kernel(const __grid_constant__ AuxLossBackwardArgs a, const uint32_t* cnt) {
+    aux_loss_backward_kernel(const __grid_constant__ AuxLossBackwardArgs a) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * Config::kWarps + (threadIdx.x >> 5);
   if (t >= a.tokens) return;
   const int64_t E = a.experts;
-  const float fT = static_cast<float>(a.tokens);
+  const float fT = static_cast<float>(a.total_tokens);
   const float daux_e = a.daux * static_cast<float>(E);
-  auto q = [&](int64_t e) { return (daux_e * (static_cast<float>(cnt[e]) / fT)) / fT; };
+  auto q = [&](int64_t e) { return (daux_e * (static_cast<float>(a.counts[e]) / fT)) / fT; };
   const float* p = a.probs + t * E;  // (E)
   float* dz = a.dlogits + t * E;     // (E)
   float acc = 0.0f;
@@ -635,39 +630,30 @@ Status router_topk_backward_sm90(CudaBackend& be, const RouterTopkBackwardArgs& 
   return Status::ok();
 }
 
-Status aux_loss_sm90(CudaBackend& be, const AuxLossArgs& a) {
-  const int64_t E = a.experts, bins = a.top_k * a.experts;
-  // Layout: cnt (k E) | ticket | pad | pbar (E); cnt and ticket start zeroed.
-  const size_t zeroed = static_cast<size_t>(bins + 1) * sizeof(uint32_t);
-  const size_t pbar_at = (zeroed + 15) / 16 * 16;
-  auto* base = static_cast<uint8_t*>(be.workspace(pbar_at + static_cast<size_t>(E) * sizeof(float)));
-  AuxWorkspace ws{reinterpret_cast<uint32_t*>(base), reinterpret_cast<uint32_t*>(base) + bins,
-                  reinterpret_cast<float*>(base + pbar_at)};
+Status aux_loss_stats_sm90(CudaBackend& be, const AuxLossStatsArgs& a) {
+  const int64_t E = a.experts;
+  // Layout: cnt (E) | ticket, zeroed.
+  const size_t zeroed = static_cast<size_t>(E + 1) * sizeof(uint32_t);
+  auto* base = static_cast<uint32_t*>(be.workspace(zeroed));
+  AuxWorkspace ws{base, base + E};
   PACKMOE_CUDA_CHECK(cudaMemsetAsync(base, 0, zeroed, be.stream()));
-  const bool smem_bins = bins <= Config::kAuxSmemBins;
-  const size_t smem = smem_bins ? static_cast<size_t>(bins) * sizeof(uint32_t) : 0;
-  aux_loss_kernel<<<grid_for(E, Config::kAuxExperts), Config::kThreads, smem, be.stream()>>>(
-      a, ws, smem_bins);
+  const bool smem_bins = E <= Config::kAuxSmemBins;
+  const size_t smem = smem_bins ? static_cast<size_t>(E) * sizeof(uint32_t) : 0;
+  aux_loss_stats_kernel<<<grid_for(E, Config::kAuxExperts), Config::kThreads, smem,
+                          be.stream()>>>(a, ws, smem_bins);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status aux_loss_sm90(CudaBackend& be, const AuxLossArgs& a) {
+  aux_loss_kernel<<<1, 32, 0, be.stream()>>>(a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }
 
 Status aux_loss_backward_sm90(CudaBackend& be, const AuxLossBackwardArgs& a) {
-  const int64_t E = a.experts;
-  auto* cnt = static_cast<uint32_t*>(be.workspace(static_cast<size_t>(E) * sizeof(uint32_t)));
-  PACKMOE_CUDA_CHECK(cudaMemsetAsync(cnt, 0, static_cast<size_t>(E) * sizeof(uint32_t), be.stream()));
-  const bool smem_bins = E <= Config::kAuxSmemBins;
-  const size_t smem = smem_bins ? static_cast<size_t>(E) * sizeof(uint32_t) : 0;
-  // Enough CTAs to stream idx, few enough that flushing shared bins stays cheap.
-  const int64_t slots = a.tokens * a.top_k;
-  const int64_t want = (slots + 4 * Config::kThreads - 1) / (4 * Config::kThreads);
-  const unsigned count_grid =
-      static_cast<unsigned>(want < 2 * int64_t{be.sm_count()} ? want : 2 * int64_t{be.sm_count()});
-  aux_count_kernel<<<count_grid, Config::kThreads, smem, be.stream()>>>(a.idx, a.tokens, E, a.top_k,
-                                                                     smem_bins, cnt);
-  PACKMOE_CUDA_CHECK_LAUNCH();
   aux_loss_backward_kernel<<<grid_for(a.tokens, Config::kWarps), Config::kThreads, 0, be.stream()>>>(
-      a, cnt);
+      a);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

@@ -51,6 +51,14 @@ Status check_dtype(const char* op, DType t, const char* name) {
   return Status::ok();
 }
 
+// T' of the whole forward: positive and below 2^40, so C[e] <= k T' stays far from int64 limits.
+Status check_total_tokens(const char* op, int64_t total) {
+  if (total <= 0 || total >= (int64_t{1} << 40))
+    return Status::error(std::string(op) + ": T' (tokens of every layer) = " + num(total) +
+                         ", must be in [1, 2^40)");
+  return Status::ok();
+}
+
 }  // namespace
 
 Status validate_router_topk(const RouterTopkArgs& a) {
@@ -67,16 +75,30 @@ Status validate_router_topk_backward(const RouterTopkBackwardArgs& a) {
       op, {{a.probs, "probs"}, {a.idx, "idx"}, {a.dw, "dw"}, {a.dlogits, "dlogits"}});
 }
 
+Status validate_aux_loss_stats(const AuxLossStatsArgs& a) {
+  constexpr const char* op = "aux_loss_stats";
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
+  return require_non_null(op, {{a.probs, "probs"},
+                               {a.idx, "idx"},
+                               {a.counts, "counts"},
+                               {a.prob_sums, "prob_sums"}});
+}
+
 Status validate_aux_loss(const AuxLossArgs& a) {
   constexpr const char* op = "aux_loss";
-  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
-  return require_non_null(op, {{a.probs, "probs"}, {a.idx, "idx"}, {a.aux, "aux"}});
+  PACKMOE_RETURN_IF_ERROR(check_total_tokens(op, a.tokens));
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, 1, a.experts, 1));
+  return require_non_null(op, {{a.counts, "counts"}, {a.prob_sums, "prob_sums"}, {a.aux, "aux"}});
 }
 
 Status validate_aux_loss_backward(const AuxLossBackwardArgs& a) {
   constexpr const char* op = "aux_loss_backward";
-  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, a.top_k));
-  return require_non_null(op, {{a.probs, "probs"}, {a.idx, "idx"}, {a.dlogits, "dlogits"}});
+  PACKMOE_RETURN_IF_ERROR(check_router_dims(op, a.tokens, a.experts, 1));
+  PACKMOE_RETURN_IF_ERROR(check_total_tokens(op, a.total_tokens));
+  if (a.total_tokens < a.tokens)
+    return Status::error(std::string(op) + ": T' = " + num(a.total_tokens) +
+                         " is smaller than this layer's T = " + num(a.tokens));
+  return require_non_null(op, {{a.probs, "probs"}, {a.counts, "counts"}, {a.dlogits, "dlogits"}});
 }
 
 Status validate_permute(const PermuteArgs& a) {
@@ -266,6 +288,11 @@ Status router_topk(Backend& b, const RouterTopkArgs& a) {
 Status router_topk_backward(Backend& b, const RouterTopkBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(validate_router_topk_backward(a));
   return b.kernels().moe->router_topk_backward(b, a);
+}
+
+Status aux_loss_stats(Backend& b, const AuxLossStatsArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_aux_loss_stats(a));
+  return b.kernels().moe->aux_loss_stats(b, a);
 }
 
 Status aux_loss(Backend& b, const AuxLossArgs& a) {

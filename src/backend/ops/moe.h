@@ -98,38 +98,55 @@ struct RouterTopkBackwardArgs {
   float* dlogits = nullptr;      // (T, E)
 };
 
-// ---- load-balancing aux loss (one layer's tokens) -----------------------------------------------
+// ---- load-balancing aux loss (every MoE layer of a forward) -------------------------------------
 //
-// Hugging Face load_balancing_loss_func with the fix of transformers PR #45131 (softmax applied
-// once, to logits): aux = E * sum_{j,e} f[j, e] * pbar[e], where
-//   cnt[j, e] = #{t : idx[t, j] = e}                            (exact integers)
-//   f[j, e]   = float(cnt[j, e]) / float(T)
-//   pbar[e]   = (R32 sum_t probs[t, e]) / float(T)
-//   aux       = float(E) * (R32 sum over i = j * E + e of f[j, e] * pbar[e])
-// T < 2^24 so every count is exact in FP32.
-struct AuxLossArgs {
-  int64_t tokens = 0;            // T
+// Hugging Face load_balancing_loss_func (transformers models/qwen3_moe, Mixtral's too; with the fix
+// of transformers PR #45131: softmax applied once, to logits). It concatenates the router outputs
+// of the L MoE layers of one forward (T tokens each: T' = L T rows) and forms ONE loss over them,
+// E * sum_{j,e} f[j, e] * pbar[e] with f the mean one-hot of choice j and pbar the mean
+// probability over the T' rows; sum_j f[j, e] = C[e] / T', so here:
+//   C[e]  = #{(l, t, j) : idx_l[t, j] = e}                       (exact integers)
+//   P[e]  = sum over the layers, in layer order, of R32 sum_t probs_l[t, e]
+//   aux   = float(E) * (R32 sum_e (float(C[e]) / float(T')) * (P[e] / float(T')))
+// Balanced routing (every expert C[e] = k T' / E) gives aux = k whatever the probabilities; a
+// collapse onto k experts approaches E. One layer (L = 1) is the old per-layer loss.
+//
+// One layer's share: ADDS its counts and probability sums into the layers' accumulators:
+//   counts[e]    = counts[e] + #{(t, j) : idx[t, j] = e}
+//   prob_sums[e] = prob_sums[e] + R32 sum_t probs[t, e]
+struct AuxLossStatsArgs {
+  int64_t tokens = 0;            // T (this layer's)
   int64_t experts = 0;           // E
   int64_t top_k = 0;             // k
   const float* probs = nullptr;  // (T, E) the router forward's
   const int32_t* idx = nullptr;  // (T, k)
-  float* aux = nullptr;          // (1,)
+  int64_t* counts = nullptr;     // (E) C, accumulated into
+  float* prob_sums = nullptr;    // (E) P, accumulated into
 };
 
-// Backward: daux -> dlogits, ADDED into dlogits (after the router backward wrote it). f is
-// piecewise constant in the logits, so only pbar carries gradient:
-//   cnt_e         = sum_j cnt[j, e]
-//   q[e]          = ((daux * float(E)) * (float(cnt_e) / float(T))) / float(T)   (daux dAux/dp)
+// The loss from the accumulated statistics (the formula above).
+struct AuxLossArgs {
+  int64_t tokens = 0;                // T' = the accumulated layers' tokens
+  int64_t experts = 0;               // E
+  const int64_t* counts = nullptr;   // (E) C
+  const float* prob_sums = nullptr;  // (E) P
+  float* aux = nullptr;              // (1,)
+};
+
+// Backward of one layer: daux -> dlogits, ADDED into dlogits (after the router backward wrote it).
+// f is piecewise constant in the logits, so only pbar carries gradient; every layer's probs enter
+// P with weight 1 / T', so with the totals C of every layer:
+//   q[e]          = ((daux * float(E)) * (float(C[e]) / float(T'))) / float(T')   (daux dAux/dp)
 //   d_t           = R32 sum_e probs[t, e] * q[e]
 //   dlogits[t, e] = dlogits[t, e] + probs[t, e] * (q[e] - d_t)
 struct AuxLossBackwardArgs {
-  int64_t tokens = 0;            // T
-  int64_t experts = 0;           // E
-  int64_t top_k = 0;             // k
-  float daux = 0.0f;             // dL/daux, e.g. router_aux_loss_coef times the loss scale
-  const float* probs = nullptr;  // (T, E)
-  const int32_t* idx = nullptr;  // (T, k)
-  float* dlogits = nullptr;      // (T, E) accumulated into
+  int64_t tokens = 0;               // T (this layer's)
+  int64_t experts = 0;              // E
+  int64_t total_tokens = 0;         // T' (the forward's AuxLossArgs::tokens)
+  float daux = 0.0f;                // dL/daux, e.g. router_aux_loss_coef times the loss scale
+  const float* probs = nullptr;     // (T, E)
+  const int64_t* counts = nullptr;  // (E) C of every layer
+  float* dlogits = nullptr;         // (T, E) accumulated into
 };
 
 // ---- routing plan (host reference) --------------------------------------------------------------
@@ -290,6 +307,7 @@ struct UnpermuteBackwardArgs {
 // ---- argument checks (shapes, dtypes, pointers; touch no memory) --------------------------------
 Status validate_router_topk(const RouterTopkArgs& a);
 Status validate_router_topk_backward(const RouterTopkBackwardArgs& a);
+Status validate_aux_loss_stats(const AuxLossStatsArgs& a);
 Status validate_aux_loss(const AuxLossArgs& a);
 Status validate_aux_loss_backward(const AuxLossBackwardArgs& a);
 Status validate_permute(const PermuteArgs& a);
@@ -305,6 +323,7 @@ Status validate_routing_plan(const RoutingPlanArgs& a);
 // is a programmer error (PACKMOE_CHECK), since those come from the router and the plan.
 Status router_topk_cpu(const RouterTopkArgs& a);
 Status router_topk_backward_cpu(const RouterTopkBackwardArgs& a);
+Status aux_loss_stats_cpu(const AuxLossStatsArgs& a);
 Status aux_loss_cpu(const AuxLossArgs& a);
 Status aux_loss_backward_cpu(const AuxLossBackwardArgs& a);
 Status permute_cpu(const PermuteArgs& a);
@@ -320,6 +339,7 @@ class Backend;
 namespace ops {
 Status router_topk(Backend& b, const RouterTopkArgs& a);
 Status router_topk_backward(Backend& b, const RouterTopkBackwardArgs& a);
+Status aux_loss_stats(Backend& b, const AuxLossStatsArgs& a);
 Status aux_loss(Backend& b, const AuxLossArgs& a);
 Status aux_loss_backward(Backend& b, const AuxLossBackwardArgs& a);
 Status permute(Backend& b, const PermuteArgs& a);
@@ -336,6 +356,7 @@ Status routing_plan(Backend& b, const RoutingPlanArgs& a);
 struct MoeKernels {
   Status (*router_topk)(Backend&, const RouterTopkArgs&);
   Status (*router_topk_backward)(Backend&, const RouterTopkBackwardArgs&);
+  Status (*aux_loss_stats)(Backend&, const AuxLossStatsArgs&);
   Status (*aux_loss)(Backend&, const AuxLossArgs&);
   Status (*aux_loss_backward)(Backend&, const AuxLossBackwardArgs&);
   Status (*permute)(Backend&, const PermuteArgs&);
