@@ -26,13 +26,15 @@ double host_peak_gib() {
   return static_cast<double>(u.ru_maxrss) / (1024.0 * 1024.0);
 }
 
-// The TensorBoard scalars of a train record.
-Scalars train_scalars(const MetricsRecord& r) {
+// The TensorBoard scalars of a train record; device_peak: the device memory's high-water mark in
+// GB (Backend::memory_use), when the backend reports one.
+Scalars train_scalars(const MetricsRecord& r, std::optional<double> device_peak) {
   Scalars s = {{"train/loss", float(r.loss)},
                {"train/lr", float(r.lr)},
                {"train/grad_norm", float(r.grad_norm.value_or(0.0))},
                {"train/tokens_per_s", float(r.tokens_per_s)},
                {"memory/host_peak_gib", float(host_peak_gib())}};
+  if (device_peak) s.emplace_back("memory/device_peak_gb", float(*device_peak));
   if (r.aux_loss) s.emplace_back("train/aux_loss", float(*r.aux_loss));
   if (r.load_balance) s.emplace_back("train/load_balance", float(*r.load_balance));
   if (r.tflops) s.emplace_back("train/tflops_per_gpu", float(*r.tflops));
@@ -44,6 +46,12 @@ Scalars train_scalars(const MetricsRecord& r) {
     s.emplace_back(p + "max", float(l.max));
   }
   return s;
+}
+
+std::optional<double> device_peak_gb(const Trainer& trainer) {
+  if (const auto mem = trainer.model().backend().memory_use())
+    return static_cast<double>(mem->peak_reserved) / 1e9;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -125,7 +133,8 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       for (const auto& [layer, counts] : trainer.model().expert_counts())
         rec.expert_load.push_back(expert_load(layer, counts));
     if (metrics) PACKMOE_RETURN_IF_ERROR(metrics->write(rec));
-    if (tensorboard) PACKMOE_RETURN_IF_ERROR(tensorboard->write(s.step, train_scalars(rec)));
+    if (tensorboard)
+      PACKMOE_RETURN_IF_ERROR(tensorboard->write(s.step, train_scalars(rec, device_peak_gb(trainer))));
 
     interval_loss += s.loss;
     interval_aux += s.aux_loss;
@@ -145,8 +154,7 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       if (aux_on) line.load_balancing_loss = interval_aux / static_cast<double>(interval_steps) / top_k;
       line.grad_norm = s.grad_norm;
       line.tokens_per_s = tokens_per_s;
-      if (const auto mem = trainer.model().backend().memory_use())
-        line.peak_memory_gb = static_cast<double>(mem->peak_reserved) / 1e9;
+      line.peak_memory_gb = device_peak_gb(trainer);
       line.eta_s = train_seconds / static_cast<double>(s.step - first_step) *
                    static_cast<double>(c.steps - s.step);
       std::string text = format_log_line(line);
