@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,5 +92,16 @@ struct ExportHfArgs {
 };
 void add_export_hf_command(CLI::App& app, ExportHfArgs& args);
 Status run_export_hf(const ExportHfArgs& args);
+
+// `packmoe eval` (tools/eval_command.cpp).
+struct EvalArgs {
+  std::string checkpoint, data, split = "validation", batches, tokenizer, device = "auto";
+  std::string attention_mask = "causal";
+  std::optional<int64_t> micro_batch, seq_len;
+  bool reset_position_ids = false, quiet = false;
+  CLI::App* cmd = nullptr;
+};
+void add_eval_command(CLI::App& app, EvalArgs& args);
+Status run_eval(const EvalArgs& args);
 
 }  // namespace packmoe::tools

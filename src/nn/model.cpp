@@ -23,7 +23,7 @@ struct Model::Impl {
 
   // Saved by a training forward.
   int64_t tokens = 0;     // T
-  float loss_scale = 0;   // of the backward it began
+  float loss_scale = 0;   // of the aux loss in the backward it began
   Tensor ids;             // (T) I32
   Tensor dlm;             // (T, H) F32: the LM head's dgrad, computed with the loss
 
@@ -220,10 +220,15 @@ void Model::set_grad_sr_offset(uint64_t offset) {
 Result<ForwardLosses> Model::forward(const Batch& batch) { return run_forward(batch, std::nullopt); }
 
 Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale) {
-  return run_forward(batch, loss_scale);
+  return run_forward(batch, loss_scale, loss_scale);
 }
 
-Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float> loss_scale) {
+Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale, float aux_scale) {
+  return run_forward(batch, loss_scale, aux_scale);
+}
+
+Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float> loss_scale,
+                                         float aux_scale) {
   PACKMOE_CHECK(state_ != ModelState::kForwardDone,
                 "forward after a training forward whose backward has not run: the LM head's "
                 "gradient is already in main_grad, so that backward is owed");
@@ -305,7 +310,7 @@ Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float
   losses.lm_loss = head.value().loss;
   losses.target_tokens = head.value().valid;
   if (loss_scale) {
-    m.loss_scale = *loss_scale;
+    m.loss_scale = aux_scale;
     m.dlm = std::move(head.value().dh);
     state_ = ModelState::kForwardDone;
   }

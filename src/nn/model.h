@@ -151,6 +151,9 @@ class Model {
   // kIdle -> kForwardDone; any forward from kForwardDone is a PACKMOE_CHECK error (that backward
   // is owed).
   Result<ForwardLosses> forward(const Batch& batch, float loss_scale);
+  // The same with the aux loss's gradient scaled apart: loss_scale * lm_loss + aux_scale * coef *
+  // aux_loss (SFT weighs a micro-batch's lm loss by its share of the step's targets).
+  Result<ForwardLosses> forward(const Batch& batch, float loss_scale, float aux_scale);
   // The rest of the training forward's backward: every gradient is ADDED into its main_grad.
   // Only from kForwardDone (-> kIdle). Fires the grad-ready hook (if any) for each parameter as
   // its gradient becomes final (the LM head's first, as before).
@@ -169,7 +172,8 @@ class Model {
   std::vector<GroupedLinear*> linears_;  // every GroupedLinear (set_grad_sr_offset)
   GradReadyHook grad_ready_;
   void grad_ready(size_t first, size_t end) const;  // the hook for params() [first, end)
-  Result<ForwardLosses> run_forward(const Batch& batch, std::optional<float> loss_scale);
+  Result<ForwardLosses> run_forward(const Batch& batch, std::optional<float> loss_scale,
+                                    float aux_scale = 0);
 
   struct Impl;  // layers and saved activations (nn/model.cpp)
   std::unique_ptr<Impl> impl_;

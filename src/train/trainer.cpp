@@ -2,6 +2,7 @@
 // optimizer's reduce-scatter, grad norm, clip and AdamW; checkpoint snapshot / save / resume.
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -55,6 +56,12 @@ std::vector<DistParam> optimizer_params(const Model& model) {
     params.push_back(
         {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
   return params;
+}
+
+// Targets of a micro-batch that the loss counts (not kIgnoredTarget).
+int64_t target_count(const Batch& b) {
+  return static_cast<int64_t>(b.targets.size()) -
+         std::count(b.targets.begin(), b.targets.end(), kIgnoredTarget);
 }
 
 }  // namespace
@@ -272,21 +279,39 @@ Result<StepResult> Trainer::train_step() {
   const int world = comm_->size(), rank = comm_->rank();
   StepResult r;
   r.step = step_ + 1;
-  double sums[2] = {0, 0};  // lm, aux loss over this rank's micro-batches
-  for (int64_t micro = 0; micro < A; ++micro) {
-    Batch batch;
-    for (int w = 0; w < world; ++w) {  // micro-batch `rank` of every `world` consecutive ones
+  // Micro-batch `rank` of every `world` consecutive ones. Every rank draws all of the step's, so
+  // each knows the step's targets (those not ignored) without a collective: the lm loss is the
+  // mean over all of them, each micro-batch weighted by its share (SFT masks vary it).
+  std::vector<Batch> batches;  // (A) this rank's
+  std::vector<int64_t> targets;  // (A) their targets
+  int64_t step_targets = 0;
+  for (int64_t micro = 0; micro < A; ++micro)
+    for (int w = 0; w < world; ++w) {
       Batch b = train_sampler_.next();
-      if (w == rank) batch = std::move(b);
+      const int64_t n = target_count(b);
+      step_targets += n;
+      if (w == rank) {
+        batches.push_back(std::move(b));
+        targets.push_back(n);
+      }
     }
+  if (step_targets == 0)
+    return Status::error("step " + std::to_string(r.step) +
+                         ": no row of the step has a target (every token's loss is masked)");
+  double sums[2] = {0, 0};  // lm loss x targets, aux loss over this rank's micro-batches
+  for (int64_t micro = 0; micro < A; ++micro) {
+    const Batch& batch = batches[static_cast<size_t>(micro)];
+    const double share = static_cast<double>(targets[static_cast<size_t>(micro)]);
     set_sr_offset(*model_, r.step, micro * world + rank);
     optimizer_->prepare_forward();
     // Before the forward: the training forward already adds the LM head's gradient.
     optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
-    Result<ForwardLosses> losses = model_->forward(batch, optimizer_->loss_scale(A));
+    Result<ForwardLosses> losses =
+        model_->forward(batch, static_cast<float>(share / static_cast<double>(step_targets)),
+                        optimizer_->loss_scale(A));
     if (!losses) return losses.status();
     model_->backward();
-    sums[0] += losses.value().lm_loss;
+    sums[0] += static_cast<double>(losses.value().lm_loss) * share;
     sums[1] += losses.value().aux_loss;
     r.tokens += batch.batch * batch.seq * world;
   }
@@ -298,7 +323,7 @@ Result<StepResult> Trainer::train_step() {
   double global[2] = {0, 0};
   std::memcpy(global, loss_sums_.download().data(), sizeof global);
   const double n = static_cast<double>(A) * static_cast<double>(world);
-  r.loss = global[0] / n;
+  r.loss = global[0] / static_cast<double>(step_targets);
   r.aux_loss = global[1] / n;
   r.lr = schedule_.at(r.step);
   // The global loss is the same on every rank, so all of them refuse the step together.
@@ -325,14 +350,18 @@ Result<EvalResult> Trainer::evaluate() {
   const auto start = std::chrono::steady_clock::now();
   optimizer_->prepare_forward();  // every rank holds all weights: each evaluates it all
   EvalResult r;
-  double loss_sum = 0;
+  double loss_sum = 0;  // lm loss x targets: the mean over every target of the set
+  int64_t targets = 0;
   for (const Batch& batch : validation_) {
     Result<ForwardLosses> losses = model_->forward(batch);
     if (!losses) return losses.status();
-    loss_sum += losses.value().lm_loss;
+    loss_sum += static_cast<double>(losses.value().lm_loss) *
+                static_cast<double>(losses.value().target_tokens);
+    targets += losses.value().target_tokens;
     r.tokens += batch.batch * batch.seq;
   }
-  r.loss = loss_sum / static_cast<double>(validation_.size());
+  if (targets == 0) return Status::error("the validation batches have no target (every token's loss is masked)");
+  r.loss = loss_sum / static_cast<double>(targets);
   r.seconds = seconds_since(start);
   return r;
 }
