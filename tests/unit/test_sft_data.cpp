@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/qwen_chat_templates.h"
 #include "common/test_files.h"
 #include "common/test_tokenizer_json.h"
 #include "tokenize/tokenizer.h"
@@ -26,11 +27,12 @@ const char* const kTemplate =
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>' + "
     "'\\n' }}{%- endfor %}";
 
-std::unique_ptr<tokenize::Tokenizer> tokenizer(const fs::path& dir, bool with_template) {
+std::unique_ptr<tokenize::Tokenizer> tokenizer(const fs::path& dir, bool with_template,
+                                               const char* chat_template = kTemplate) {
   std::ofstream(dir / "tokenizer.json") << test::test_tokenizer_json().dump();
   if (with_template)
     std::ofstream(dir / "tokenizer_config.json")
-        << nlohmann::json{{"chat_template", kTemplate}, {"eos_token", "<|im_end|>"}}.dump();
+        << nlohmann::json{{"chat_template", chat_template}, {"eos_token", "<|im_end|>"}}.dump();
   Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(dir.string());
   EXPECT_TRUE(t) << t.status().message();
   return std::move(t.value());
@@ -72,6 +74,28 @@ TEST(SftData, ChatTemplateMasksAllButTheAssistant) {
   // "assistant", 32 "\n", 33-34 "cd", 35 <|im_end|>; then 36 "\n", user 37-46, 47 <|im_start|>,
   // 48-56 "assistant", 57 "\n", 58 "k", 59 <|im_end|>, 60 "\n".
   EXPECT_EQ(trained_at(c.value()), (std::vector<size_t>{33, 34, 35, 58, 59}));
+  test::remove_test_dir(dir);
+}
+
+TEST(SftData, Qwen3TemplateTrainsTheReasoningAndTheAnswer) {
+  const fs::path dir = test::make_test_dir("sft_");
+  auto t = tokenizer(dir, true, test::kQwen3);
+  Result<SftRenderer> r = SftRenderer::create(*t);
+  ASSERT_TRUE(r) << r.status().message();
+  Result<SftConversation> c =
+      r.value().encode({{"user", "ab"}, {"assistant", "<think>\nxy\n</think>\n\ncd"}});
+  ASSERT_TRUE(c) << c.status().message();
+  // <|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n<think>\n | xy\n</think>\n\ncd |
+  // <|im_end|> | \n; "<think>" is the test tokenizer's added token 275, "</think>" plain bytes.
+  const std::vector<uint32_t> expected =
+      cat({{273}, bytes("user\nab"), {274}, bytes("\n"), {273}, bytes("assistant\n"), {275},
+           bytes("\nxy\n</think>\n\ncd"), {274}, bytes("\n")});
+  EXPECT_EQ(c.value().tokens, expected);
+  // 0-21 the prompt and the header, 22 "\n" after <think>; the reasoning "xy" starts the span at
+  // 23, the template's "\n</think>\n\n" inside it, "cd" ends it at 37; 38 <|im_end|>.
+  std::vector<size_t> span;
+  for (size_t i = 23; i <= 38; ++i) span.push_back(i);
+  EXPECT_EQ(trained_at(c.value()), span);
   test::remove_test_dir(dir);
 }
 
@@ -161,7 +185,7 @@ TEST(SftData, PackingKeepsConversationsWholeWithTheirTargets) {
   EXPECT_EQ(b.inputs, (std::vector<int32_t>{19, 20, 21, 22, 23, 24, 0, 0, 0, 0}));
   EXPECT_EQ(b.targets, (std::vector<int32_t>{20, X, X, X, 24, X, X, X, X, X}));
   EXPECT_EQ(b.doc_start, (std::vector<int32_t>{0, 0, 0, 0, 0, 0, 6, 6, 6, 6}));
-  EXPECT_EQ(sampler.value().shapes()[0], (SourceShape{15, 2}));
+  EXPECT_EQ(sampler.value().shapes()[0], (SourceShape{15, 2, true}));  // 15 tokens, 2 rows
 }
 
 TEST(SftData, AConversationLongerThanARowIsAnError) {
