@@ -347,7 +347,11 @@ int64_t BatchSampler::rows_before_repeat(int64_t limit) const {
 Result<std::vector<Batch>> fixed_batches(DataBlend data, int64_t vocab_size, int64_t batch,
                                          int64_t seq, int64_t count, const StreamOptions& options) {
   std::string names;
-  for (const DataSource& s : data.sources) names += (names.empty() ? "" : ", ") + s.name;
+  bool packed = false;  // SFT rows hold up to S tokens, not S + 1
+  for (const DataSource& s : data.sources) {
+    names += (names.empty() ? "" : ", ") + s.name;
+    packed = packed || s.packed.has_value();
+  }
   Result<BatchSampler> sampler =
       BatchSampler::create(std::move(data), vocab_size, batch, seq, options, /*validation=*/true);
   if (!sampler) return sampler.status();
@@ -355,8 +359,9 @@ Result<std::vector<Batch>> fixed_batches(DataBlend data, int64_t vocab_size, int
   const int64_t rows = s.rows_before_repeat(count * batch);
   if (rows < batch) {
     std::ostringstream e;
-    e << names << ": the validation data gives " << rows << " distinct rows of seq_len + 1 = "
-      << seq + 1 << " tokens, fewer than the micro_batch_size = " << batch
+    e << names << ": the validation data gives " << rows << " distinct rows of "
+      << (packed ? "seq_len = " + std::to_string(seq) : "seq_len + 1 = " + std::to_string(seq + 1))
+      << " tokens, fewer than the micro_batch_size = " << batch
       << " of one evaluation batch (lower --micro-batch or --seq-len, raise --valid-fraction, "
          "or give --valid-data)";
     return Status::error(e.str());
