@@ -92,7 +92,8 @@ Status run_eval(const EvalArgs& args) {
   if (args.split != "validation" && args.split != "all")
     return Status::error("--split must be validation or all (got '" + args.split + "')");
   if (args.attention_mask != "causal" && args.attention_mask != "document")
-    return Status::error("--attention-mask " + args.attention_mask + ": expected causal or document");
+    return Status::error("--attention-mask " + args.attention_mask +
+                         ": expected causal or document");
   if (args.reset_position_ids && args.attention_mask != "document")
     return Status::error("--reset-position-ids needs --attention-mask document");
   Result<std::string> dir = train::find_checkpoint(args.checkpoint, nullptr);
@@ -124,8 +125,8 @@ Status run_eval(const EvalArgs& args) {
   std::unique_ptr<tokenize::Tokenizer> tokenizer;
   if (!tokenizer_path.empty()) {
     if (args.tokenizer.empty() && !fs::exists(tokenizer_path))
-      return Status::error("the checkpoint's run was trained with the tokenizer " +
-                           tokenizer_path + ", which is gone: give --tokenizer PATH");
+      return Status::error("the checkpoint's run was trained with the tokenizer " + tokenizer_path +
+                           ", which is gone: give --tokenizer PATH");
     Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(tokenizer_path);
     if (!t) return Status::error("--tokenizer: " + t.status().message());
     tokenizer = std::move(t.value());
@@ -136,8 +137,9 @@ Status run_eval(const EvalArgs& args) {
   }
   const bool validation = args.split == "validation";
   if (validation && config.valid_fraction == 0)
-    return Status::error("the run held no validation data back (valid_fraction 0): give its "
-                         "--valid-data as --data with --split all");
+    return Status::error(
+        "the run held no validation data back (valid_fraction 0): give its "
+        "--valid-data as --data with --split all");
   Result<train::LoadedData> data = train::load_data(
       args.data, "--data", validation ? config.valid_fraction : 0.0, tokenizer.get());
   if (!data) return data.status();
@@ -154,8 +156,8 @@ Status run_eval(const EvalArgs& args) {
   if (!rows) return rows.status();
   Result<Backend*> backend = backend_from_flag(args.device);
   if (!backend) return backend.status();
-  Result<ModelWeights> weights = io::load_hf_weights(
-      (fs::path(dir.value()) / io::kHfWeightsFile).string(), model.value());
+  Result<ModelWeights> weights =
+      io::load_hf_weights((fs::path(dir.value()) / io::kHfWeightsFile).string(), model.value());
   if (!weights) return weights.status();
   PACKMOE_RETURN_IF_ERROR(io::check_finite(weights.value(), dir.value()));
 
@@ -184,12 +186,13 @@ Status run_eval(const EvalArgs& args) {
   const double loss = loss_sum / static_cast<double>(targets);
   const double perplexity = std::exp(loss);
   const Batch& first = rows.value().front();
-  std::printf("eval %s: loss %.4f, perplexity %.4f over %lld targets (%zu batches of %lld x %lld "
-              "tokens, %s of %s) on %s\n",
-              dir.value().c_str(), loss, perplexity, static_cast<long long>(targets), n,
-              static_cast<long long>(first.batch), static_cast<long long>(first.seq),
-              validation ? "the validation side" : "all", data.value().description.c_str(),
-              backend.value()->name().c_str());
+  std::printf(
+      "eval %s: loss %.4f, perplexity %.4f over %lld targets (%zu batches of %lld x %lld "
+      "tokens, %s of %s) on %s\n",
+      dir.value().c_str(), loss, perplexity, static_cast<long long>(targets), n,
+      static_cast<long long>(first.batch), static_cast<long long>(first.seq),
+      validation ? "the validation side" : "all", data.value().description.c_str(),
+      backend.value()->name().c_str());
   nlohmann::json j = {{"checkpoint", dir.value()},
                       {"step", info.value().step},
                       {"split", args.split},

@@ -81,14 +81,22 @@ Value make_str(Str s) {
 
 const char* kind_name(Value::Kind k) {
   switch (k) {
-    case Value::Kind::kUndefined: return "undefined";
-    case Value::Kind::kNone: return "none";
-    case Value::Kind::kBool: return "boolean";
-    case Value::Kind::kInt: return "integer";
-    case Value::Kind::kString: return "string";
-    case Value::Kind::kList: return "list";
-    case Value::Kind::kDict: return "mapping";
-    case Value::Kind::kNamespace: return "namespace";
+    case Value::Kind::kUndefined:
+      return "undefined";
+    case Value::Kind::kNone:
+      return "none";
+    case Value::Kind::kBool:
+      return "boolean";
+    case Value::Kind::kInt:
+      return "integer";
+    case Value::Kind::kString:
+      return "string";
+    case Value::Kind::kList:
+      return "list";
+    case Value::Kind::kDict:
+      return "mapping";
+    case Value::Kind::kNamespace:
+      return "namespace";
   }
   return "?";
 }
@@ -96,13 +104,20 @@ const char* kind_name(Value::Kind k) {
 bool truthy(const Value& v) {
   switch (v.kind) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return false;
-    case Value::Kind::kBool: return v.b;
-    case Value::Kind::kInt: return v.i != 0;
-    case Value::Kind::kString: return !v.s.s.empty();
-    case Value::Kind::kList: return !v.list->empty();
-    case Value::Kind::kDict: return !v.dict->empty();
-    case Value::Kind::kNamespace: return true;
+    case Value::Kind::kNone:
+      return false;
+    case Value::Kind::kBool:
+      return v.b;
+    case Value::Kind::kInt:
+      return v.i != 0;
+    case Value::Kind::kString:
+      return !v.s.s.empty();
+    case Value::Kind::kList:
+      return !v.list->empty();
+    case Value::Kind::kDict:
+      return !v.dict->empty();
+    case Value::Kind::kNamespace:
+      return true;
   }
   return false;
 }
@@ -111,14 +126,19 @@ bool equal(const Value& a, const Value& b) {
   if (a.kind != b.kind) return false;
   switch (a.kind) {
     case Value::Kind::kUndefined:
-    case Value::Kind::kNone: return true;
-    case Value::Kind::kBool: return a.b == b.b;
-    case Value::Kind::kInt: return a.i == b.i;
-    case Value::Kind::kString: return a.s.s == b.s.s;
+    case Value::Kind::kNone:
+      return true;
+    case Value::Kind::kBool:
+      return a.b == b.b;
+    case Value::Kind::kInt:
+      return a.i == b.i;
+    case Value::Kind::kString:
+      return a.s.s == b.s.s;
     case Value::Kind::kList:
       return a.list->size() == b.list->size() &&
              std::equal(a.list->begin(), a.list->end(), b.list->begin(), equal);
-    default: return a.dict == b.dict;
+    default:
+      return a.dict == b.dict;
   }
 }
 
@@ -129,15 +149,28 @@ using ExprP = std::shared_ptr<const Expr>;
 
 struct Expr {
   enum class Op {
-    kLiteral, kName, kAttr, kIndex, kSlice, kMethod, kFilter, kTest, kNot, kNeg, kBinary, kAnd,
-    kOr, kNamespace, kList
+    kLiteral,
+    kName,
+    kAttr,
+    kIndex,
+    kSlice,
+    kMethod,
+    kFilter,
+    kTest,
+    kNot,
+    kNeg,
+    kBinary,
+    kAnd,
+    kOr,
+    kNamespace,
+    kList
   };
   Op op = Op::kLiteral;
   int line = 0;
-  Value value;                  // kLiteral
-  std::string name;             // kName, kAttr, kMethod, kFilter, kTest, kBinary (the operator)
-  bool negated = false;         // kTest: `is not`; kBinary "in": `not in`
-  std::vector<ExprP> args;      // operands; kSlice: base, start, stop, step (null: absent)
+  Value value;              // kLiteral
+  std::string name;         // kName, kAttr, kMethod, kFilter, kTest, kBinary (the operator)
+  bool negated = false;     // kTest: `is not`; kBinary "in": `not in`
+  std::vector<ExprP> args;  // operands; kSlice: base, start, stop, step (null: absent)
   std::vector<std::string> keywords;  // kNamespace: the name of each argument
 };
 
@@ -180,13 +213,27 @@ std::vector<Tok> lex_expression(std::string_view s, int line) {
         }
         const char x = s[++e];
         switch (x) {
-          case 'n': v += '\n'; break;
-          case 't': v += '\t'; break;
-          case 'r': v += '\r'; break;
-          case '\\': v += '\\'; break;
-          case '\'': v += '\''; break;
-          case '"': v += '"'; break;
-          default: v += '\\'; v += x;  // Python keeps unknown escapes
+          case 'n':
+            v += '\n';
+            break;
+          case 't':
+            v += '\t';
+            break;
+          case 'r':
+            v += '\r';
+            break;
+          case '\\':
+            v += '\\';
+            break;
+          case '\'':
+            v += '\'';
+            break;
+          case '"':
+            v += '"';
+            break;
+          default:
+            v += '\\';
+            v += x;  // Python keeps unknown escapes
         }
       }
       if (e >= s.size()) fail(line, "a string literal without its closing quote");
@@ -216,7 +263,9 @@ class ExprParser {
     if (is_name("if")) fail(line_, "inline 'if' expressions are not supported");
     return e;
   }
-  const Tok& peek(size_t ahead = 0) const { return toks_[std::min(pos_ + ahead, toks_.size() - 1)]; }
+  const Tok& peek(size_t ahead = 0) const {
+    return toks_[std::min(pos_ + ahead, toks_.size() - 1)];
+  }
   bool at_end() const { return peek().kind == Tok::Kind::kEnd; }
   bool is_op(const char* op, size_t ahead = 0) const {
     return peek(ahead).kind == Tok::Kind::kOp && peek(ahead).text == op;
@@ -230,7 +279,8 @@ class ExprParser {
     ++pos_;
   }
   std::string expect_name() {
-    if (peek().kind != Tok::Kind::kName) fail(line_, "expected a name, found '" + peek().text + "'");
+    if (peek().kind != Tok::Kind::kName)
+      fail(line_, "expected a name, found '" + peek().text + "'");
     return take().text;
   }
   void expect_end() {
@@ -458,11 +508,11 @@ struct ChatTemplate::Node {
   enum class Kind { kBlock, kText, kOutput, kIf, kFor, kSet };
   Kind kind = Kind::kBlock;
   int line = 0;
-  std::string text;                                  // kText
-  ExprP expr;                                        // kOutput, kFor (the sequence), kSet (value)
-  std::vector<std::pair<ExprP, Node>> branches;      // kIf: (condition, body); null: else
-  std::string var, attr;                             // kFor / kSet target (attr: `ns.attr`)
-  std::vector<Node> body;                            // kBlock, kFor
+  std::string text;                              // kText
+  ExprP expr;                                    // kOutput, kFor (the sequence), kSet (value)
+  std::vector<std::pair<ExprP, Node>> branches;  // kIf: (condition, body); null: else
+  std::string var, attr;                         // kFor / kSet target (attr: `ns.attr`)
+  std::vector<Node> body;                        // kBlock, kFor
 };
 
 namespace {
@@ -477,7 +527,9 @@ struct Piece {
   bool trim_left = false, trim_right = false, keep_left = false;  // `{%-`, `-%}`, `{%+`
 };
 
-bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 // Text and tags, with `-` whitespace control, trim_blocks and lstrip_blocks applied to the text.
 std::vector<Piece> lex_template(std::string_view src) {
@@ -501,25 +553,32 @@ std::vector<Piece> lex_template(std::string_view src) {
       ++open;
     }
     const size_t text_end = open == std::string::npos ? src.size() : open;
-    if (text_end > pos) pieces.push_back({Piece::Kind::kText, std::string(src.substr(pos, text_end - pos)), line});
+    if (text_end > pos)
+      pieces.push_back({Piece::Kind::kText, std::string(src.substr(pos, text_end - pos)), line});
     count_lines(pos, text_end);
     if (open == std::string::npos) break;
     Piece tag;
     tag.line = line;
     const char kind = src[open + 1];
-    tag.kind = kind == '{' ? Piece::Kind::kExpr : kind == '%' ? Piece::Kind::kStmt : Piece::Kind::kComment;
+    tag.kind = kind == '{'   ? Piece::Kind::kExpr
+               : kind == '%' ? Piece::Kind::kStmt
+                             : Piece::Kind::kComment;
     const char close = kind == '{' ? '}' : kind;
     size_t p = open + 2;
-    if (p < src.size() && src[p] == '-') tag.trim_left = true, ++p;
-    else if (p < src.size() && src[p] == '+') tag.keep_left = true, ++p;
+    if (p < src.size() && src[p] == '-')
+      tag.trim_left = true, ++p;
+    else if (p < src.size() && src[p] == '+')
+      tag.keep_left = true, ++p;
     size_t end = p;
     char quote = 0;
     for (; end + 1 < src.size(); ++end) {
       const char c = src[end];
       if (tag.kind != Piece::Kind::kComment) {
         if (quote) {
-          if (c == '\\') ++end;
-          else if (c == quote) quote = 0;
+          if (c == '\\')
+            ++end;
+          else if (c == quote)
+            quote = 0;
           continue;
         }
         if (c == '\'' || c == '"') {
@@ -529,7 +588,8 @@ std::vector<Piece> lex_template(std::string_view src) {
       }
       if (c == close && src[end + 1] == '}') break;
     }
-    if (end + 1 >= src.size()) fail(tag.line, "a tag without its closing '" + std::string(1, close) + "}'");
+    if (end + 1 >= src.size())
+      fail(tag.line, "a tag without its closing '" + std::string(1, close) + "}'");
     size_t body_end = end;
     if (body_end > p && src[body_end - 1] == '-') tag.trim_right = true, --body_end;
     tag.body = std::string(src.substr(p, body_end - p));
@@ -559,8 +619,10 @@ std::vector<Piece> lex_template(std::string_view src) {
         while (b < after.size() && is_space(after[b])) ++b;
         after.erase(0, b);
       } else if (block) {  // trim_blocks: the newline after a block tag
-        if (after.rfind("\r\n", 0) == 0) after.erase(0, 2);
-        else if (!after.empty() && after[0] == '\n') after.erase(0, 1);
+        if (after.rfind("\r\n", 0) == 0)
+          after.erase(0, 2);
+        else if (!after.empty() && after[0] == '\n')
+          after.erase(0, 1);
       }
     }
   }
@@ -767,12 +829,18 @@ class Renderer {
 
   static Str to_text(const Value& v, int line) {
     switch (v.kind) {
-      case Value::Kind::kUndefined: return {};
-      case Value::Kind::kNone: return literal("None");
-      case Value::Kind::kBool: return literal(v.b ? "True" : "False");
-      case Value::Kind::kInt: return literal(std::to_string(v.i));
-      case Value::Kind::kString: return v.s;
-      default: fail(line, std::string("printing a ") + kind_name(v.kind) + " is not supported");
+      case Value::Kind::kUndefined:
+        return {};
+      case Value::Kind::kNone:
+        return literal("None");
+      case Value::Kind::kBool:
+        return literal(v.b ? "True" : "False");
+      case Value::Kind::kInt:
+        return literal(std::to_string(v.i));
+      case Value::Kind::kString:
+        return v.s;
+      default:
+        fail(line, std::string("printing a ") + kind_name(v.kind) + " is not supported");
     }
   }
 
@@ -790,8 +858,10 @@ class Renderer {
   Value eval(const Expr& e) {
     using Op = Expr::Op;
     switch (e.op) {
-      case Op::kLiteral: return e.value;
-      case Op::kName: return lookup(e.name);
+      case Op::kLiteral:
+        return e.value;
+      case Op::kName:
+        return lookup(e.name);
       case Op::kList: {
         Value v;
         v.kind = Value::Kind::kList;
@@ -806,7 +876,8 @@ class Renderer {
         for (size_t i = 0; i < e.args.size(); ++i) (*v.dict)[e.keywords[i]] = eval(*e.args[i]);
         return v;
       }
-      case Op::kAttr: return member(eval(*e.args[0]), e.name, e.line);
+      case Op::kAttr:
+        return member(eval(*e.args[0]), e.name, e.line);
       case Op::kIndex: {
         const Value base = eval(*e.args[0]);
         const Value key = eval(*e.args[1]);
@@ -824,15 +895,20 @@ class Renderer {
         }
         fail(e.line, std::string("subscript of a ") + kind_name(base.kind));
       }
-      case Op::kSlice: return slice(e);
-      case Op::kMethod: return method(e);
-      case Op::kFilter: return filter(e);
+      case Op::kSlice:
+        return slice(e);
+      case Op::kMethod:
+        return method(e);
+      case Op::kFilter:
+        return filter(e);
       case Op::kTest: {
         const Value v = eval(*e.args[0]);
         return make_bool(test(v, e.name, e.line) != e.negated);
       }
-      case Op::kNot: return make_bool(!truthy(eval(*e.args[0])));
-      case Op::kNeg: return make_int(-need_int(eval(*e.args[0]), e.line, "'-'"));
+      case Op::kNot:
+        return make_bool(!truthy(eval(*e.args[0])));
+      case Op::kNeg:
+        return make_int(-need_int(eval(*e.args[0]), e.line, "'-'"));
       case Op::kAnd: {
         Value a = eval(*e.args[0]);
         return truthy(a) ? eval(*e.args[1]) : a;
@@ -841,7 +917,8 @@ class Renderer {
         Value a = eval(*e.args[0]);
         return truthy(a) ? a : eval(*e.args[1]);
       }
-      case Op::kBinary: return binary(e, eval(*e.args[0]), eval(*e.args[1]));
+      case Op::kBinary:
+        return binary(e, eval(*e.args[0]), eval(*e.args[1]));
     }
     fail(e.line, "unknown expression");
   }
@@ -851,17 +928,19 @@ class Renderer {
       auto it = base.dict->find(name);
       return it == base.dict->end() ? Value{} : it->second;
     }
-    if (base.kind == Value::Kind::kUndefined)
-      fail(line, "'" + name + "' of an undefined value");
+    if (base.kind == Value::Kind::kUndefined) fail(line, "'" + name + "' of an undefined value");
     return Value{};  // Jinja: a missing attribute is undefined
   }
 
   Value slice(const Expr& e) {
     const Value base = eval(*e.args[0]);
     int64_t n = 0;
-    if (base.kind == Value::Kind::kList) n = static_cast<int64_t>(base.list->size());
-    else if (base.kind == Value::Kind::kString) n = static_cast<int64_t>(base.s.s.size());
-    else fail(e.line, std::string("slice of a ") + kind_name(base.kind));
+    if (base.kind == Value::Kind::kList)
+      n = static_cast<int64_t>(base.list->size());
+    else if (base.kind == Value::Kind::kString)
+      n = static_cast<int64_t>(base.s.s.size());
+    else
+      fail(e.line, std::string("slice of a ") + kind_name(base.kind));
     auto part = [&](int k) -> std::optional<int64_t> {
       if (!e.args[k]) return std::nullopt;
       return need_int(eval(*e.args[k]), e.line, "a slice bound");
@@ -884,8 +963,10 @@ class Renderer {
       out.kind = Value::Kind::kString;
     }
     for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-      if (base.kind == Value::Kind::kList) out.list->push_back((*base.list)[static_cast<size_t>(i)]);
-      else append(out.s, substr(base.s, static_cast<size_t>(i), 1));
+      if (base.kind == Value::Kind::kList)
+        out.list->push_back((*base.list)[static_cast<size_t>(i)]);
+      else
+        append(out.s, substr(base.s, static_cast<size_t>(i), 1));
     }
     return out;
   }
@@ -912,9 +993,10 @@ class Renderer {
     if (e.name == "startswith" || e.name == "endswith") {
       if (args.size() != 1) fail(e.line, what + " takes one argument");
       const std::string x = arg_str(0);
-      const bool hit = x.size() <= s.s.size() &&
-                       (e.name == "startswith" ? s.s.compare(0, x.size(), x) == 0
-                                               : s.s.compare(s.s.size() - x.size(), x.size(), x) == 0);
+      const bool hit =
+          x.size() <= s.s.size() &&
+          (e.name == "startswith" ? s.s.compare(0, x.size(), x) == 0
+                                  : s.s.compare(s.s.size() - x.size(), x.size(), x) == 0);
       return make_bool(hit);
     }
     if (e.name == "split") {
@@ -986,7 +1068,8 @@ class Renderer {
       if (b.kind == K::kString) {
         hit = b.s.s.find(need_str(a, e.line, "'in' a string").s) != std::string::npos;
       } else if (b.kind == K::kList) {
-        hit = std::any_of(b.list->begin(), b.list->end(), [&](const Value& x) { return equal(a, x); });
+        hit = std::any_of(b.list->begin(), b.list->end(),
+                          [&](const Value& x) { return equal(a, x); });
       } else if (b.kind == K::kDict) {
         hit = b.dict->count(need_str(a, e.line, "'in' a mapping").s) > 0;
       } else {

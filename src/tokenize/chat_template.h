@@ -18,7 +18,7 @@
 namespace packmoe::tokenize {
 
 struct ChatMessage {
-  std::string role;     // "system" | "user" | "assistant"
+  std::string role;  // "system" | "user" | "assistant"
   std::string content;
 };
 
@@ -40,8 +40,8 @@ class ChatTemplate {
   // Parses `source` (a tokenizer_config.json chat_template). Errors name the line and the
   // construct: `chat template line 3: '{% macro' is not supported`.
   static Result<ChatTemplate> parse(std::string_view source);
-  Result<RenderedChat> render(const std::vector<ChatMessage>& messages,
-                              bool add_generation_prompt, const ChatVariables& vars = {}) const;
+  Result<RenderedChat> render(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+                              const ChatVariables& vars = {}) const;
 
   struct Node;  // the parsed template (chat_template.cpp)
 

@@ -48,7 +48,8 @@ Result<std::vector<ChatMessage>> messages_of(const nlohmann::json& j) {
   if (!j.is_object()) return Status::error("a line is a JSON object, this one is " + json_brief(j));
   std::vector<ChatMessage> out;
   if (auto it = j.find("messages"); it != j.end()) {
-    if (!it->is_array()) return Status::error("\"messages\" is " + json_brief(*it) + ", not a list");
+    if (!it->is_array())
+      return Status::error("\"messages\" is " + json_brief(*it) + ", not a list");
     for (size_t i = 0; i < it->size(); ++i) {
       const nlohmann::json& m = (*it)[i];
       const std::string where = "message " + std::to_string(i);
@@ -85,8 +86,9 @@ Result<SftRenderer> SftRenderer::create(const tokenize::Tokenizer& tokenizer) {
     if (!t) return Status::error("the tokenizer's " + t.status().message());
     r.tmpl_ = std::move(t.value());
   } else if (!tokenizer.eos_id()) {
-    return Status::error("the tokenizer has neither a chat template nor an eos token, which the "
-                         "plain SFT template ends each assistant turn with");
+    return Status::error(
+        "the tokenizer has neither a chat template nor an eos token, which the "
+        "plain SFT template ends each assistant turn with");
   }
   const auto text_of = [&](std::optional<uint32_t> id) -> std::optional<std::string> {
     if (!id) return std::nullopt;
@@ -162,8 +164,9 @@ Result<SftConversation> SftRenderer::encode(const std::vector<ChatMessage>& mess
     if (!turn_ended && out.tokens.size() > first && tokenizer_->is_special(out.tokens[first]))
       out.trained[first] = 1;
     if (k == spans.size()) break;
-    PACKMOE_RETURN_IF_ERROR(append(
-        std::string_view(text).substr(spans[k].first, spans[k].second - spans[k].first), true, out));
+    PACKMOE_RETURN_IF_ERROR(
+        append(std::string_view(text).substr(spans[k].first, spans[k].second - spans[k].first),
+               true, out));
     at = spans[k].second;
     turn_ended = false;
   }

@@ -28,8 +28,8 @@
 
 namespace fs = std::filesystem;
 using namespace packmoe;
-using packmoe::test::RunResult;
 using packmoe::test::run_cli;
+using packmoe::test::RunResult;
 
 namespace {
 
@@ -63,9 +63,9 @@ fs::path write_sft(const fs::path& dir, int n, uint64_t seed, bool trailing) {
     if (i % 2 == 0 && !trailing) {
       j = {{"prompt", word(3 + rng() % 4)}, {"response", word(2 + rng() % 6)}};
     } else {
-      nlohmann::json m = nlohmann::json::array(
-          {{{"role", "user"}, {"content", word(2 + rng() % 3)}},
-           {{"role", "assistant"}, {"content", word(1 + rng() % 4)}}});
+      nlohmann::json m =
+          nlohmann::json::array({{{"role", "user"}, {"content", word(2 + rng() % 3)}},
+                                 {{"role", "assistant"}, {"content", word(1 + rng() % 4)}}});
       if (trailing) m.push_back({{"role", "user"}, {"content", "~~"}});
       j = {{"messages", m}};
     }
@@ -230,8 +230,8 @@ void expect_one_error_line(const RunResult& r, const std::string& needle) {
   ASSERT_FALSE(r.output.empty());
   EXPECT_EQ(r.output.find('\n'), r.output.size() - 1) << "more than one line: " << r.output;
   EXPECT_EQ(r.output.rfind("packmoe: error: ", 0), 0u) << r.output;
-  EXPECT_NE(r.output.find(needle), std::string::npos) << "missing '" << needle << "' in "
-                                                      << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos)
+      << "missing '" << needle << "' in " << r.output;
 }
 
 TEST(SftE2E, BadInputIsOneErrorLineBeforeAnythingIsWritten) {
@@ -240,7 +240,9 @@ TEST(SftE2E, BadInputIsOneErrorLineBeforeAnythingIsWritten) {
   const std::string out = " --out " + (dir / "never").string();
   const auto with_line2 = [&](const std::string& line) {
     const fs::path p = dir / "bad.jsonl";
-    std::ofstream(p) << R"({"prompt": "ab", "response": "cd"})" << "\n" << line << "\n";
+    std::ofstream(p) << R"({"prompt": "ab", "response": "cd"})"
+                     << "\n"
+                     << line << "\n";
     return " --data sft:" + p.string();
   };
   const std::string where = (dir / "bad.jsonl").string() + ":2: ";
@@ -249,16 +251,14 @@ TEST(SftE2E, BadInputIsOneErrorLineBeforeAnythingIsWritten) {
   expect_one_error_line(
       run_cli(kSft + tok + with_line2(R"({"messages": [{"role": "bot", "content": "x"}]})") + out),
       where + "message 0: unknown role 'bot'");
+  expect_one_error_line(run_cli(kSft + tok +
+                                with_line2(R"({"messages": [{"role": "user", "content": "x"}, )"
+                                           R"({"role": "assistant", "content": ""}]})") +
+                                out),
+                        where + "message 1: an empty assistant message");
   expect_one_error_line(
       run_cli(kSft + tok +
-              with_line2(R"({"messages": [{"role": "user", "content": "x"}, )"
-                         R"({"role": "assistant", "content": ""}]})") +
-              out),
-      where + "message 1: an empty assistant message");
-  expect_one_error_line(
-      run_cli(kSft + tok + with_line2(R"({"prompt": "x", "response": ")" + std::string(80, 'z') +
-                                      "\"}") +
-              out),
+              with_line2(R"({"prompt": "x", "response": ")" + std::string(80, 'z') + "\"}") + out),
       where + "the conversation has");
   expect_one_error_line(run_cli(kSft + with_line2(R"({"prompt": "x", "response": "y"})") + out),
                         "needs --tokenizer");

@@ -3,14 +3,13 @@
 // multi-turn conversations, reasoning split out of the content, the generation prompt, each
 // byte's source, whitespace control, and every unsupported construct refused by name. The
 // template texts: tests/common/qwen_chat_templates.h.
-#include "tokenize/chat_template.h"
-
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "common/qwen_chat_templates.h"
+#include "tokenize/chat_template.h"
 
 namespace packmoe::tokenize {
 namespace {
@@ -92,8 +91,7 @@ TEST(ChatTemplate, WhitespaceControlTrimAndLstripBlocks) {
   // `-` strips every whitespace on its side; output tags keep theirs.
   EXPECT_EQ(render("a\n  {% if true %}\nb\n  {% endif %}\nc", {}).text, "a\nb\nc");
   EXPECT_EQ(render("x  {%- if true -%}  \n y {{ 'z' }} \n{%- endif %}!", {}).text, "xy z!");
-  EXPECT_EQ(render("{# a comment #}{{ 1 + 2 }}{{ 'a' ~ 3 }}{{ [1, 2]|length }}", {}).text,
-            "3a32");
+  EXPECT_EQ(render("{# a comment #}{{ 1 + 2 }}{{ 'a' ~ 3 }}{{ [1, 2]|length }}", {}).text, "3a32");
   EXPECT_EQ(render("{% for m in messages %}{{ loop.index0 }}{{ loop.index }}{% if loop.first %}F"
                    "{% elif loop.last %}L{% else %}M{% endif %}{% endfor %}",
                    {{"user", "a"}, {"assistant", "b"}, {"user", "c"}})

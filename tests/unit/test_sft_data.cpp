@@ -65,10 +65,11 @@ TEST(SftData, ChatTemplateMasksAllButTheAssistant) {
   // <|im_start|>system\nxy<|im_end|>\n<|im_start|>user\nab<|im_end|>\n
   // <|im_start|>assistant\ncd<|im_end|>\n<|im_start|>user\nij<|im_end|>\n
   // <|im_start|>assistant\nk<|im_end|>\n
-  const std::vector<uint32_t> expected =
-      cat({{273}, bytes("system\nxy"), {274}, bytes("\n"), {273}, bytes("user\nab"), {274},
-           bytes("\n"), {273}, bytes("assistant\ncd"), {274}, bytes("\n"), {273}, bytes("user\nij"),
-           {274}, bytes("\n"), {273}, bytes("assistant\nk"), {274}, bytes("\n")});
+  const std::vector<uint32_t> expected = cat({{273}, bytes("system\nxy"),    {274}, bytes("\n"),
+                                              {273}, bytes("user\nab"),      {274}, bytes("\n"),
+                                              {273}, bytes("assistant\ncd"), {274}, bytes("\n"),
+                                              {273}, bytes("user\nij"),      {274}, bytes("\n"),
+                                              {273}, bytes("assistant\nk"),  {274}, bytes("\n")});
   EXPECT_EQ(c.value().tokens, expected);
   // system turn 0-11, user turn 12-21, the first assistant turn: 22 <|im_start|>, 23-31
   // "assistant", 32 "\n", 33-34 "cd", 35 <|im_end|>; then 36 "\n", user 37-46, 47 <|im_start|>,
@@ -87,9 +88,16 @@ TEST(SftData, Qwen3TemplateTrainsTheReasoningAndTheAnswer) {
   ASSERT_TRUE(c) << c.status().message();
   // <|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n<think>\n | xy\n</think>\n\ncd |
   // <|im_end|> | \n; "<think>" is the test tokenizer's added token 275, "</think>" plain bytes.
-  const std::vector<uint32_t> expected =
-      cat({{273}, bytes("user\nab"), {274}, bytes("\n"), {273}, bytes("assistant\n"), {275},
-           bytes("\nxy\n</think>\n\ncd"), {274}, bytes("\n")});
+  const std::vector<uint32_t> expected = cat({{273},
+                                              bytes("user\nab"),
+                                              {274},
+                                              bytes("\n"),
+                                              {273},
+                                              bytes("assistant\n"),
+                                              {275},
+                                              bytes("\nxy\n</think>\n\ncd"),
+                                              {274},
+                                              bytes("\n")});
   EXPECT_EQ(c.value().tokens, expected);
   // 0-21 the prompt and the header, 22 "\n" after <think>; the reasoning "xy" starts the span at
   // 23, the template's "\n</think>\n\n" inside it, "cd" ends it at 37; 38 <|im_end|>.
@@ -118,9 +126,11 @@ TEST(SftData, JsonlLinesAndTheirErrors) {
   Result<SftRenderer> r = SftRenderer::create(*t);
   ASSERT_TRUE(r);
   const fs::path good = dir / "good.jsonl";
-  std::ofstream(good) << R"({"prompt": "ab", "response": "cd", "id": 7})" << "\n\n"
+  std::ofstream(good) << R"({"prompt": "ab", "response": "cd", "id": 7})"
+                      << "\n\n"
                       << R"({"messages": [{"role": "user", "content": "x"}, )"
-                      << R"({"role": "assistant", "content": "y"}]})" << "\n";
+                      << R"({"role": "assistant", "content": "y"}]})"
+                      << "\n";
   Result<std::vector<SftConversation>> read = read_sft_file(good.string(), r.value());
   ASSERT_TRUE(read) << read.status().message();
   ASSERT_EQ(read.value().size(), 2u);
@@ -128,7 +138,9 @@ TEST(SftData, JsonlLinesAndTheirErrors) {
   EXPECT_EQ(read.value()[1].line, 3);  // the blank line is skipped, still counted
   const auto refused = [&](const std::string& line2, const std::string& needle) {
     const fs::path p = dir / "bad.jsonl";
-    std::ofstream(p) << R"({"prompt": "a", "response": "b"})" << "\n" << line2 << "\n";
+    std::ofstream(p) << R"({"prompt": "a", "response": "b"})"
+                     << "\n"
+                     << line2 << "\n";
     Result<std::vector<SftConversation>> bad = read_sft_file(p.string(), r.value());
     ASSERT_FALSE(bad) << line2;
     EXPECT_EQ(bad.status().message().rfind(p.string() + ":2: ", 0), 0u) << bad.status().message();
@@ -136,8 +148,9 @@ TEST(SftData, JsonlLinesAndTheirErrors) {
   };
   refused(R"({"prompt": "a", "response": )", "not valid JSON");
   refused(R"({"messages": [{"role": "robot", "content": "a"}]})", "unknown role 'robot'");
-  refused(R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]})",
-          "an empty assistant message");
+  refused(
+      R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]})",
+      "an empty assistant message");
   refused(R"({"prompt": "a", "response": ""})", "an empty \"response\"");
   refused(R"({"messages": [{"role": "user", "content": "a"}]})", "without an assistant");
   refused(R"({"messages": [{"role": "user", "content": 3}]})", "not a string");
