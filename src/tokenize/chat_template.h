@@ -43,7 +43,7 @@ class ChatTemplate {
   Result<RenderedChat> render(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
                               const ChatVariables& vars = {}) const;
 
-  struct Node;  // the parsed template (chat_template.cpp)
+  struct Node;  // the parsed template (tokenize/chat_template_ast.h)
 
  private:
   std::shared_ptr<const Node> root_;

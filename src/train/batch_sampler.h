@@ -2,7 +2,9 @@
 // Model. Each source's epoch stream is its documents in an order (seeded shuffle per epoch, or
 // source order), concatenated; its samples are the windows stream[kS, kS + S + 1) that fit
 // (inputs the first S tokens, targets the last S), read in an order (seeded shuffle per epoch,
-// or k = 0, 1, ...). Each row comes from the source the blend rule picks (train/sample_order.h).
+// or k = 0, 1, ...); an SFT source's samples are instead its documents packed whole into rows
+// (rows_of_packed), ignored targets where no loss is taken. Each row comes from the source the
+// blend rule picks (train/sample_order.h).
 // Invariant: the batches are a pure function of (sources, options, state), the state is a count
 // of samples drawn per source, observable and settable, so a resumed run reads exactly the
 // rows it would have read; no thread count, machine or floating point enters.
