@@ -2,7 +2,7 @@
 # The whole training step on the GPU machine, packmoe against the PyTorch peer in the same call:
 # for each preset and grad-accum, `packmoe train` in each recipe and bench/torch_train_step.py
 # (the shared lean peer, eager and torch.compile), then a table of ms per optimizer step, tokens/s,
-# peak memory (packmoe: nvidia-smi's, sampled every 200 ms; the peer: torch's allocator peak) and
+# peak memory (nvidia-smi's, sampled every 200 ms, for both; the peer's allocator peak too) and
 # the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
 # With --timeline, the first packmoe run of each preset/grad-accum also runs under the CUPTI
 # tracer (tools/probes/cuda_timeline.cpp) and its per-kernel time of one step goes to
@@ -64,7 +64,8 @@ for p in $presets; do
       tps=$(sed -nE 's/.*tokens\/s: ([0-9]+).*/\1/p' <<<"$line")
       wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
       kill $smi 2>/dev/null; wait $smi 2>/dev/null
-      mem="peak $(sort -n "$corpus/mem.txt" | tail -1) MiB (nvidia-smi), run ${wall} s"
+      pool=$(sed -nE 's/.*peak memory \(GB\): ([0-9.]+).*/\1/p' <<<"$line")
+      mem="pool peak ${pool:-?} GB, peak $(sort -n "$corpus/mem.txt" | tail -1) MiB (nvidia-smi), run ${wall} s"
       label=packmoe-$r; [ ${#tl[@]} -gt 0 ] && label="packmoe-$r(traced)"
       row "$p ga$ga $label|${ms:-FAILED}|${tps:-0}|${mem:--}"
       if [ ${#tl[@]} -gt 0 ] && [ -s "$corpus/tl.txt" ]; then
@@ -75,12 +76,16 @@ for p in $presets; do
     done
     for m in $peer_modes; do
       flag=(); [ "$m" = compile ] && flag=(--compile)
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$corpus/mem.txt" &
+      smi=$!
       j=$(python3 bench/torch_train_step.py --peers "$PEERS" --preset "$p" --batch "$B" --seq "$S" \
             --grad-accum "$ga" "${flag[@]}" 2>>"$OUT/step.log" | tail -1)
+      kill $smi 2>/dev/null; wait $smi 2>/dev/null
       echo "$j" >>"$OUT/step_peers.jsonl"
       ms=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$j" 2>/dev/null)
       tps=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["tokens_per_s"])' "$j" 2>/dev/null)
-      mem=$(python3 -c 'import json,sys; print("peak %s GiB" % json.loads(sys.argv[1])["peak_mem_GiB"])' "$j" 2>/dev/null)
+      mem=$(python3 -c 'import json,sys; print("peak %s GiB allocated" % json.loads(sys.argv[1])["peak_mem_GiB"])' "$j" 2>/dev/null)
+      mem="$mem, peak $(sort -n "$corpus/mem.txt" | tail -1) MiB (nvidia-smi)"
       row "$p ga$ga torch-$m|${ms:-FAILED}|${tps:-0}|${mem:--}"
     done
   done

@@ -93,6 +93,17 @@ struct ExportHfArgs {
 void add_export_hf_command(CLI::App& app, ExportHfArgs& args);
 Status run_export_hf(const ExportHfArgs& args);
 
+// `packmoe generate` (tools/generate_command.cpp).
+struct GenerateArgs {
+  std::string model, prompt, tokenizer, device = "auto", recipe = "bf16";
+  int64_t max_new_tokens = 64, top_k = 0;
+  double temperature = 0.0, top_p = 1.0;
+  uint64_t seed = 0;
+  bool json = false;
+};
+void add_generate_command(CLI::App& app, GenerateArgs& args);
+Status run_generate(const GenerateArgs& args);
+
 // `packmoe eval` (tools/eval_command.cpp).
 struct EvalArgs {
   std::string checkpoint, data, split = "validation", batches, tokenizer, device = "auto";

@@ -5,8 +5,6 @@
 #include <cstdio>
 #include <filesystem>
 
-#include "core/json_limits.h"
-#include "io/read_file.h"
 #include "tokenize/tokenizer.h"
 #include "tools/commands.h"
 #include "train/checkpoint.h"
@@ -34,29 +32,6 @@ void add_export_hf_command(CLI::App& app, ExportHfArgs& args) {
                   "(trainer_state.json's train.tokenizer), if any");
 }
 
-namespace {
-
-// The tokenizer path the checkpoint's run recorded (train.tokenizer), or "" when it had none.
-Result<std::string> checkpoint_tokenizer(const std::string& checkpoint) {
-  Result<std::string> dir = train::find_checkpoint(checkpoint, nullptr);
-  if (!dir) return dir.status();
-  const std::string state = (std::filesystem::path(dir.value()) / train::kTrainerStateFile).string();
-  Result<std::string> text = io::read_regular_file(state, io::kMaxJsonFileBytes);
-  if (!text) return text.status();
-  Result<nlohmann::json> j = parse_json_text(text.value(), state);
-  if (!j) return j.status();
-  const nlohmann::json& v = j.value();
-  if (!v.is_object() || !v.contains("train") || !v["train"].is_object() ||
-      !v["train"].contains("tokenizer"))
-    return std::string();
-  if (!v["train"]["tokenizer"].is_string())
-    return Status::error(state + ": train.tokenizer must be a path (got " +
-                         json_brief(v["train"]["tokenizer"]) + ")");
-  return v["train"]["tokenizer"].get<std::string>();
-}
-
-}  // namespace
-
 Status run_export_hf(const ExportHfArgs& args) {
   DType dtype;
   if (args.dtype == "bf16") {
@@ -68,7 +43,7 @@ Status run_export_hf(const ExportHfArgs& args) {
   }
   std::string tokenizer = args.tokenizer;
   if (tokenizer.empty()) {
-    Result<std::string> recorded = checkpoint_tokenizer(args.checkpoint);
+    Result<std::string> recorded = train::checkpoint_tokenizer(args.checkpoint);
     if (!recorded) return recorded.status();
     tokenizer = recorded.value();
     if (!tokenizer.empty() && !std::filesystem::exists(tokenizer))

@@ -31,6 +31,8 @@ int main(int argc, char** argv) {
   packmoe::tools::add_tokenize_command(app, tokenize);
   packmoe::tools::ExportHfArgs export_hf;
   packmoe::tools::add_export_hf_command(app, export_hf);
+  packmoe::tools::GenerateArgs generate;
+  packmoe::tools::add_generate_command(app, generate);
   packmoe::tools::EvalArgs eval;
   packmoe::tools::add_eval_command(app, eval);
   try {
@@ -52,6 +54,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("train")) status = packmoe::tools::run_train(train);
   if (app.got_subcommand("tokenize")) status = packmoe::tools::run_tokenize(tokenize);
   if (app.got_subcommand("export-hf")) status = packmoe::tools::run_export_hf(export_hf);
+  if (app.got_subcommand("generate")) status = packmoe::tools::run_generate(generate);
   if (app.got_subcommand("eval")) status = packmoe::tools::run_eval(eval);
   if (!status.is_ok()) {
     std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,13 @@ class Backend : public Allocator {
   virtual void copy(void* dst, const void* src, size_t bytes, CopyKind kind) = 0;
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // This backend's memory: bytes in use now, and the most ever held from the device (CUDA: the
+  // stream-ordered pool's reserve high-water mark, what nvidia-smi sees of it). The CPU reports
+  // none.
+  struct MemoryUse {
+    size_t in_use = 0, peak_reserved = 0;
+  };
+  virtual std::optional<MemoryUse> memory_use() const { return std::nullopt; }
 
   // Median milliseconds of `body` over `iters` runs after `warmup` runs, measured with the
   // device's own clock (CUDA events on GPU).

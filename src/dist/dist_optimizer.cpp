@@ -12,6 +12,8 @@ namespace packmoe {
 namespace {
 
 constexpr int64_t kImageAlign = 16;  // lowp images start 16-byte aligned in their class buffer
+// A BF16 image slot is a bound primary (a GEMM operand): aligned as an allocation would be.
+constexpr int64_t kBoundImageAlign = 256;
 
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -63,8 +65,6 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       grads_(comm, plan_),
       pieces_(plan_.pieces(comm.rank())),
       master_(*be_, shard().size() * sizeof(float)),
-      exp_avg_(*be_, shard().size() * sizeof(float)),
-      exp_avg_sq_(*be_, shard().size() * sizeof(float)),
       norm_(*be_, sizeof(double)) {
   for (size_t p = 0; p < params_.size(); ++p) {
     const GroupedParam& gp = *params_[p].param;
@@ -75,7 +75,7 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
                       gp.master_state() == MasterState::kMasterReady,
                   "param " << p << " is already under a distributed optimizer");
   }
-  for (DeviceBuffer* b : {&master_, &exp_avg_, &exp_avg_sq_}) be_->fill_zero(b->get(), b->size());
+  be_->fill_zero(master_.get(), master_.size());
 
   // Every main_grad views its slot: E consecutive (N, K) groups, whichever the layout.
   for (int p = 0; p < plan_.params(); ++p) {
@@ -113,7 +113,9 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     case GatherMode::kReuseGradBuffer:
       // Reuse: the image lies in the grad buffer's memory (4 bytes per element of which it takes
       // at most 2, at or below each element's own gradient), consumed by then.
-      bf16_class_.emplace(make_class(bf16_ratio(), cfg_.gather == GatherMode::kBf16));
+      bf16_class_.emplace(make_class(bf16_ratio(), cfg_.gather == GatherMode::kBf16,
+                                     cfg_.gather == GatherMode::kBf16 ? kBoundImageAlign
+                                                                      : kImageAlign));
       traffic_.all_gather_bytes = bf16_class_->bytes;
       break;
     case GatherMode::kLowp:
@@ -133,6 +135,19 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     traffic_.all_gather_bytes += fp32_->bytes;
   }
   stage();
+  // With the BF16 gather, the image's slot of a BF16 param IS its primary: the gather lands in
+  // place and no copy into the param follows (nor a second BF16 copy of the weights).
+  if (cfg_.gather == GatherMode::kBf16)
+    for (int p = 0; p < plan_.params(); ++p)
+      if (params_[p].form != WeightForm::kFp32 && params_[p].param->keeps_bf16())
+        params_[p].param->bind_bf16_primary(
+            bf16_views(static_cast<const uint8_t*>(bf16_class_->buffer->get()), p).ptrs());
+  // The moments last: by now every init and every own BF16 copy that a bound slot replaced is
+  // freed, so start-up never holds them together with the moments.
+  for (std::optional<DeviceBuffer>* b : {&exp_avg_, &exp_avg_sq_}) {
+    b->emplace(*be_, shard().size() * sizeof(float));
+    be_->fill_zero((*b)->get(), (*b)->size());
+  }
   grads_.advance(GradBufferState::kParamsStaged, "construction: masters staged for the gather");
 }
 
@@ -188,8 +203,8 @@ DistStepResult DistOptimizer::step(double max_norm) {
   const AdamWStepScalars decayed = adamw_param_scalars(cfg_.adamw, steps_, true, r.clip_scale);
   const AdamWStepScalars undecayed = adamw_param_scalars(cfg_.adamw, steps_, false, r.clip_scale);
   float* master = static_cast<float*>(master_.get());
-  float* m = static_cast<float*>(exp_avg_.get());
-  float* v = static_cast<float*>(exp_avg_sq_.get());
+  float* m = static_cast<float*>(exp_avg_->get());
+  float* v = static_cast<float*>(exp_avg_sq_->get());
   // With the BF16 gather, AdamW writes the BF16 image of what it updates in the same pass (stage()
   // then has nothing left to cast for it).
   uint8_t* image = cfg_.gather == GatherMode::kBf16
@@ -367,7 +382,7 @@ GroupedStorage DistOptimizer::bf16_views(const uint8_t* image, int p) const {
 }
 
 DistOptimizer::GatherClass DistOptimizer::make_class(
-    const std::vector<std::pair<int64_t, int64_t>>& ratio, bool allocate) {
+    const std::vector<std::pair<int64_t, int64_t>>& ratio, bool allocate, int64_t align) {
   GatherClass cls;
   const int count = plan_.params();
   cls.offset.assign(count, -1);
@@ -376,7 +391,7 @@ DistOptimizer::GatherClass DistOptimizer::make_class(
   int64_t at = 0;
   for (int p : plan_.buffer_order()) {
     if (ratio[p].first == 0) continue;
-    at = align_up(at, kImageAlign);
+    at = align_up(at, align);
     cls.offset[p] = at;
     cls.num[p] = ratio[p].first;
     cls.den[p] = ratio[p].second;
@@ -460,7 +475,7 @@ OptimizerShard DistOptimizer::shard_state() const {
   s.pieces = pieces_;
   const int64_t n = shard().size();
   std::vector<float> all[3];
-  const DeviceBuffer* src[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  const DeviceBuffer* src[3] = {&master_, &*exp_avg_, &*exp_avg_sq_};
   std::vector<float>* dst[3] = {&s.master, &s.exp_avg, &s.exp_avg_sq};
   for (int i = 0; i < 3; ++i) {
     all[i].resize(n);
@@ -485,7 +500,7 @@ FullOptimizerState DistOptimizer::gather_state() {
   DeviceBuffer flat(*be_, plan_.total() * sizeof(float));  // (total) F32
   float* f = static_cast<float*>(flat.get());
   std::vector<std::vector<float>>* out[3] = {&full.master, &full.exp_avg, &full.exp_avg_sq};
-  const DeviceBuffer* src[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  const DeviceBuffer* src[3] = {&master_, &*exp_avg_, &*exp_avg_sq_};
   for (int i = 0; i < 3; ++i) {
     if (sh.size())
       be_->copy(f + sh.begin, src[i]->get(), src[i]->size(), Backend::CopyKind::kDeviceToDevice);
@@ -516,7 +531,7 @@ Status DistOptimizer::load_state(const FullOptimizerState& state) {
   }
   if (state.steps < 0) return Status::error("optimizer state: negative step count");
   const int64_t begin = shard().begin;
-  DeviceBuffer* dst[3] = {&master_, &exp_avg_, &exp_avg_sq_};
+  DeviceBuffer* dst[3] = {&master_, &*exp_avg_, &*exp_avg_sq_};
   const std::vector<std::vector<float>>* src[3] = {&state.master, &state.exp_avg,
                                                    &state.exp_avg_sq};
   for (int i = 0; i < 3; ++i)

@@ -158,8 +158,9 @@ class DistOptimizer {
   void stage(bool image_written = false);
   // ratio[p] = {num, den} bytes per element of param p's component; {0, 1}: p has none. The
   // class owns a zeroed buffer unless `allocate` is false (reuse-grad-buffer: the grad buffer).
+  // Each param's slot starts `align`-byte aligned in it.
   GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio,
-                         bool allocate = true);
+                         bool allocate = true, int64_t align = 16);
   // {2, 1} for params whose primary travels, {0, 1} for WeightForm::kFp32 ones (theirs is made
   // from the gathered replica).
   std::vector<std::pair<int64_t, int64_t>> bf16_ratio() const;
@@ -180,8 +181,8 @@ class DistOptimizer {
   GradBuffer grads_;
   std::vector<ShardPiece> pieces_;  // this rank's, buffer order
   DeviceBuffer master_;             // (shard size) F32
-  DeviceBuffer exp_avg_;            // (shard size) F32
-  DeviceBuffer exp_avg_sq_;         // (shard size) F32
+  // (shard size) F32 each; made once the params have released their inits (the start-up peak).
+  std::optional<DeviceBuffer> exp_avg_, exp_avg_sq_;
   DeviceBuffer norm_;               // (1) F64
   int64_t steps_ = 0;
   GatherTraffic traffic_;

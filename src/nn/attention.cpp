@@ -45,19 +45,7 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Pos
   batch_ = batch;
   seq_ = seq;
   rope_ = rope;
-
-  const Tensor q = q_proj_.forward(x, {T});  // (T, Hq*D) F32
-  const Tensor k = k_proj_.forward(x, {T});  // (T, Hkv*D) F32
-  const Tensor v = v_proj_.forward(x, {T});  // (T, Hkv*D) F32
-  const Tensor q_rot = q_norm_.forward(q.reshaped({T * Hq, D})).reshaped({T, Hq * D});
-  const Tensor k_rot = k_norm_.forward(k.reshaped({T * Hkv, D})).reshaped({T, Hkv * D});
-
-  // In place: the norm outputs are not needed again.
-  rotate_in_place(b, rope, q_rot, Hq, D, false);
-  rotate_in_place(b, rope, k_rot, Hkv, D, false);
-  q_ = to_bf16(b, q_rot);
-  k_ = to_bf16(b, k_rot);
-  v_ = to_bf16(b, v);
+  project(x, rope, q_, k_, v_);
 
   attn_ = Tensor::empty(b, DType::kBF16, {T, Hq * D});
   lse_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
@@ -119,6 +107,25 @@ Tensor Attention::backward(const Tensor& dy) {
   add_into(b, dx, v_proj_.backward(to_bf16(b, dv), GradAccum::kAccumulate));
   q_ = k_ = v_ = attn_ = lse_ = Tensor{};
   return dx;
+}
+
+void Attention::project(const Tensor& x, const PositionTables& rope, Tensor& q_out, Tensor& k_out,
+                        Tensor& v_out) {
+  Backend& b = *backend_;
+  const int64_t T = x.dim(0), D = shape_.head_dim;
+  const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
+  const Tensor q = q_proj_.forward(x, {T});  // (T, Hq*D) F32
+  const Tensor k = k_proj_.forward(x, {T});  // (T, Hkv*D) F32
+  const Tensor v = v_proj_.forward(x, {T});  // (T, Hkv*D) F32
+  const Tensor q_rot = q_norm_.forward(q.reshaped({T * Hq, D})).reshaped({T, Hq * D});
+  const Tensor k_rot = k_norm_.forward(k.reshaped({T * Hkv, D})).reshaped({T, Hkv * D});
+
+  // In place: the norm outputs are not needed again.
+  rotate_in_place(b, rope, q_rot, Hq, D, false);
+  rotate_in_place(b, rope, k_rot, Hkv, D, false);
+  q_out = to_bf16(b, q_rot);
+  k_out = to_bf16(b, k_rot);
+  v_out = to_bf16(b, v);
 }
 
 }  // namespace packmoe

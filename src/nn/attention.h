@@ -34,6 +34,8 @@ struct PositionTables {
   Tensor doc_start;  // (T) I32, or empty: every row is one causal sequence
 };
 
+struct LayerKv;  // nn/kv_cache.h
+
 class Attention {
  public:
   Attention(Backend& backend, const AttentionShape& shape, Layout layout, bool grad_accum_fusion,
@@ -51,8 +53,17 @@ class Attention {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope);
   // dy: (T, H) F32. Returns dx (T, H) F32 (the sum over the q, k and v paths).
   Tensor backward(const Tensor& dy);
+  // Inference (nn/kv_cache.cpp): x (T, H) BF16, T new tokens of one sequence at positions
+  // [past, past + T) (`rope` is their table), after the `past` tokens `kv` holds. Writes their
+  // K / V into rows [past, past + T) of `kv` and returns (T, H) F32, what forward gives these rows
+  // of the whole sequence. Saves nothing for backward.
+  Tensor forward_cached(const Tensor& x, const PositionTables& rope, LayerKv& kv, int64_t past);
 
  private:
+  // The q, k, v of x (T, H) BF16 as the attention core reads them: (T, Hq*D), (T, Hkv*D) after
+  // the norms and RoPE at the table's positions, (T, Hkv*D) as projected; BF16.
+  void project(const Tensor& x, const PositionTables& rope, Tensor& q, Tensor& k, Tensor& v);
+
   Backend* backend_;
   AttentionShape shape_;
   GroupedLinear q_proj_, k_proj_, v_proj_, o_proj_;

@@ -23,6 +23,11 @@ Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, const 
   Backend& b = *backend_;
   Tensor h = clone(b, x);
   add_into(b, h, attention_.forward(to_bf16(b, input_norm_.forward(x)), batch, seq, rope));
+  return mlp_residual(h);
+}
+
+Tensor DecoderLayer::mlp_residual(const Tensor& h) {
+  Backend& b = *backend_;
   const Tensor n = to_bf16(b, post_norm_.forward(h));
   Tensor out = clone(b, h);
   add_into(b, out, moe_ ? moe_->forward(n) : mlp_->forward(n));

@@ -35,6 +35,9 @@ class DecoderLayer {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope);
   // dy: (T, H) F32; loss_scale as in MoEBlock::backward. Returns dx (T, H) F32.
   Tensor backward(const Tensor& dy, float loss_scale);
+  // Inference (nn/kv_cache.cpp): forward on T new tokens of one sequence after the `past` ones
+  // `kv` caches (Attention::forward_cached); x (T, H) F32, returns (T, H) F32.
+  Tensor forward_cached(const Tensor& x, const PositionTables& rope, LayerKv& kv, int64_t past);
 
  private:
   Backend* backend_;
@@ -43,6 +46,8 @@ class DecoderLayer {
   RmsNorm post_norm_;
   std::unique_ptr<MoEBlock> moe_;
   std::unique_ptr<DenseMlp> mlp_;
+  // The second residual block: h + MLP(post_norm(h)), h (T, H) F32 the first block's output.
+  Tensor mlp_residual(const Tensor& h);
 };
 
 }  // namespace packmoe

@@ -13,38 +13,91 @@ GroupedLinear::GroupedLinear(Backend& backend, const GroupedLinearConfig& cfg, c
                 "GroupedLinear outputs bf16 or f32");
 }
 
-Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m) {
-  PACKMOE_CHECK(state_ != LinearState::kWgradPending,
+namespace {
+
+void check_forward_input(const Tensor& x, int64_t k, const Backend& b, LinearState state) {
+  PACKMOE_CHECK(state != LinearState::kWgradPending,
                 "forward with a delayed wgrad pending: run backward_dw first, or its gradient is "
                 "lost");
-  const int64_t e = param_.experts(), n = param_.n(), k = param_.k();
   PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(1) == k,
                 "forward: x must be (M, " << k << ") bf16, got " << shape_string(x.shape()));
-  PACKMOE_CHECK(x.device() == backend_->device(), "forward: x is not in the backend's memory");
+  PACKMOE_CHECK(x.device() == b.device(), "forward: x is not in the backend's memory");
+}
+
+// Counts of E experts, each a multiple of align, summing to at most `rows` (exactly, if `exact`).
+void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64_t rows,
+                  bool exact) {
   PACKMOE_CHECK(static_cast<int64_t>(m.size()) == e, "forward: " << m.size() << " token counts for "
                                                                    << e << " experts");
-  const int64_t align = token_alignment(cfg_.recipe.recipe);
   for (int64_t mg : m)
     PACKMOE_CHECK(mg >= 0 && mg % align == 0,
                   "forward: " << mg << " tokens is not a multiple of " << align);
-  const int64_t rows = std::accumulate(m.begin(), m.end(), int64_t{0});
-  PACKMOE_CHECK(rows == x.dim(0), "forward: token counts sum to " << rows << ", x has " << x.dim(0));
+  const int64_t sum = std::accumulate(m.begin(), m.end(), int64_t{0});
+  PACKMOE_CHECK(exact ? sum == rows : sum <= rows,
+                "forward: token counts sum to " << sum << ", x has " << rows);
+}
 
+}  // namespace
+
+Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m) {
+  check_forward_input(x, param_.k(), *backend_, state_);
+  check_counts(m, param_.experts(), token_alignment(cfg_.recipe.recipe), x.dim(0), true);
+  m_ = m;
+  m_device_ = Tensor{};
+  rows_ = x.dim(0);
+  return run_forward(x);
+}
+
+Tensor GroupedLinear::forward(const Tensor& x, const Tensor& m_device) {
+  check_forward_input(x, param_.k(), *backend_, state_);
+  const int64_t e = param_.experts();
+  PACKMOE_CHECK(m_device.dtype() == DType::kI64 && m_device.numel() == e &&
+                    m_device.device() == backend_->device(),
+                "forward: device token counts must be (" << e << ",) i64 in the backend's memory");
+  rows_ = x.dim(0);
+  if (param_.recipe_ops().quantized()) {
+    m_.assign(e, 0);
+    backend_->copy(m_.data(), m_device.data(), m_device.nbytes(), Backend::CopyKind::kDeviceToHost);
+    check_counts(m_, e, token_alignment(cfg_.recipe.recipe), rows_, false);
+    m_device_ = Tensor{};
+  } else {
+    m_.clear();
+    m_device_ = m_device;
+  }
+  return run_forward(x);
+}
+
+std::vector<int64_t> GroupedLinear::token_groups() const {
+  return m_device_.data() != nullptr ? std::vector<int64_t>{rows_} : m_;
+}
+
+void GroupedLinear::set_counts(GroupedGemmArgs& a) const {
+  if (m_device_.data() != nullptr) {
+    a.m_device = m_device_.data();
+    a.groups = param_.experts();
+    a.m_capacity = rows_;
+  } else {
+    a.m = m_;
+  }
+}
+
+Tensor GroupedLinear::run_forward(const Tensor& x) {
+  const int64_t n = param_.n(), k = param_.k();
+  const std::vector<int64_t> groups = token_groups();
   param_.prepare_compute();
-  x_ = param_.recipe_ops().activation_copies(TensorRole::kInput, x, m, 0);
-  Tensor y = Tensor::empty(*backend_, cfg_.out_dtype, {rows, n});  // (M, N)
+  x_ = param_.recipe_ops().activation_copies(TensorRole::kInput, x, groups, 0);
+  Tensor y = Tensor::empty(*backend_, cfg_.out_dtype, {rows_, n});  // (M, N)
   GroupedGemmArgs a;
   a.op = GemmOp::kFprop;
   a.n = n;
   a.k = k;
-  a.m = m;
+  set_counts(a);
   a.lhs = x_.rowwise;
   a.rhs = param_.fprop_weight();
   a.out_dtype = cfg_.out_dtype;
-  a.out = carve_rows(y.data(), m, dtype_bytes_for(cfg_.out_dtype, n));
+  a.out = carve_rows(y.data(), groups, dtype_bytes_for(cfg_.out_dtype, n));
   check_op(ops::grouped_gemm(*backend_, a), "fprop");
   x_.release_rowwise();
-  m_ = m;
   state_ = LinearState::kForwardDone;
   return y;
 }
@@ -53,29 +106,32 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   PACKMOE_CHECK(state_ == LinearState::kForwardDone,
                 "backward needs a forward first (and runs once per forward)");
   const int64_t n = param_.n(), k = param_.k();
-  const int64_t rows = std::accumulate(m_.begin(), m_.end(), int64_t{0});
-  PACKMOE_CHECK(dy.dtype() == DType::kBF16 && dy.rank() == 2 && dy.dim(0) == rows && dy.dim(1) == n,
-                "backward: dy must be (" << rows << ", " << n << ") bf16, got "
+  PACKMOE_CHECK(dy.dtype() == DType::kBF16 && dy.rank() == 2 && dy.dim(0) == rows_ && dy.dim(1) == n,
+                "backward: dy must be (" << rows_ << ", " << n << ") bf16, got "
                                          << shape_string(dy.shape()));
   PACKMOE_CHECK(dy.device() == backend_->device(), "backward: dy is not in the backend's memory");
 
-  const int64_t draws = rows * n / kNvfp4Block;  // blocks of 16 SR draws (NVFP4)
+  // Host counts: the rows in use, so the SR stream does not depend on the capacity.
+  const int64_t used =
+      m_device_.data() != nullptr ? rows_ : std::accumulate(m_.begin(), m_.end(), int64_t{0});
+  const int64_t draws = used * n / kNvfp4Block;  // blocks of 16 SR draws (NVFP4)
   PACKMOE_CHECK(draws < (int64_t{1} << kSrBlockBits),
-                "backward: dy of " << rows << " x " << n
+                "backward: dy of " << used << " x " << n
                                    << " needs more SR draws than a micro-batch has (2^"
                                    << kSrBlockBits << " blocks)");
-  dy_ = param_.recipe_ops().activation_copies(TensorRole::kGradOutput, dy, m_, grad_sr_offset_);
+  const std::vector<int64_t> groups = token_groups();
+  dy_ = param_.recipe_ops().activation_copies(TensorRole::kGradOutput, dy, groups, grad_sr_offset_);
   grad_sr_offset_ += static_cast<uint64_t>(draws);
-  Tensor dx = Tensor::empty(*backend_, cfg_.out_dtype, {rows, k});  // (M, K)
+  Tensor dx = Tensor::empty(*backend_, cfg_.out_dtype, {rows_, k});  // (M, K)
   GroupedGemmArgs a;
   a.op = GemmOp::kDgrad;
   a.n = n;
   a.k = k;
-  a.m = m_;
+  set_counts(a);
   a.lhs = dy_.rowwise;
   a.rhs = param_.dgrad_weight();
   a.out_dtype = cfg_.out_dtype;
-  a.out = carve_rows(dx.data(), m_, dtype_bytes_for(cfg_.out_dtype, k));
+  a.out = carve_rows(dx.data(), groups, dtype_bytes_for(cfg_.out_dtype, k));
   check_op(ops::grouped_gemm(*backend_, a), "dgrad");
   dy_.release_rowwise();
 
@@ -107,7 +163,7 @@ void GroupedLinear::run_wgrad(GradAccum accum) {
   a.op = GemmOp::kWgrad;
   a.n = param_.n();
   a.k = param_.k();
-  a.m = m_;
+  set_counts(a);
   a.lhs = dy_.columnwise;
   a.rhs = x_.columnwise;
   a.out_dtype = DType::kF32;

@@ -61,7 +61,14 @@ class GroupedLinear {
   // BF16 recipe: an x that owns its memory is saved for the wgrad by reference, not copied, so
   // the caller must not write into it until the wgrad has run (backward, or backward_dw).
   Tensor forward(const Tensor& x, const std::vector<int64_t>& m);
-  // dy: (M, N) BF16. Returns dx (M, K) in out_dtype. Runs dgrad, and wgrad now (-> kIdle) or
+  // The same with the counts in the backend's memory: x (C, K) holds expert g's m[g] rows after
+  // g-1's, m_device (E,) I64 multiples of the alignment summing to at most C; y is (C, N) and its
+  // rows past the sum are left unwritten (backward's dy and dx: the same C rows). The BF16 recipe
+  // never waits on the host (the grouped GEMMs' m_device). A quantized recipe's activation
+  // quantizers group rows by host counts, so it copies the counts to the host first (one wait).
+  // Same bytes as forward(x, m) with the counts on the host.
+  Tensor forward(const Tensor& x, const Tensor& m_device);
+  // dy: (M, N) BF16 (M: x's rows). Returns dx (M, K) in out_dtype. Runs dgrad, and wgrad now (-> kIdle) or
   // queued (-> kWgradPending) per delay_wgrad. Only from kForwardDone. A queued BF16 wgrad holds
   // dy by reference like x.
   Tensor backward(const Tensor& dy, GradAccum accum);
@@ -69,14 +76,22 @@ class GroupedLinear {
   void backward_dw();
 
  private:
+  Tensor run_forward(const Tensor& x);  // with m_ / m_device_ and rows_ set
   void run_wgrad(GradAccum accum);
+  // The saved forward's counts into a GEMM's args (m, or m_device with packed token operands).
+  void set_counts(GroupedGemmArgs& a) const;
+  // The token groups the activation copies and token-side pointers are carved by: m_, or one
+  // group of all rows_ rows when the counts stay on the device.
+  std::vector<int64_t> token_groups() const;
 
   Backend* backend_;
   GroupedLinearConfig cfg_;
   GroupedParam param_;
   LinearState state_ = LinearState::kIdle;
   uint64_t grad_sr_offset_ = 0;
-  std::vector<int64_t> m_;  // (E,) token counts of the saved forward
+  std::vector<int64_t> m_;  // (E,) token counts of the saved forward, on the host, or
+  Tensor m_device_;         // (E,) I64 the same in the backend's memory (m_ empty)
+  int64_t rows_ = 0;        // x's rows (>= the counts' sum)
   ActivationCopies x_;      // X (M, K): columnwise kept for wgrad
   ActivationCopies dy_;     // dY (M, N): columnwise kept while the wgrad is queued
   GradAccum pending_accum_ = GradAccum::kAccumulate;

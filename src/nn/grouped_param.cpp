@@ -95,7 +95,7 @@ void GroupedParam::write_primary_from_bf16(const GroupedStorage& bf16) {
                 "write_primary_from_bf16: expected " << e_ << " groups of (" << n_ << ", " << k_
                                                      << ") BF16 in the param's backend memory");
   if (keeps_bf16()) {
-    bf16_.copy_from(bf16);
+    if (bf16_.ptrs() != bf16.ptrs()) bf16_.copy_from(bf16);  // bound to these views: in place
     compute_state_ = quantized() ? ComputeCopyState::kStale : ComputeCopyState::kCurrent;
   } else {
     ops_->quantize_weight(bf16);
@@ -182,6 +182,16 @@ void GroupedParam::bind_main_grad(const std::vector<void*>& views) {
                 "bind_main_grad: " << views.size() << " views for " << e_ << " experts");
   main_grad_ = GroupedStorage::view(*backend_, layout_, views, n_ * k_ * sizeof(float));
   grad_binding_ = GradBinding::kBound;
+}
+
+void GroupedParam::bind_bf16_primary(const std::vector<void*>& views) {
+  PACKMOE_CHECK(keeps_bf16(), "bind_bf16_primary: the primary is not the BF16 param");
+  PACKMOE_CHECK(primary_state_ == PrimaryState::kAwaitingGather,
+                "bind_bf16_primary: only a primary awaiting its gather (its bytes would be lost)");
+  PACKMOE_CHECK(static_cast<int64_t>(views.size()) == e_,
+                "bind_bf16_primary: " << views.size() << " views for " << e_ << " experts");
+  bf16_ = GroupedStorage::view(*backend_, layout_, views, n_ * k_ * sizeof(uint16_t));
+  compute_state_ = ComputeCopyState::kStale;
 }
 
 void GroupedParam::mark_primary_awaiting_gather() {

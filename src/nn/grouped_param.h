@@ -119,6 +119,11 @@ class GroupedParam {
   // data-parallel grad buffer; the param's own main_grad is freed (kOwned -> kBound). Needs no
   // pending wgrad.
   void bind_main_grad(const std::vector<void*>& views);
+  // The BF16 param (keeps_bf16() only) becomes E views (N*K BF16 each; consecutive in kSingle) of
+  // memory the caller owns, the optimizer's BF16 gather image: the gather then writes the primary
+  // in place, and write_primary_from_bf16 of those same views copies nothing. The param's own BF16
+  // storage is freed. Only while the primary awaits its gather (the image holds the newer bytes).
+  void bind_bf16_primary(const std::vector<void*>& views);
   // kCurrent -> kAwaitingGather (kSharded or kReplicated): forward (fprop_weight, dgrad_weight,
   // prepare_compute, and master() of a replica) is an error until a write_primary_from_* call.
   void mark_primary_awaiting_gather();
@@ -163,6 +168,9 @@ class GroupedParam {
 
   // The recipe's weight copies and activation quantization (GroupedLinear's too).
   const LinearRecipe& recipe_ops() const { return *ops_; }
+  // Whether the primary or the compute input is the BF16 param: the bf16 recipe, or a
+  // high-precision primary.
+  bool keeps_bf16() const { return !quantized() || primary_ == PrimaryWeight::kHighPrecision; }
 
  private:
   friend class GroupedLinear;  // the only writer of main_grad and producer of delayed wgrads
@@ -170,7 +178,6 @@ class GroupedParam {
   void mark_wgrad_settled();
 
   bool quantized() const { return ops_->quantized(); }
-  bool keeps_bf16() const { return !quantized() || primary_ == PrimaryWeight::kHighPrecision; }
   void write_primary_from(const GroupedStorage& f32);  // (E, N, K) F32 -> primary weight
   void check_primary_current(const char* what) const;
   // Rows [r0, r1) of the flat (E*N, K) pack as groups of whole experts' row ranges (BF16 input

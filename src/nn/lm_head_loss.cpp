@@ -48,7 +48,8 @@ uint8_t* row(const Tensor& t, int64_t r) {
 
 Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
                                 const std::vector<int32_t>& targets,
-                                std::optional<float> loss_scale, const LmHeadChunking& chunking) {
+                                std::optional<float> loss_scale, const LmHeadChunking& chunking,
+                                float* device_loss) {
   Backend& b = head.backend();
   const int64_t V = head.n(), H = head.k(), Q = chunking.block_tokens;
   PACKMOE_CHECK(head.experts() == 1,
@@ -162,14 +163,15 @@ Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
     check_op(ops::add_f32(b, dst, src), "lm head gradient accumulation");
   }
 
-  const Tensor loss = Tensor::empty(b, DType::kF32, {1});
+  const Tensor loss = device_loss ? Tensor{} : Tensor::empty(b, DType::kF32, {1});
   CrossEntropyMeanArgs mean;
   mean.tokens = T;
   mean.valid = out.valid;
   mean.token_loss = token_loss.data_as<const float>();
-  mean.loss = loss.data_as<float>();
+  mean.loss = device_loss ? device_loss : loss.data_as<float>();
   check_op(ops::cross_entropy_mean(b, mean), "cross_entropy_mean");
-  b.copy(&out.loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
+  if (!device_loss)
+    b.copy(&out.loss, loss.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   return out;
 }
 

@@ -37,10 +37,11 @@ struct LmHeadLoss {
 // memory. targets: (T) host labels, -100 ignored; any other outside [0, V) is a Status error before
 // anything is computed. loss_scale given (training): the gradient of loss_scale * loss, dh
 // returned and the weight gradient ADDED into head's main_grad; absent (evaluation): the loss only.
-// One host read (the loss).
+// One host read (the loss), or none when device_loss is given: then the mean goes to that one
+// F32 in the backend's memory and LmHeadLoss::loss stays 0.
 Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
                                 const std::vector<int32_t>& targets,
                                 std::optional<float> loss_scale,
-                                const LmHeadChunking& chunking = {});
+                                const LmHeadChunking& chunking = {}, float* device_loss = nullptr);
 
 }  // namespace packmoe

@@ -1,5 +1,6 @@
 // Model: builds the layers from a ModelWeights map and runs the decoder's forward / backward.
-// The host only checks the batch, builds the RoPE table and reads back the losses.
+// The host only checks the batch and builds the RoPE table; the losses stay in the backend's
+// memory until the caller reads them (read_losses), so a micro-batch never waits on the device.
 #include "nn/model.h"
 
 #include "nn/decoder_layer.h"
@@ -217,18 +218,24 @@ void Model::set_grad_sr_offset(uint64_t offset) {
   for (GroupedLinear* l : linears_) l->set_grad_sr_offset(offset);
 }
 
-Result<ForwardLosses> Model::forward(const Batch& batch) { return run_forward(batch, std::nullopt); }
+Result<ForwardLosses> Model::forward(const Batch& batch) {
+  Result<QueuedLosses> queued = queue_forward(batch, std::nullopt);
+  if (!queued) return queued.status();
+  return read_losses(*backend_, {queued.value()})[0];
+}
 
 Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale) {
-  return run_forward(batch, loss_scale, loss_scale);
+  return forward(batch, loss_scale, loss_scale);
 }
 
 Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale, float aux_scale) {
-  return run_forward(batch, loss_scale, aux_scale);
+  Result<QueuedLosses> queued = queue_forward(batch, loss_scale, aux_scale);
+  if (!queued) return queued.status();
+  return read_losses(*backend_, {queued.value()})[0];
 }
 
-Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float> loss_scale,
-                                         float aux_scale) {
+Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<float> loss_scale,
+                                          std::optional<float> aux_scale) {
   PACKMOE_CHECK(state_ != ModelState::kForwardDone,
                 "forward after a training forward whose backward has not run: the LM head's "
                 "gradient is already in main_grad, so that backward is owed");
@@ -294,27 +301,56 @@ Result<ForwardLosses> Model::run_forward(const Batch& batch, std::optional<float
   e.out = x.data_as<float>();
   check_op(ops::embedding(b, e), "embedding");
 
-  ForwardLosses losses;
+  QueuedLosses losses;
   losses.aux_coef = static_cast<float>(c.router_aux_loss_coef);
+  losses.values = Tensor::empty(b, DType::kF32, {2});  // lm | aux
+  b.fill_zero(losses.values.data(), losses.values.nbytes());
+  float* const loss_values = losses.values.data_as<float>();
   for (auto& layer : m.layers) {
     x = layer->forward(x, B, S, m.rope);
-    if (layer->moe() && losses.aux_coef != 0.0f) losses.aux_loss += layer->moe()->aux_loss();
+    if (layer->moe() && losses.aux_coef != 0.0f) {  // aux += the layer's, in layer order
+      const Segments<float> aux{{loss_values + 1}, 1};
+      const Segments<const float> layer_aux{{layer->moe()->aux_loss_device().data_as<const float>()},
+                                            1};
+      check_op(ops::add_f32(b, aux, layer_aux), "aux loss sum");
+    }
   }
   // The LM head and the loss in chunks of tokens (nn/lm_head_loss.h); training also runs the
   // head's backward here, since the loss scale is known: its weight gradient is added into
   // main_grad now and dh waits for backward().
   Result<LmHeadLoss> head =
       lm_head_loss(m.lm_head->param(), to_bf16(b, m.final_norm->forward(x)), batch.targets,
-                   loss_scale);
+                   loss_scale, {}, loss_values);
   if (!head) return head.status();
-  losses.lm_loss = head.value().loss;
   losses.target_tokens = head.value().valid;
   if (loss_scale) {
-    m.loss_scale = aux_scale;
+    m.loss_scale = aux_scale.value_or(*loss_scale);
     m.dlm = std::move(head.value().dh);
     state_ = ModelState::kForwardDone;
   }
   return losses;
+}
+
+std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued) {
+  constexpr size_t kBytes = 2 * sizeof(float);  // one QueuedLosses::values
+  std::vector<float> host(2 * queued.size());
+  if (queued.size() == 1) {
+    b.copy(host.data(), queued[0].values.data(), kBytes, Backend::CopyKind::kDeviceToHost);
+  } else if (!queued.empty()) {  // gathered on the device first: one wait for all of them
+    const Tensor all = Tensor::empty(b, DType::kF32, {static_cast<int64_t>(host.size())});
+    for (size_t i = 0; i < queued.size(); ++i)
+      b.copy(all.data_as<float>() + 2 * i, queued[i].values.data(), kBytes,
+             Backend::CopyKind::kDeviceToDevice);
+    b.copy(host.data(), all.data(), host.size() * sizeof(float), Backend::CopyKind::kDeviceToHost);
+  }
+  std::vector<ForwardLosses> out(queued.size());
+  for (size_t i = 0; i < queued.size(); ++i) {
+    out[i].lm_loss = host[2 * i];
+    out[i].aux_loss = host[2 * i + 1];
+    out[i].aux_coef = queued[i].aux_coef;
+    out[i].target_tokens = queued[i].target_tokens;
+  }
+  return out;
 }
 
 void Model::backward() {
@@ -350,6 +386,14 @@ void Model::backward() {
   grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;
 }
+
+DecoderLayer& Model::layer(int64_t i) {
+  PACKMOE_CHECK(i >= 0 && i < static_cast<int64_t>(impl_->layers.size()), "no layer " << i);
+  return *impl_->layers[static_cast<size_t>(i)];
+}
+RmsNorm& Model::final_norm() { return *impl_->final_norm; }
+GroupedLinear& Model::lm_head() { return *impl_->lm_head; }
+const GroupedParam& Model::embedding() const { return impl_->embedding(); }
 
 void Model::grad_ready(size_t first, size_t end) const {
   if (!grad_ready_) return;

@@ -93,8 +93,20 @@ struct ForwardLosses {
   float total() const { return lm_loss + aux_coef * aux_loss; }
 };
 
+// The losses of one micro-batch with the scalars still in the backend's memory
+// (Model::queue_forward): nothing waited for them. read_losses brings any number of them to the
+// host with one wait.
+struct QueuedLosses {
+  Tensor values;              // (2) F32: lm_loss | aux_loss (0 without the aux loss)
+  float aux_coef = 0;         // router_aux_loss_coef of the config
+  int64_t target_tokens = 0;  // non-ignored targets (counted on the host from the batch)
+};
+// The host values of `queued`, in order (a trainer: once per optimizer step).
+std::vector<ForwardLosses> read_losses(Backend& b, const std::vector<QueuedLosses>& queued);
+
 class DecoderLayer;   // nn/decoder_layer.h
 class GroupedLinear;  // nn/grouped_linear.h
+class RmsNorm;        // nn/rms_norm.h
 
 // A parameter with its name (a ModelWeights key), whether AdamW decays it, and whether a layer
 // reads its FP32 weight itself (nn/layer_ops.h f32_weight: every RMSNorm and the embedding table,
@@ -154,6 +166,11 @@ class Model {
   // The same with the aux loss's gradient scaled apart: loss_scale * lm_loss + aux_scale * coef *
   // aux_loss (SFT weighs a micro-batch's lm loss by its share of the step's targets).
   Result<ForwardLosses> forward(const Batch& batch, float loss_scale, float aux_scale);
+  // Either forward with its losses left in the backend's memory (no host wait): loss_scale given,
+  // the training forward; absent, the evaluation one. read_losses reads them. aux_scale: the aux
+  // loss's backward scale when it differs from loss_scale.
+  Result<QueuedLosses> queue_forward(const Batch& batch, std::optional<float> loss_scale,
+                                     std::optional<float> aux_scale = std::nullopt);
   // The rest of the training forward's backward: every gradient is ADDED into its main_grad.
   // Only from kForwardDone (-> kIdle). Fires the grad-ready hook (if any) for each parameter as
   // its gradient becomes final (the LM head's first, as before).
@@ -162,6 +179,14 @@ class Model {
   // Installs (or, empty, removes) the hook backward fires per parameter: data parallelism starts
   // a bucket's gradient reduce-scatter as soon as all its parameters are final.
   void set_grad_ready_hook(GradReadyHook hook) { grad_ready_ = std::move(hook); }
+
+  // The layers themselves, for inference that runs them its own way (the KV-cached forward of
+  // nn/kv_cache.h): decoder layer i < num_hidden_layers, the final norm, the LM head and the
+  // embedding table (1, V, H) (the LM head's weight when tied).
+  DecoderLayer& layer(int64_t i);
+  RmsNorm& final_norm();
+  GroupedLinear& lm_head();
+  const GroupedParam& embedding() const;
 
  private:
   Backend* backend_;
@@ -172,8 +197,6 @@ class Model {
   std::vector<GroupedLinear*> linears_;  // every GroupedLinear (set_grad_sr_offset)
   GradReadyHook grad_ready_;
   void grad_ready(size_t first, size_t end) const;  // the hook for params() [first, end)
-  Result<ForwardLosses> run_forward(const Batch& batch, std::optional<float> loss_scale,
-                                    float aux_scale = 0);
 
   struct Impl;  // layers and saved activations (nn/model.cpp)
   std::unique_ptr<Impl> impl_;

@@ -1,5 +1,6 @@
 // MoEBlock forward / backward: the router linear, the MoE ops of backend/ops/moe.h and the two
-// grouped expert linears, in the order the header lists; every intermediate is a backend tensor.
+// grouped expert linears, in the order the header lists; every intermediate is a backend tensor,
+// and no op here copies to the host (the routing plan's counts stay on the device).
 #include "nn/moe_block.h"
 
 namespace packmoe {
@@ -105,80 +106,80 @@ Tensor MoEBlock::forward(const Tensor& x) {
   check_op(ops::router_topk(b, ra), "router_topk");
 
   if (cfg_.aux_loss_coef != 0.0f) {
-    const Tensor aux = Tensor::empty(b, DType::kF32, {1});
+    aux_ = Tensor::empty(b, DType::kF32, {1});
     AuxLossArgs aa;
     aa.tokens = T;
     aa.experts = E;
     aa.top_k = k;
     aa.probs = probs_.data_as<const float>();
     aa.idx = idx_.data_as<const int32_t>();
-    aa.aux = aux.data_as<float>();
+    aa.aux = aux_.data_as<float>();
     check_op(ops::aux_loss(b, aa), "aux_loss");
-    b.copy(&aux_, aux.data(), sizeof(float), Backend::CopyKind::kDeviceToHost);
   }
 
-  // The plan stays in the backend's memory; only the expert counts come to the host (the GEMMs'
-  // token counts): one small wait per forward.
+  // The plan stays in the backend's memory: the rows buffers hold the most rows any plan can
+  // have (C), the GEMMs read the padded counts there and the row ops skip the rows past M.
   const int64_t align = token_alignment(cfg_.recipe.recipe);
-  const int64_t max_rows = routing_plan_max_rows(T, E, k, align);
+  const int64_t C = routing_plan_max_rows(T, E, k, align);
+  tokens_ = T;
+  capacity_ = C;
   dest_ = Tensor::empty(b, DType::kI32, {T, k});
-  row_slot_ = Tensor::empty(b, DType::kI32, {max_rows});  // the first M rows are the plan's
-  const Tensor counts = Tensor::empty(b, DType::kI64, {E + 1});
+  row_slot_ = Tensor::empty(b, DType::kI32, {C});  // the first M rows are the plan's
+  counts_ = Tensor::empty(b, DType::kI64, {E + 1});
+  plan_rows_.counts = Tensor::empty(b, DType::kI64, {E});
+  plan_rows_.used = Tensor::empty(b, DType::kI64, {1});
   RoutingPlanArgs rp;
   rp.tokens = T;
   rp.experts = E;
   rp.top_k = k;
   rp.align = align;
-  rp.max_rows = max_rows;
+  rp.max_rows = C;
   rp.idx = idx_.data_as<const int32_t>();
   rp.dest = dest_.data_as<int32_t>();
   rp.row_slot = row_slot_.data_as<int32_t>();
-  rp.counts = counts.data_as<int64_t>();
+  rp.counts = counts_.data_as<int64_t>();
+  rp.padded_counts = plan_rows_.counts.data_as<int64_t>();
+  rp.rows = plan_rows_.used.data_as<int64_t>();
   check_op(ops::routing_plan(b, rp), "routing_plan");
-  std::vector<int64_t> counts_host(E + 1);
-  b.copy(counts_host.data(), counts.data(), counts.nbytes(), Backend::CopyKind::kDeviceToHost);
-  Result<RoutingPlan> plan = routing_plan_from_counts(counts_host.data(), T, E, k, align);
-  PACKMOE_CHECK(plan.is_ok(),
-                "routing plan of the router's own indices: " << plan.status().message());
-  plan_ = std::move(plan).value();
   has_plan_ = true;
-  const int64_t M = plan_.rows;
 
-  // xp (M, H) BF16: each expert's tokens, then zero padding rows.
-  const Tensor xp = Tensor::empty(b, DType::kBF16, {M, H});
+  // xp (C, H) BF16: each expert's tokens, then zero padding rows (and zeros past row M).
+  ExpertRows all = plan_rows_;
+  all.rows = Tensor::empty(b, DType::kBF16, {C, H});
   PermuteArgs pa;
   pa.tokens = T;
   pa.hidden = H;
   pa.top_k = k;
-  pa.rows = M;
+  pa.rows = C;
   pa.dtype = DType::kBF16;
   pa.row_slot = row_slot_.data_as<const int32_t>();
   pa.dest = dest_.data_as<const int32_t>();
   pa.x = x.data();
-  pa.xp = xp.data();
+  pa.xp = all.rows.data();
   check_op(ops::permute(b, pa), "permute");
 
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
-  const ExpertRows local = dispatcher_->dispatch(xp, plan_.padded_counts);
-  const int64_t ML = local.rows.dim(0);
-  h_ = fc1_.forward(local.rows, local.counts);               // (ML, 2F)
-  const Tensor a = Tensor::empty(b, DType::kBF16, {ML, F});  // FC2's GEMM operand
+  const ExpertRows local = dispatcher_->dispatch(all);
+  const int64_t CL = local.rows.dim(0);
+  h_ = fc1_.forward(local.rows, local.counts);               // (CL, 2F)
+  const Tensor a = Tensor::empty(b, DType::kBF16, {CL, F});  // FC2's GEMM operand
   SwigluArgs sa;
-  sa.rows = ML;
+  sa.rows = CL;
+  sa.rows_device = local.used.data_as<const int64_t>();
   sa.ffn = F;
   sa.in_dtype = cfg_.activation_dtype;
   sa.in = h_.data();
   sa.out_dtype = DType::kBF16;
   sa.out = a.data();
   check_op(ops::swiglu(b, sa), "swiglu");
-  yp_ = dispatcher_->combine(fc2_.forward(a, local.counts));  // (M, H)
+  yp_ = dispatcher_->combine(fc2_.forward(a, local.counts));  // (C, H)
 
   Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});
   UnpermuteArgs ua;
   ua.tokens = T;
   ua.hidden = H;
   ua.top_k = k;
-  ua.rows = M;
+  ua.rows = C;
   ua.dest = dest_.data_as<const int32_t>();
   ua.w = w_.data_as<const float>();
   ua.yp_dtype = cfg_.activation_dtype;
@@ -193,8 +194,8 @@ Tensor MoEBlock::forward(const Tensor& x) {
 Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   PACKMOE_CHECK(state_ == BlockState::kForwardDone,
                 "MoEBlock backward needs a forward first (and runs once per forward)");
-  const int64_t T = plan_.tokens, E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
-  const int64_t M = plan_.rows;
+  const int64_t T = tokens_, E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
+  const int64_t C = capacity_;
   PACKMOE_CHECK((dy.dtype() == DType::kBF16 || dy.dtype() == DType::kF32) && dy.rank() == 2 &&
                     dy.dim(0) == T && dy.dim(1) == H,
                 "MoEBlock backward: dy must be (" << T << ", " << H << ") bf16 or f32, got "
@@ -203,14 +204,16 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
                 "MoEBlock backward: dy is not in the backend's memory");
   Backend& b = *backend_;
 
-  // Combine: dyp (M, H) BF16 (FC2's dY operand) and dL/dw (T, k).
-  const Tensor dyp = Tensor::empty(b, DType::kBF16, {M, H});
+  // Combine: dyp (C, H) BF16 (FC2's dY operand) and dL/dw (T, k).
+  ExpertRows all = plan_rows_;
+  all.rows = Tensor::empty(b, DType::kBF16, {C, H});
+  const Tensor& dyp = all.rows;
   const Tensor dw = Tensor::empty(b, DType::kF32, {T, k});
   UnpermuteBackwardArgs ub;
   ub.tokens = T;
   ub.hidden = H;
   ub.top_k = k;
-  ub.rows = M;
+  ub.rows = C;
   ub.dest = dest_.data_as<const int32_t>();
   ub.row_slot = row_slot_.data_as<const int32_t>();
   ub.w = w_.data_as<const float>();
@@ -224,12 +227,13 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   check_op(ops::unpermute_backward(b, ub), "unpermute_backward");
 
   // dY rows travel to the experts as the inputs did, dX rows come back as the outputs did.
-  const ExpertRows local = dispatcher_->dispatch(dyp, plan_.padded_counts);
-  const int64_t ML = local.rows.dim(0);
-  const Tensor da = fc2_.backward(local.rows, accum);             // (ML, F)
-  const Tensor dh = Tensor::empty(b, DType::kBF16, {ML, 2 * F});  // FC1's dY operand
+  const ExpertRows local = dispatcher_->dispatch(all);
+  const int64_t CL = local.rows.dim(0);
+  const Tensor da = fc2_.backward(local.rows, accum);             // (CL, F)
+  const Tensor dh = Tensor::empty(b, DType::kBF16, {CL, 2 * F});  // FC1's dY operand
   SwigluBackwardArgs sb;
-  sb.rows = ML;
+  sb.rows = CL;
+  sb.rows_device = local.used.data_as<const int64_t>();
   sb.ffn = F;
   sb.in_dtype = cfg_.activation_dtype;
   sb.in = h_.data();
@@ -238,14 +242,14 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   sb.din_dtype = DType::kBF16;
   sb.din = dh.data();
   check_op(ops::swiglu_backward(b, sb), "swiglu_backward");
-  const Tensor dxp = dispatcher_->combine(fc1_.backward(dh, accum));  // (M, H)
+  const Tensor dxp = dispatcher_->combine(fc1_.backward(dh, accum));  // (C, H)
 
   Tensor dx = Tensor::empty(b, DType::kF32, {T, H});
   PermuteBackwardArgs pb;
   pb.tokens = T;
   pb.hidden = H;
   pb.top_k = k;
-  pb.rows = M;
+  pb.rows = C;
   pb.dest = dest_.data_as<const int32_t>();
   pb.dxp_dtype = cfg_.activation_dtype;
   pb.dxp = dxp.data();
@@ -285,6 +289,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
 
   // The linears keep what their queued wgrads read; the block's own saved tensors are done.
   probs_ = idx_ = w_ = h_ = yp_ = dest_ = row_slot_ = Tensor{};
+  plan_rows_ = ExpertRows{};
   state_ = cfg_.delay_wgrad ? BlockState::kWgradPending : BlockState::kIdle;
   return dx;
 }
@@ -305,15 +310,26 @@ void MoEBlock::set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher)
   dispatcher_ = std::move(dispatcher);
 }
 
-const RoutingPlan& MoEBlock::plan() const {
+RoutingPlan MoEBlock::plan() const {
   PACKMOE_CHECK(has_plan_, "MoEBlock plan before the first forward");
-  return plan_;
+  std::vector<int64_t> counts(counts_.numel());  // (E + 1)
+  backend_->copy(counts.data(), counts_.data(), counts_.nbytes(), Backend::CopyKind::kDeviceToHost);
+  Result<RoutingPlan> plan = routing_plan_from_counts(counts.data(), tokens_, experts(), cfg_.top_k,
+                                                      token_alignment(cfg_.recipe.recipe));
+  PACKMOE_CHECK(plan.is_ok(), "routing plan of the router's own indices: " << plan.status().message());
+  return std::move(plan).value();
 }
 
-float MoEBlock::aux_loss() const {
+const Tensor& MoEBlock::aux_loss_device() const {
   PACKMOE_CHECK(cfg_.aux_loss_coef != 0.0f, "aux_loss: the aux loss is off (aux_loss_coef = 0)");
   PACKMOE_CHECK(has_plan_, "aux_loss before the first forward");
   return aux_;
+}
+
+float MoEBlock::aux_loss() const {
+  float aux = 0.0f;
+  backend_->copy(&aux, aux_loss_device().data(), sizeof aux, Backend::CopyKind::kDeviceToHost);
+  return aux;
 }
 
 }  // namespace packmoe

@@ -2,9 +2,11 @@
 // softmax, top-k (+ load-balancing aux loss) -> permute (each expert padded to the recipe's token
 // alignment) -> [TokenDispatcher::dispatch] -> FC1 (E, 2F, H) -> SwiGLU -> FC2 (E, H, F) ->
 // [TokenDispatcher::combine] -> unpermute + combine (nn/token_dispatcher.h; local: the identity).
-// Invariants: all arithmetic runs as Backend ops (the host only builds the routing plan from the
-// downloaded top-k indices); the block's state machine (Idle -> ForwardDone -> [WgradPending] ->
-// Idle) mirrors its linears'; both layouts issue identical ops, so their results are bitwise equal.
+// Invariants: all arithmetic runs as Backend ops and nothing waits on the host: the routing plan's
+// counts and the aux loss stay in the backend's memory, and every row buffer is sized by
+// routing_plan_max_rows (the GEMMs take the device counts; the row ops skip unused rows); the
+// block's state machine (Idle -> ForwardDone -> [WgradPending] -> Idle) mirrors its linears'; both
+// layouts issue identical ops, so their results are bitwise equal.
 #pragma once
 
 #include <cstdint>
@@ -92,10 +94,14 @@ class MoEBlock {
   // expert here). Only in state Idle.
   void set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher);
 
-  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests; its
-  // dest and row_slot stay in the backend's memory (empty here).
-  const RoutingPlan& plan() const;
-  // The aux loss of the last forward (without the coefficient). Needs aux_loss_coef != 0.
+  // The routing plan of the last forward (tokens per expert, rows), for metrics and tests: its
+  // counts copied to the host (a wait); dest and row_slot stay in the backend's memory (empty
+  // here).
+  RoutingPlan plan() const;
+  // The aux loss of the last forward (without the coefficient), (1,) F32 in the backend's memory.
+  // Needs aux_loss_coef != 0.
+  const Tensor& aux_loss_device() const;
+  // The same copied to the host (a wait), for tests.
   float aux_loss() const;
 
  private:
@@ -107,17 +113,21 @@ class MoEBlock {
   std::unique_ptr<TokenDispatcher> dispatcher_ = std::make_unique<LocalTokenDispatcher>();
   BlockState state_ = BlockState::kIdle;
   bool has_plan_ = false;
-  float aux_ = 0.0f;
+  Tensor aux_;     // (1,) F32 of the last forward
+  Tensor counts_;  // (E + 1) I64 of the last forward's plan (plan())
 
-  // Saved by forward for backward (backend memory unless noted).
-  RoutingPlan plan_;  // host: counts, offsets, rows
-  Tensor dest_;       // (T, k) I32, the plan's
-  Tensor row_slot_;   // (>= M) I32, the plan's (-1 past row M)
-  Tensor probs_;      // (T, E) F32
-  Tensor idx_;        // (T, k) I32
-  Tensor w_;          // (T, k) F32
-  Tensor h_;          // (ML, 2F) activation_dtype, FC1's output (SwiGLU's input), expert side
-  Tensor yp_;         // (M, H) activation_dtype, FC2's output (the combine's input)
+  // Saved by forward for backward (backend memory unless noted). Row buffers hold C =
+  // routing_plan_max_rows rows, of which the plan uses M (rows_ on the device).
+  int64_t tokens_ = 0;    // T, host
+  int64_t capacity_ = 0;  // C, host
+  ExpertRows plan_rows_;  // counts (E) I64 padded, used (1) I64 = M; rows undefined
+  Tensor dest_;           // (T, k) I32, the plan's
+  Tensor row_slot_;       // (C) I32, the plan's (-1 past row M)
+  Tensor probs_;          // (T, E) F32
+  Tensor idx_;            // (T, k) I32
+  Tensor w_;              // (T, k) F32
+  Tensor h_;              // (CL, 2F) activation_dtype, FC1's output (SwiGLU's input), expert side
+  Tensor yp_;             // (C, H) activation_dtype, FC2's output (the combine's input)
 };
 
 }  // namespace packmoe

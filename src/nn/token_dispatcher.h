@@ -3,31 +3,34 @@
 // the expert MLP the rows of the experts this rank holds, combine brings the MLP's output rows
 // back into the block's order. Backward uses the same two calls (dY rows go to the experts like
 // the inputs did, dX rows come back like the outputs), so a dispatcher is its own adjoint.
-// Invariant: combine(dispatch(rows)) returns rows in the order dispatch received them.
+// Invariant: combine(dispatch(rows)) returns rows in the order dispatch received them; counts stay
+// in the backend's memory (no host synchronisation inside a micro-batch).
 // LocalTokenDispatcher (one rank holds every expert) is the identity; expert parallelism (tokens
 // sent to the ranks that hold their experts by all-to-all) implements the same interface.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include "core/tensor.h"
 
 namespace packmoe {
 
-// Rows for the experts this rank holds: (M_local, C), expert g's counts[g] rows after g-1's.
+// Rows grouped by expert: (capacity, C), expert g's counts[g] rows after g-1's. The counts live in
+// the backend's memory (nothing waits on the host for them) and sum to `used` <= capacity: the
+// rows past it are unused.
 struct ExpertRows {
   Tensor rows;
-  std::vector<int64_t> counts;  // (E_local,) each a multiple of the recipe's token alignment
+  Tensor counts;  // (G,) I64, each a multiple of the recipe's token alignment
+  Tensor used;    // (1,) I64, the sum of counts
 };
 
 class TokenDispatcher {
  public:
   virtual ~TokenDispatcher() = default;
-  // rows: (M, C) in the backend's memory, grouped by the layer's E experts with counts (E,) as
-  // the routing plan pads them. Returns the rows of this rank's experts.
-  virtual ExpertRows dispatch(const Tensor& rows, const std::vector<int64_t>& counts) = 0;
+  // all: the rows of every one of the layer's E experts (counts as the routing plan pads them),
+  // in the backend's memory. Returns the rows of this rank's experts.
+  virtual ExpertRows dispatch(const ExpertRows& all) = 0;
   // rows: (M_local, C), the expert MLP's output for the last dispatch's rows. Returns (M, C) in
   // that dispatch's input order.
   virtual Tensor combine(const Tensor& rows) = 0;
@@ -36,9 +39,7 @@ class TokenDispatcher {
 // Every expert is local: dispatch and combine return their input.
 class LocalTokenDispatcher final : public TokenDispatcher {
  public:
-  ExpertRows dispatch(const Tensor& rows, const std::vector<int64_t>& counts) override {
-    return {rows, counts};
-  }
+  ExpertRows dispatch(const ExpertRows& all) override { return all; }
   Tensor combine(const Tensor& rows) override { return rows; }
 };
 

@@ -17,6 +17,7 @@
 #include "io/atomic_file.h"
 #include "io/checkpoint_dir.h"
 #include "io/hf_weights.h"
+#include "io/read_file.h"
 #include "io/safetensors.h"
 #include "train/train_config.h"
 
@@ -540,6 +541,24 @@ Status write_primary_weights(const std::string& path, const Model& model) {
     }
   }
   return out.write(path);
+}
+
+Result<std::string> checkpoint_tokenizer(const std::string& checkpoint) {
+  Result<std::string> dir = find_checkpoint(checkpoint, nullptr);
+  if (!dir) return dir.status();
+  const std::string state = in_dir(dir.value(), kTrainerStateFile);
+  Result<std::string> text = io::read_regular_file(state, io::kMaxJsonFileBytes);
+  if (!text) return text.status();
+  Result<nlohmann::json> j = parse_json_text(text.value(), state);
+  if (!j) return j.status();
+  const nlohmann::json& v = j.value();
+  if (!v.is_object() || !v.contains("train") || !v["train"].is_object() ||
+      !v["train"].contains("tokenizer"))
+    return std::string();
+  if (!v["train"]["tokenizer"].is_string())
+    return Status::error(state + ": train.tokenizer must be a path (got " +
+                         json_brief(v["train"]["tokenizer"]) + ")");
+  return v["train"]["tokenizer"].get<std::string>();
 }
 
 Result<std::string> export_hf(const std::string& checkpoint, const std::string& out_dir,

@@ -100,6 +100,11 @@ Result<std::string> find_checkpoint(const std::string& path, std::vector<std::st
 // computes with; for export, not for resume.
 Status write_primary_weights(const std::string& path, const Model& model);
 
+// The tokenizer path the run of a checkpoint (a directory or a save root, as find_checkpoint)
+// recorded in trainer_state.json's train.tokenizer, or "" when it had none: what export-hf copies
+// and generate loads.
+Result<std::string> checkpoint_tokenizer(const std::string& checkpoint);
+
 // `packmoe export-hf`: the model of a checkpoint (a directory or a save root, as find_checkpoint)
 // as OUT_DIR/model.safetensors in `dtype` (kBF16: round to nearest even, or kF32) plus
 // OUT_DIR/config.json (with torch_dtype), what Qwen3MoeForCausalLM.from_pretrained(OUT_DIR)

@@ -202,6 +202,7 @@ std::string format_log_line(const LogLine& l) {
     s += sprintf_string(" load_balancing_loss: %.2f |", *l.load_balancing_loss);
   if (l.grad_norm) s += sprintf_string(" grad norm: %.3f |", *l.grad_norm);
   s += sprintf_string(" tokens/s: %.0f |", l.tokens_per_s);
+  if (l.peak_memory_gb) s += sprintf_string(" peak memory (GB): %.1f |", *l.peak_memory_gb);
   if (l.eta_s) s += " ETA " + format_duration(*l.eta_s) + " |";
   return s;
 }

@@ -72,13 +72,15 @@ struct LogLine {
   std::optional<double> load_balancing_loss;
   std::optional<double> grad_norm;
   double tokens_per_s = 0;
+  std::optional<double> peak_memory_gb;  // the device memory's high-water mark, when known
   std::optional<double> eta_s;  // remaining time, when the caller has an estimate
 };
 
 // " iteration      10/     100 | consumed samples:          640 | elapsed time per iteration
 // (ms): 812.3 | learning rate: 3.000000E-04 | lm loss: 5.123456E+00 | grad norm: 1.234 |
-// tokens/s: 12345 | ETA 0:01:23 |" on one line, Megatron's field formats ({:8d}, {:12d}, {:.1f},
-// {:.6E}, MoE losses {:.2f}, grad norm {:.3f}); tokens/s and ETA are packmoe additions.
+// tokens/s: 12345 | peak memory (GB): 61.2 | ETA 0:01:23 |" on one line, Megatron's field formats ({:8d}, {:12d}, {:.1f},
+// {:.6E}, MoE losses {:.2f}, grad norm {:.3f}); tokens/s, peak memory and ETA are packmoe
+// additions.
 std::string format_log_line(const LogLine& line);
 
 // "M:SS" under an hour, "H:MM:SS" above; negative or non-finite gives "?".

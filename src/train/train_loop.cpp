@@ -90,6 +90,8 @@ Result<TrainSummary> run_training(Trainer& trainer, const TrainLoopOptions& o) {
       line.load_balancing_loss = interval_aux / static_cast<double>(interval_steps);
       line.grad_norm = s.grad_norm;
       line.tokens_per_s = tokens_per_s;
+      if (const auto mem = trainer.model().backend().memory_use())
+        line.peak_memory_gb = static_cast<double>(mem->peak_reserved) / 1e9;
       line.eta_s = train_seconds / static_cast<double>(s.step - first_step) *
                    static_cast<double>(c.steps - s.step);
       std::string text = format_log_line(line);

@@ -282,7 +282,7 @@ Result<StepResult> Trainer::train_step() {
   // Micro-batch `rank` of every `world` consecutive ones. Every rank draws all of the step's, so
   // each knows the step's targets (those not ignored) without a collective: the lm loss is the
   // mean over all of them, each micro-batch weighted by its share (SFT masks vary it).
-  std::vector<Batch> batches;  // (A) this rank's
+  std::vector<Batch> batches;    // (A) this rank's
   std::vector<int64_t> targets;  // (A) their targets
   int64_t step_targets = 0;
   for (int64_t micro = 0; micro < A; ++micro)
@@ -298,7 +298,7 @@ Result<StepResult> Trainer::train_step() {
   if (step_targets == 0)
     return Status::error("step " + std::to_string(r.step) +
                          ": no row of the step has a target (every token's loss is masked)");
-  double sums[2] = {0, 0};  // lm loss x targets, aux loss over this rank's micro-batches
+  std::vector<QueuedLosses> queued;  // this rank's micro-batches', read once after the last
   for (int64_t micro = 0; micro < A; ++micro) {
     const Batch& batch = batches[static_cast<size_t>(micro)];
     const double share = static_cast<double>(targets[static_cast<size_t>(micro)]);
@@ -306,14 +306,20 @@ Result<StepResult> Trainer::train_step() {
     optimizer_->prepare_forward();
     // Before the forward: the training forward already adds the LM head's gradient.
     optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
-    Result<ForwardLosses> losses =
-        model_->forward(batch, static_cast<float>(share / static_cast<double>(step_targets)),
-                        optimizer_->loss_scale(A));
+    Result<QueuedLosses> losses = model_->queue_forward(
+        batch, static_cast<float>(share / static_cast<double>(step_targets)),
+        optimizer_->loss_scale(A));
     if (!losses) return losses.status();
+    queued.push_back(losses.value());
     model_->backward();
-    sums[0] += static_cast<double>(losses.value().lm_loss) * share;
-    sums[1] += losses.value().aux_loss;
     r.tokens += batch.batch * batch.seq * world;
+  }
+  // lm loss x targets, aux loss over this rank's micro-batches, in micro-batch order
+  double sums[2] = {0, 0};
+  const std::vector<ForwardLosses> losses = read_losses(model_->backend(), queued);
+  for (size_t i = 0; i < losses.size(); ++i) {
+    sums[0] += static_cast<double>(losses[i].lm_loss) * static_cast<double>(targets[i]);
+    sums[1] += losses[i].aux_loss;
   }
   // Rank-ordered F64 sum (MPI; NCCL with 2 ranks is one rounding, the same): with A = 1 the bits
   // of one process accumulating every rank's loss. In the communicator's memory (NCCL: device).
@@ -350,17 +356,21 @@ Result<EvalResult> Trainer::evaluate() {
   const auto start = std::chrono::steady_clock::now();
   optimizer_->prepare_forward();  // every rank holds all weights: each evaluates it all
   EvalResult r;
-  double loss_sum = 0;  // lm loss x targets: the mean over every target of the set
-  int64_t targets = 0;
+  std::vector<QueuedLosses> queued;  // read once, after the last batch
   for (const Batch& batch : validation_) {
-    Result<ForwardLosses> losses = model_->forward(batch);
+    Result<QueuedLosses> losses = model_->queue_forward(batch, std::nullopt);
     if (!losses) return losses.status();
-    loss_sum += static_cast<double>(losses.value().lm_loss) *
-                static_cast<double>(losses.value().target_tokens);
-    targets += losses.value().target_tokens;
+    queued.push_back(losses.value());
     r.tokens += batch.batch * batch.seq;
   }
-  if (targets == 0) return Status::error("the validation batches have no target (every token's loss is masked)");
+  double loss_sum = 0;  // lm loss x targets: the mean over every target of the set
+  int64_t targets = 0;
+  for (const ForwardLosses& l : read_losses(model_->backend(), queued)) {
+    loss_sum += static_cast<double>(l.lm_loss) * static_cast<double>(l.target_tokens);
+    targets += l.target_tokens;
+  }
+  if (targets == 0)
+    return Status::error("the validation batches have no target (every token's loss is masked)");
   r.loss = loss_sum / static_cast<double>(targets);
   r.seconds = seconds_since(start);
   return r;

@@ -8,7 +8,8 @@
 // training step in each recipe; the routing must be identical (inputs keep every token's top-k
 // logits well apart), the primary weights bitwise identical (the quantizers are), and y, dx, the
 // main_grads and the updated masters within a relative Frobenius tolerance (the GEMMs sum in
-// another FP32 order, so BF16 roundings of intermediates can flip). Backend interface only; skips
+// another FP32 order, so BF16 roundings of intermediates can flip). (c) The expert linears with
+// device token counts against host counts on the GPU, bitwise. Backend interface only; skips
 // without a GPU. The shared parity run, case matrix and helpers are tests/common/moe_block_harness.h.
 #include <gtest/gtest.h>
 
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/device_counts_checks.h"
 #include "common/moe_block_harness.h"
 #include "core/codecs.h"
 #include "nn/moe_block.h"
@@ -243,6 +245,18 @@ TEST_P(CudaMoEBlockVsCpu, OneTrainingStepAgreesWithTheCpuReference) {
       recipe_name(recipe), err_y, err_dx, err_grad[0], err_grad[1], err_grad[2], err_master[0],
       err_master[1], err_master[2], kTolerance);
   std::fflush(stdout);
+}
+
+// (c) The expert linears as the block runs them, with the token counts in device memory (the
+// grouped GEMMs' m_device: no host wait in BF16), against the same linears with host counts on
+// the GPU: bitwise equal y, dx and main_grad in every recipe (tests/common/device_counts_checks.h).
+TEST(CudaMoEBlockDeviceCounts, ExpertLinearsGiveTheHostCountBytes) {
+  SKIP_WITHOUT_GPU();
+  for (Recipe r : {Recipe::kBF16, Recipe::kMxfp8, Recipe::kNvfp4})
+    for (bool delay : {false, true}) {
+      testing::expect_device_counts_match_host(*gpu, r, delay);
+      if (HasFatalFailure()) return;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, CudaMoEBlockVsCpu,

@@ -342,32 +342,36 @@ TEST(CudaMoeOps, RoutingPlan) {
     auto in = input_of(*gpu, idx);
     const int64_t max_rows = routing_plan_max_rows(c.T, c.E, c.k, c.align) + 5;
     Mirror dest(*gpu, idx.size() * 4), row_slot(*gpu, max_rows * 4), counts(*gpu, (c.E + 1) * 8);
+    Mirror padded(*gpu, c.E * 8), rows(*gpu, 8);
     RoutingPlanArgs a;
     a.tokens = c.T, a.experts = c.E, a.top_k = c.k, a.align = c.align, a.max_rows = max_rows;
     a.idx = in->h<int32_t>(), a.dest = dest.h<int32_t>(), a.row_slot = row_slot.h<int32_t>();
-    a.counts = counts.h<int64_t>();
+    a.counts = counts.h<int64_t>(), a.padded_counts = padded.h<int64_t>(), a.rows = rows.h<int64_t>();
     expect_ok(ops::routing_plan(cpu_backend(), a));
     a.idx = in->d<int32_t>(), a.dest = dest.d<int32_t>(), a.row_slot = row_slot.d<int32_t>();
-    a.counts = counts.d<int64_t>();
+    a.counts = counts.d<int64_t>(), a.padded_counts = padded.d<int64_t>(), a.rows = rows.d<int64_t>();
     expect_ok(ops::routing_plan(*gpu, a));
     const std::string name = fmt("T%ld E%ld k%ld align%ld%s", long(c.T), long(c.E), long(c.k),
                                  long(c.align), c.skewed ? " skewed" : "");
     dest.compare(tally, name + " dest");
     row_slot.compare(tally, name + " row_slot");
     counts.compare(tally, name + " counts");
+    padded.compare(tally, name + " padded counts");
+    rows.compare(tally, name + " rows");
     ++tally.cases;
   }
   // Indices outside [0, E): counted in counts[E] the same way (dest, row_slot unspecified).
   std::vector<int32_t> bad = {0, 5, -1, 2, 9, 1};
   auto in = input_of(*gpu, bad);
-  Mirror dest(*gpu, 24), row_slot(*gpu, 6 * 4), counts(*gpu, 5 * 8);
+  Mirror dest(*gpu, 24), row_slot(*gpu, 6 * 4), counts(*gpu, 5 * 8), padded(*gpu, 4 * 8),
+      rows(*gpu, 8);
   RoutingPlanArgs a;
   a.tokens = 3, a.experts = 4, a.top_k = 2, a.align = 1, a.max_rows = 6;
   a.idx = in->h<int32_t>(), a.dest = dest.h<int32_t>(), a.row_slot = row_slot.h<int32_t>();
-  a.counts = counts.h<int64_t>();
+  a.counts = counts.h<int64_t>(), a.padded_counts = padded.h<int64_t>(), a.rows = rows.h<int64_t>();
   expect_ok(ops::routing_plan(cpu_backend(), a));
   a.idx = in->d<int32_t>(), a.dest = dest.d<int32_t>(), a.row_slot = row_slot.d<int32_t>();
-  a.counts = counts.d<int64_t>();
+  a.counts = counts.d<int64_t>(), a.padded_counts = padded.d<int64_t>(), a.rows = rows.d<int64_t>();
   expect_ok(ops::routing_plan(*gpu, a));
   counts.compare(tally, "bad indices counts");
   EXPECT_EQ(counts.h<int64_t>()[4], 3);
@@ -502,14 +506,22 @@ TEST(CudaMoeOps, SwigluForward) {
       for (DType to : kDtypes) {
         auto in = rand_input(*gpu, ti, c.M * 2 * c.F, rng, 3.0f, c.shift);
         Mirror out(*gpu, c.M * c.F * elt(to), c.shift * elt(to));
-        SwigluArgs a;
-        a.rows = c.M, a.ffn = c.F, a.in_dtype = ti, a.out_dtype = to;
-        a.in = in->h(), a.out = out.h();
-        expect_ok(ops::swiglu(cpu_backend(), a));
-        a.in = in->d(), a.out = out.d();
-        expect_ok(ops::swiglu(*gpu, a));
-        out.compare(tally, fmt("M%ld F%ld %s->%s", long(c.M), long(c.F), dn(ti), dn(to)));
-        ++tally.cases;
+        // rows_device = M / 2 first: rows past it must keep the sentinel on both backends.
+        const std::vector<int64_t> used_rows = {c.M / 2};
+        auto used = input_of(*gpu, used_rows);
+        for (bool device_rows : {true, false}) {
+          SwigluArgs a;
+          a.rows = c.M, a.ffn = c.F, a.in_dtype = ti, a.out_dtype = to;
+          a.in = in->h(), a.out = out.h();
+          a.rows_device = device_rows ? used->h<int64_t>() : nullptr;
+          expect_ok(ops::swiglu(cpu_backend(), a));
+          a.in = in->d(), a.out = out.d();
+          a.rows_device = device_rows ? used->d<int64_t>() : nullptr;
+          expect_ok(ops::swiglu(*gpu, a));
+          out.compare(tally, fmt("M%ld F%ld %s->%s%s", long(c.M), long(c.F), dn(ti), dn(to),
+                                 device_rows ? " rows_device" : ""));
+          ++tally.cases;
+        }
       }
 }
 
@@ -524,15 +536,21 @@ TEST(CudaMoeOps, SwigluBackward) {
           auto in = rand_input(*gpu, ti, c.M * 2 * c.F, rng, 3.0f, c.shift);
           auto dout = rand_input(*gpu, tdo, c.M * c.F, rng, 1.0f, c.shift);
           Mirror din(*gpu, c.M * 2 * c.F * elt(tdi), c.shift * elt(tdi));
-          SwigluBackwardArgs a;
-          a.rows = c.M, a.ffn = c.F, a.in_dtype = ti, a.dout_dtype = tdo, a.din_dtype = tdi;
-          a.in = in->h(), a.dout = dout->h(), a.din = din.h();
-          expect_ok(ops::swiglu_backward(cpu_backend(), a));
-          a.in = in->d(), a.dout = dout->d(), a.din = din.d();
-          expect_ok(ops::swiglu_backward(*gpu, a));
-          din.compare(tally, fmt("M%ld F%ld in %s dout %s din %s", long(c.M), long(c.F), dn(ti),
-                                 dn(tdo), dn(tdi)));
-          ++tally.cases;
+          const std::vector<int64_t> used_rows = {c.M / 2};
+          auto used = input_of(*gpu, used_rows);
+          for (bool device_rows : {true, false}) {
+            SwigluBackwardArgs a;
+            a.rows = c.M, a.ffn = c.F, a.in_dtype = ti, a.dout_dtype = tdo, a.din_dtype = tdi;
+            a.in = in->h(), a.dout = dout->h(), a.din = din.h();
+            a.rows_device = device_rows ? used->h<int64_t>() : nullptr;
+            expect_ok(ops::swiglu_backward(cpu_backend(), a));
+            a.in = in->d(), a.dout = dout->d(), a.din = din.d();
+            a.rows_device = device_rows ? used->d<int64_t>() : nullptr;
+            expect_ok(ops::swiglu_backward(*gpu, a));
+            din.compare(tally, fmt("M%ld F%ld in %s dout %s din %s%s", long(c.M), long(c.F),
+                                   dn(ti), dn(tdo), dn(tdi), device_rows ? " rows_device" : ""));
+            ++tally.cases;
+          }
         }
 }
 

@@ -151,12 +151,13 @@ TEST(Metrics, MegatronLogLine) {
   l.load_balancing_loss = 1.0123;
   l.grad_norm = 1.2344;
   l.tokens_per_s = 12345.6;
+  l.peak_memory_gb = 61.25;
   l.eta_s = 83.9;
   EXPECT_EQ(format_log_line(l),
             " iteration       10/     100 | consumed samples:          640 |"
             " elapsed time per iteration (ms): 812.3 | learning rate: 3.000000E-04 |"
             " lm loss: 5.123456E+00 | load_balancing_loss: 1.01 | grad norm: 1.234 |"
-            " tokens/s: 12346 | ETA 1:23 |");
+            " tokens/s: 12346 | peak memory (GB): 61.2 | ETA 1:23 |");
   LogLine m;
   m.iteration = 12345678;
   m.total_iterations = 99999999;

@@ -233,10 +233,13 @@ void expect_op_matches_host_plan(const std::vector<int32_t>& idx, int64_t T, int
   a.tokens = T, a.experts = E, a.top_k = k, a.align = align;
   a.max_rows = routing_plan_max_rows(T, E, k, align) + 3;  // spare rows must read -1 too
   std::vector<int32_t> dest(T * k, 12345), row_slot(a.max_rows, 12345);
-  std::vector<int64_t> counts(E + 1, 777);
+  std::vector<int64_t> counts(E + 1, 777), padded(E, 777), rows(1, 777);
   a.idx = idx.data(), a.dest = dest.data(), a.row_slot = row_slot.data(), a.counts = counts.data();
+  a.padded_counts = padded.data(), a.rows = rows.data();
   ASSERT_TRUE(routing_plan_cpu(a).is_ok());
   EXPECT_EQ(dest, w.dest);
+  EXPECT_EQ(padded, w.padded_counts) << "the GEMMs' device counts";
+  EXPECT_EQ(rows[0], w.rows) << "M on the device";
   std::vector<int32_t> want_slots = w.row_slot;
   want_slots.resize(a.max_rows, -1);
   EXPECT_EQ(row_slot, want_slots);
@@ -561,8 +564,9 @@ TEST(MoeRoutingPlan, BadIndicesAndCountsAreErrors) {
   a.max_rows = routing_plan_max_rows(3, 4, 2, 16);
   EXPECT_EQ(a.max_rows, 6 + 4 * 15);
   std::vector<int32_t> dest(6), row_slot(a.max_rows);
-  std::vector<int64_t> counts(5);
+  std::vector<int64_t> counts(5), padded(4), rows(1);
   a.idx = idx.data(), a.dest = dest.data(), a.row_slot = row_slot.data(), a.counts = counts.data();
+  a.padded_counts = padded.data(), a.rows = rows.data();
   ASSERT_TRUE(routing_plan_cpu(a).is_ok());
   EXPECT_EQ(counts, (std::vector<int64_t>{2, 1, 1, 0, 2}));
   expect_error(routing_plan_from_counts(counts.data(), 3, 4, 2, 16).status(),
@@ -575,6 +579,9 @@ TEST(MoeRoutingPlan, BadIndicesAndCountsAreErrors) {
   a.max_rows += 1;
   a.counts = nullptr;
   expect_error(ops::routing_plan(cpu_backend(), a), "routing_plan: counts is null");
+  a.counts = counts.data();
+  a.rows = nullptr;
+  expect_error(ops::routing_plan(cpu_backend(), a), "routing_plan: rows is null");
 }
 
 }  // namespace

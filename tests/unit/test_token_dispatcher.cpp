@@ -24,10 +24,12 @@ struct Calls {
 class CopyingDispatcher final : public TokenDispatcher {
  public:
   CopyingDispatcher(Backend& b, Calls* calls) : b_(&b), calls_(calls) {}
-  ExpertRows dispatch(const Tensor& rows, const std::vector<int64_t>& counts) override {
+  ExpertRows dispatch(const ExpertRows& all) override {
     ++calls_->dispatches;
-    calls_->last_counts = counts;
-    return {copy(rows), counts};
+    calls_->last_counts.resize(all.counts.numel());
+    b_->copy(calls_->last_counts.data(), all.counts.data(), all.counts.nbytes(),
+             Backend::CopyKind::kDeviceToHost);
+    return {copy(all.rows), copy(all.counts), copy(all.used)};
   }
   Tensor combine(const Tensor& rows) override {
     ++calls_->combines;

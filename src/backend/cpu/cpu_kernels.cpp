@@ -71,6 +71,7 @@ const ModelKernels kModel{
     [](Backend&, const AttentionBackwardArgs& a) { return attention_backward_cpu(a); },
     [](Backend&, const CrossEntropyArgs& a) { return cross_entropy_cpu(a); },
     [](Backend&, const CrossEntropyMeanArgs& a) { return cross_entropy_mean_cpu(a); },
+    [](Backend&, const AttentionKvArgs& a) { return attention_kv_cpu(a); },
 };
 
 const InitKernels kInit{

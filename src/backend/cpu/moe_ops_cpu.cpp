@@ -188,8 +188,10 @@ Status permute_backward_cpu(const PermuteBackwardArgs& a) {
 
 Status swiglu_cpu(const SwigluArgs& a) {
   const int64_t F = a.ffn;
+  const int64_t rows = a.rows_device ? *a.rows_device : a.rows;  // host memory here
+  PACKMOE_CHECK(rows >= 0 && rows <= a.rows, "rows_device " << rows << " outside [0, " << a.rows << "]");
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < a.rows; ++r)
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t f = 0; f < F; ++f) {
       const float g = load(a.in_dtype, a.in, r * 2 * F + f);
       const float u = load(a.in_dtype, a.in, r * 2 * F + F + f);
@@ -201,8 +203,10 @@ Status swiglu_cpu(const SwigluArgs& a) {
 
 Status swiglu_backward_cpu(const SwigluBackwardArgs& a) {
   const int64_t F = a.ffn;
+  const int64_t rows = a.rows_device ? *a.rows_device : a.rows;  // host memory here
+  PACKMOE_CHECK(rows >= 0 && rows <= a.rows, "rows_device " << rows << " outside [0, " << a.rows << "]");
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < a.rows; ++r)
+  for (int64_t r = 0; r < rows; ++r)
     for (int64_t f = 0; f < F; ++f) {
       const float g = load(a.in_dtype, a.in, r * 2 * F + f);
       const float u = load(a.in_dtype, a.in, r * 2 * F + F + f);
@@ -277,6 +281,8 @@ Status routing_plan_cpu(const RoutingPlanArgs& a) {
   std::copy(plan.dest.begin(), plan.dest.end(), a.dest);
   std::copy(plan.row_slot.begin(), plan.row_slot.end(), a.row_slot);
   std::fill(a.row_slot + plan.rows, a.row_slot + a.max_rows, int32_t{-1});
+  std::copy(plan.padded_counts.begin(), plan.padded_counts.end(), a.padded_counts);
+  *a.rows = plan.rows;
   return Status::ok();
 }
 

@@ -1,7 +1,7 @@
 // CUDA backend: memory, copies, timing and op dispatch on one stream of one device.
 // Invariant: everything this backend queues goes to stream_, so stream order alone makes buffer
 // reuse (workspace, uploaded group tables, pool allocations) safe; the host waits only in copy-to-host,
-// synchronize, time_ms and when a staging slot is recycled.
+// large host-to-device copies, synchronize, time_ms and when a staging slot is recycled.
 #include <algorithm>
 #include <cstring>
 
@@ -67,6 +67,13 @@ void CudaBackend::copy(void* dst, const void* src, size_t bytes, CopyKind kind) 
   cudaMemcpyKind k = kind == CopyKind::kHostToDevice   ? cudaMemcpyHostToDevice
                      : kind == CopyKind::kDeviceToHost ? cudaMemcpyDeviceToHost
                                                        : cudaMemcpyDeviceToDevice;
+  if (kind == CopyKind::kHostToDevice && bytes <= kStagedCopyBytes) {
+    // `src` is reusable at once: its bytes are in a pinned slot, copied in stream order.
+    UploadSlot& s = stage(src, bytes);
+    PACKMOE_CUDA_CHECK(cudaMemcpyAsync(dst, s.host, bytes, cudaMemcpyHostToDevice, stream_));
+    PACKMOE_CUDA_CHECK(cudaEventRecord(s.copied, stream_));
+    return;
+  }
   PACKMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, k, stream_));
   // Host memory must be reusable (H2D) or readable (D2H) when copy returns; D2D stays ordered.
   if (kind != CopyKind::kDeviceToDevice) PACKMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -77,6 +84,15 @@ void CudaBackend::fill_zero(void* dst, size_t bytes) {
 }
 
 void CudaBackend::synchronize() { PACKMOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+std::optional<Backend::MemoryUse> CudaBackend::memory_use() const {
+  cudaMemPool_t pool = nullptr;
+  PACKMOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+  uint64_t used = 0, reserved_high = 0;
+  PACKMOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  PACKMOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &reserved_high));
+  return MemoryUse{used, reserved_high};
+}
 
 double CudaBackend::time_ms(const std::function<void()>& body, int warmup, int iters) {
   for (int i = 0; i < warmup; ++i) body();
@@ -108,25 +124,33 @@ double CudaBackend::time_ms(const std::function<void()>& body, int warmup, int i
   return ms[ms.size() / 2];
 }
 
-const void* CudaBackend::upload(const void* host, size_t bytes) {
+// Slot capacities start at kUploadSlotBytes and double. A grown slot's old pinned buffer is no
+// longer read (its copy is done); its old device buffer may still be read by queued kernels, so it
+// is freed in stream order: no device synchronisation.
+CudaBackend::UploadSlot& CudaBackend::stage(const void* host, size_t bytes) {
   UploadSlot& s = slots_[next_slot_];
   next_slot_ = (next_slot_ + 1) % kUploadSlots;
   // The previous copy out of this pinned buffer must be done before we overwrite it. With 32
   // slots this only waits when 32 uploads are still queued.
   PACKMOE_CUDA_CHECK(cudaEventSynchronize(s.copied));
-  if (s.capacity < bytes) {
-    // Rare: slots start at kUploadSlotBytes (the tables of a few hundred groups) and double. The
-    // old pinned buffer is no longer read (its copy is done); the old device buffer may still be
-    // read by queued kernels, so it is freed in stream order: no device synchronisation.
-    size_t cap = std::max(s.capacity * 2, kUploadSlotBytes);
+  if (s.host_capacity < bytes) {
+    size_t cap = std::max(s.host_capacity * 2, kUploadSlotBytes);
     while (cap < bytes) cap *= 2;
     if (s.host) PACKMOE_CUDA_CHECK(cudaFreeHost(s.host));
-    if (s.device) PACKMOE_CUDA_CHECK(cudaFreeAsync(s.device, stream_));
     PACKMOE_CUDA_CHECK(cudaMallocHost(&s.host, cap));
-    PACKMOE_CUDA_CHECK(cudaMallocAsync(&s.device, cap, stream_));
-    s.capacity = cap;
+    s.host_capacity = cap;
   }
   std::memcpy(s.host, host, bytes);
+  return s;
+}
+
+const void* CudaBackend::upload(const void* host, size_t bytes) {
+  UploadSlot& s = stage(host, bytes);
+  if (s.device_capacity < bytes) {
+    if (s.device) PACKMOE_CUDA_CHECK(cudaFreeAsync(s.device, stream_));
+    PACKMOE_CUDA_CHECK(cudaMallocAsync(&s.device, s.host_capacity, stream_));
+    s.device_capacity = s.host_capacity;
+  }
   PACKMOE_CUDA_CHECK(cudaMemcpyAsync(s.device, s.host, bytes, cudaMemcpyHostToDevice, stream_));
   PACKMOE_CUDA_CHECK(cudaEventRecord(s.copied, stream_));
   return s.device;

@@ -41,6 +41,7 @@ class CudaBackend final : public Backend {
   void copy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override;
+  std::optional<MemoryUse> memory_use() const override;
   double time_ms(const std::function<void()>& body, int warmup, int iters) override;
 
   const OpKernels& kernels() const override;  // backend/cuda/cuda_kernels.cu
@@ -63,11 +64,17 @@ class CudaBackend final : public Backend {
   struct UploadSlot {
     void* host = nullptr;  // pinned
     void* device = nullptr;
-    size_t capacity = 0;
+    size_t host_capacity = 0, device_capacity = 0;
     cudaEvent_t copied = nullptr;  // recorded after the copy out of `host`
   };
+  // The next slot, its last copy done, holding `bytes` of `host` in its pinned buffer.
+  UploadSlot& stage(const void* host, size_t bytes);
+
   static constexpr int kUploadSlots = 32;
   static constexpr size_t kUploadSlotBytes = size_t{64} << 10;  // a slot's first capacity
+  // Host-to-device copies up to this size go through a pinned slot without a host wait (a batch's
+  // ids and targets, a RoPE table); larger ones (weights at start-up) copy directly and wait.
+  static constexpr size_t kStagedCopyBytes = size_t{8} << 20;
 
   int device_ = 0;
   int sm_count_ = 0;
@@ -156,5 +163,7 @@ Status attention_sm90(CudaBackend& be, const AttentionArgs& a);
 Status attention_backward_sm90(CudaBackend& be, const AttentionBackwardArgs& a);
 Status cross_entropy_sm90(CudaBackend& be, const CrossEntropyArgs& a);
 Status cross_entropy_mean_sm90(CudaBackend& be, const CrossEntropyMeanArgs& a);
+// Attention of new queries over a KV cache (attention_kv_sm90.cu): the CPU reference's bytes.
+Status attention_kv_sm90(CudaBackend& be, const AttentionKvArgs& a);
 
 }  // namespace packmoe

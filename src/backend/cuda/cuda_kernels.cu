@@ -76,6 +76,7 @@ const ModelKernels kModel{
     [](Backend& b, const AttentionBackwardArgs& a) { return attention_backward_sm90(cuda(b), a); },
     [](Backend& b, const CrossEntropyArgs& a) { return cross_entropy_sm90(cuda(b), a); },
     [](Backend& b, const CrossEntropyMeanArgs& a) { return cross_entropy_mean_sm90(cuda(b), a); },
+    [](Backend& b, const AttentionKvArgs& a) { return attention_kv_sm90(cuda(b), a); },
 };
 
 const InitKernels kInit{

@@ -151,24 +151,27 @@ std::vector<uintptr_t> device_call_key(const GroupedGemmArgs& a, Sm90Tiles tiles
   return k;
 }
 
-// Device memory that lives as long as the process (a captured graph may read it).
-void* keep_on_device(const void* host, size_t bytes) {
+// Device memory that lives as long as the process (a captured graph may read it), filled in the
+// order of be's stream: a cudaMemcpy would run on the legacy stream, which the backend's
+// non-blocking stream does not wait for (its DMA may land after the kernels that read it).
+void* keep_on_device(CudaBackend& be, const void* host, size_t bytes) {
   void* d = nullptr;
   PACKMOE_CUDA_CHECK(cudaMalloc(&d, std::max<size_t>(bytes, 16)));
-  if (bytes) PACKMOE_CUDA_CHECK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  be.copy(d, host, bytes, Backend::CopyKind::kHostToDevice);
   return d;
 }
 
 // The dequantize of quantized operand `o` into `out` (BF16, 256-byte aligned per group): one group
 // over the whole capacity for a token-side operand, G weight groups otherwise.
-DeviceDequant make_device_dequant(const GemmOperand& o, const std::vector<Stored>& shape,
+DeviceDequant make_device_dequant(CudaBackend& be, const GemmOperand& o,
+                                  const std::vector<Stored>& shape,
                                   const std::vector<uint8_t*>& out) {
   DeviceDequant d;
   std::vector<DequantJob> table;
   const uint64_t tiles =
       dequant_jobs(o, shape, std::vector<bool>(shape.size(), true), out, table);
   d.table = static_cast<const DequantJob*>(
-      keep_on_device(table.data(), table.size() * sizeof(DequantJob)));
+      keep_on_device(be, table.data(), table.size() * sizeof(DequantJob)));
   d.count = static_cast<int>(table.size());
   d.tiles = static_cast<uint32_t>(tiles);
   d.kind = table[0].kind;
@@ -199,10 +202,10 @@ DeviceCall make_device_call(CudaBackend& be, DeviceCalls& st, const GroupedGemmA
       st.scratch_bytes = need;
     }
     uint8_t* scratch = st.scratch;
-    call.lhs = make_device_dequant(a.lhs, {lhs_cap}, {scratch});
+    call.lhs = make_device_dequant(be, a.lhs, {lhs_cap}, {scratch});
     std::vector<uint8_t*> rhs_out;
     for (size_t g = 0; g < rhs_groups; ++g) rhs_out.push_back(scratch + lhs_bytes + g * rhs_group);
-    call.rhs = make_device_dequant(a.rhs, std::vector<Stored>(rhs_groups, rhs_sh), rhs_out);
+    call.rhs = make_device_dequant(be, a.rhs, std::vector<Stored>(rhs_groups, rhs_sh), rhs_out);
     p.a.base = scratch;
     if (wgrad)
       p.b.base = rhs_out[0];
@@ -210,7 +213,7 @@ DeviceCall make_device_call(CudaBackend& be, DeviceCalls& st, const GroupedGemmA
       p.b.ptr.assign(rhs_out.begin(), rhs_out.end());
   }
   if (wgrad && !a.accumulate) {
-    call.zero_outs = static_cast<void* const*>(keep_on_device(a.out.data(), G * sizeof(void*)));
+    call.zero_outs = static_cast<void* const*>(keep_on_device(be, a.out.data(), G * sizeof(void*)));
     call.zero_vecs = a.n * a.k * (a.out_dtype == DType::kBF16 ? 2 : 4) / 16;
   }
   call.plan = make_sm90_device_plan(be, p);

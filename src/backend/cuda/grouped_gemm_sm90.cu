@@ -848,7 +848,8 @@ const Sm90DevicePlan* make_sm90_device_plan(CudaBackend& be, const Sm90DeviceGem
   std::vector<uint8_t> blob(bytes, 0);
   std::memcpy(blob.data(), templates.data(), maps);
   PACKMOE_CUDA_CHECK(cudaMalloc(&plan->memory, bytes));
-  PACKMOE_CUDA_CHECK(cudaMemcpy(plan->memory, blob.data(), bytes, cudaMemcpyHostToDevice));
+  // In the stream's order (a cudaMemcpy's DMA is not ordered with the non-blocking stream).
+  be.copy(plan->memory, blob.data(), bytes, Backend::CopyKind::kHostToDevice);
   return plan;
 }
 

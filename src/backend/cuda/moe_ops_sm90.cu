@@ -473,11 +473,20 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- SwiGLU --------------------------------------------------------------------------------------
 
+// Whether `row` is below the optional device row count (SwigluArgs::rows_device); a count outside
+// [0, rows] traps, as the CPU's check aborts.
+__device__ __forceinline__ bool row_in_use(const int64_t* rows_device, int64_t rows, int64_t row) {
+  if (rows_device == nullptr) return true;
+  const int64_t m = __ldg(rows_device);
+  if (m < 0 || m > rows) __trap();
+  return row < m;
+}
+
 template <typename TIn, typename TOut, bool kVec>
 __global__ void __launch_bounds__(Config::kThreads)
     swiglu_kernel(const __grid_constant__ SwigluArgs a) {
   ChunkPos pos;
-  if (!chunk_pos(a.rows, a.ffn, pos)) return;
+  if (!chunk_pos(a.rows, a.ffn, pos) || !row_in_use(a.rows_device, a.rows, pos.row)) return;
   const int64_t F = a.ffn;
   const TIn* in = static_cast<const TIn*>(a.in) + pos.row * 2 * F + pos.col;  // gate; up at + F
   float g[Config::kChunk], u[Config::kChunk], o[Config::kChunk];
@@ -495,7 +504,7 @@ template <typename TIn, typename TDout, typename TDin, bool kVec>
 __global__ void __launch_bounds__(Config::kThreads)
     swiglu_backward_kernel(const __grid_constant__ SwigluBackwardArgs a) {
   ChunkPos pos;
-  if (!chunk_pos(a.rows, a.ffn, pos)) return;
+  if (!chunk_pos(a.rows, a.ffn, pos) || !row_in_use(a.rows_device, a.rows, pos.row)) return;
   const int64_t F = a.ffn;
   const TIn* in = static_cast<const TIn*>(a.in) + pos.row * 2 * F + pos.col;
   float g[Config::kChunk], u[Config::kChunk], o[Config::kChunk];

@@ -3,7 +3,8 @@
 //   count:   per chunk, routed pairs per expert (shared-memory atomics: integer counts have no
 //            order) -> hist (chunks, E + 1), column E = indices outside [0, E)
 //   scan:    per expert, the chunk bases in chunk order, plus the expert's first row (exclusive
-//            scan of the padded counts) -> hist becomes each chunk's first row per expert
+//            scan of the padded counts) -> hist becomes each chunk's first row per expert;
+//            the padded counts and their sum M stay on the device (the GEMMs' m_device)
 //   scatter: each chunk walks its pairs in order, 256 at a time; a pair's row is its chunk base
 //            plus the same-expert pairs before it (earlier warps, then earlier lanes)
 // So every expert's rows hold its pairs in increasing (t, j) order, the host plan's order: the
@@ -40,10 +41,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t e = threadIdx.x; e <= experts; e += kThreads) row[e] = bins[e];
 }
 
-// One CTA. counts (E + 1) = column totals; hist[c][e] = first row of expert e's pairs in chunk c.
+// One CTA. counts (E + 1) = column totals; padded (E) = padded counts, rows (1) = their sum M;
+// hist[c][e] = first row of expert e's pairs in chunk c.
 __global__ void __launch_bounds__(kThreads)
     plan_scan_kernel(int32_t* hist, int64_t chunks, int64_t experts, int64_t align,
-                     int64_t* counts) {
+                     int64_t* counts, int64_t* padded, int64_t* rows) {
   extern __shared__ int64_t first_row[];  // (E): offsets[e]
   for (int64_t e = threadIdx.x; e <= experts; e += kThreads) {
     int64_t run = 0;
@@ -70,10 +72,12 @@ __global__ void __launch_bounds__(kThreads)
     }
     before -= sum;
     for (int64_t e = lo; e < hi; ++e) {
-      const int64_t padded = first_row[e];
+      const int64_t n = first_row[e];
+      padded[e] = n;
       first_row[e] = before;
-      before += padded;
+      before += n;
     }
+    if (lane == 31) *rows = before;  // the last lane's run ends at M
   }
   __syncthreads();
   for (int64_t e = threadIdx.x; e < experts; e += kThreads)
@@ -138,7 +142,7 @@ Status routing_plan_sm90(CudaBackend& be, const RoutingPlanArgs& a) {
                                                                                hist);
   PACKMOE_CUDA_CHECK_LAUNCH();
   plan_scan_kernel<<<1, kThreads, E * sizeof(int64_t), be.stream()>>>(hist, chunks, E, a.align,
-                                                                    a.counts);
+                                                                    a.counts, a.padded_counts, a.rows);
   PACKMOE_CUDA_CHECK_LAUNCH();
   plan_scatter_kernel<<<grid, kThreads, (1 + kWarps) * E * sizeof(int32_t), be.stream()>>>(
       a.idx, slots, E, hist, a.dest, a.row_slot);

@@ -144,6 +144,17 @@ Status validate_attention_backward(const AttentionBackwardArgs& a) {
                                {a.dv, "dv"}});
 }
 
+Status validate_attention_kv(const AttentionKvArgs& a) {
+  constexpr const char* op = "attention_kv";
+  PACKMOE_RETURN_IF_ERROR(
+      check_attention_dims(op, 1, a.keys, a.q_heads, a.kv_heads, a.head_dim, a.scale));
+  PACKMOE_RETURN_IF_ERROR(check_pos(op, a.queries, "Sq (queries)"));
+  if (a.queries > a.keys)
+    return Status::error(std::string(op) + ": Sq = " + num(a.queries) +
+                         " new queries need at least as many keys, got Skv = " + num(a.keys));
+  return require_non_null(op, {{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.o, "o"}});
+}
+
 Status validate_cross_entropy(const CrossEntropyArgs& a) {
   constexpr const char* op = "cross_entropy";
   PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
@@ -224,6 +235,11 @@ Status attention(Backend& b, const AttentionArgs& a) {
 Status attention_backward(Backend& b, const AttentionBackwardArgs& a) {
   PACKMOE_RETURN_IF_ERROR(validate_attention_backward(a));
   return b.kernels().model->attention_backward(b, a);
+}
+
+Status attention_kv(Backend& b, const AttentionKvArgs& a) {
+  PACKMOE_RETURN_IF_ERROR(validate_attention_kv(a));
+  return b.kernels().model->attention_kv(b, a);
 }
 
 Status cross_entropy(Backend& b, const CrossEntropyArgs& a) {

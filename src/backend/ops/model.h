@@ -182,6 +182,25 @@ struct AttentionArgs {
   float* lse = nullptr;                // (B, Hq, S) kept for the backward
 };
 
+// Inference: Sq new queries of ONE sequence over its KV cache (src/nn/kv_cache.h), the Skv >= Sq
+// cached keys including the new ones. Query i sits at position p_i = Skv - Sq + i and sees keys
+// j <= p_i (causal). q (Sq, Hq, D), k / v (Skv, Hkv, D) BF16 (the cache's first Skv rows) -> o
+// (Sq, Hq, D) BF16; head h reads KV head h / (Hq / Hkv). Every backend computes exactly the CPU
+// attention's arithmetic above for a row (s_j, m, p_j, l, o_i; no lse), so a query's output is
+// bitwise the output AttentionArgs gives its row in the whole sequence (B = 1, S = Skv).
+struct AttentionKvArgs {
+  int64_t queries = 0;   // Sq >= 1
+  int64_t keys = 0;      // Skv >= Sq
+  int64_t q_heads = 0;   // Hq
+  int64_t kv_heads = 0;  // Hkv, divides Hq
+  int64_t head_dim = 0;  // D
+  float scale = 0.0f;
+  const uint16_t* q = nullptr;  // (Sq, Hq, D) BF16
+  const uint16_t* k = nullptr;  // (Skv, Hkv, D) BF16
+  const uint16_t* v = nullptr;  // (Skv, Hkv, D) BF16
+  uint16_t* o = nullptr;        // (Sq, Hq, D) BF16
+};
+
 // Backward, dq / dk / dv (FP32) overwritten, for the visible pairs (i, j):
 //   P_ij = exp(s_ij - lse_i);  dP_ij = dout_i . v_j;  Dl_i = dout_i . o_i  (o as the forward wrote it)
 //   dS_ij = P_ij (dP_ij - Dl_i)
@@ -255,6 +274,7 @@ Status validate_rope_table(const RopeTableArgs& a);
 Status validate_rope(const RopeArgs& a);
 Status validate_attention(const AttentionArgs& a);
 Status validate_attention_backward(const AttentionBackwardArgs& a);
+Status validate_attention_kv(const AttentionKvArgs& a);
 Status validate_cross_entropy(const CrossEntropyArgs& a);
 Status validate_cross_entropy_mean(const CrossEntropyMeanArgs& a);
 
@@ -273,6 +293,7 @@ Status rope_cpu(const RopeArgs& a);
 Status rope_backward_cpu(const RopeArgs& a);  // in = dout, out = din
 Status attention_cpu(const AttentionArgs& a);
 Status attention_backward_cpu(const AttentionBackwardArgs& a);
+Status attention_kv_cpu(const AttentionKvArgs& a);  // backend/cpu/attention_kv_cpu.cpp
 Status cross_entropy_cpu(const CrossEntropyArgs& a);
 Status cross_entropy_mean_cpu(const CrossEntropyMeanArgs& a);
 
@@ -287,6 +308,7 @@ Status rope(Backend& b, const RopeArgs& a);
 Status rope_backward(Backend& b, const RopeArgs& a);
 Status attention(Backend& b, const AttentionArgs& a);
 Status attention_backward(Backend& b, const AttentionBackwardArgs& a);
+Status attention_kv(Backend& b, const AttentionKvArgs& a);
 Status cross_entropy(Backend& b, const CrossEntropyArgs& a);
 Status cross_entropy_mean(Backend& b, const CrossEntropyMeanArgs& a);
 }  // namespace ops
@@ -304,6 +326,7 @@ struct ModelKernels {
   Status (*attention_backward)(Backend&, const AttentionBackwardArgs&);
   Status (*cross_entropy)(Backend&, const CrossEntropyArgs&);
   Status (*cross_entropy_mean)(Backend&, const CrossEntropyMeanArgs&);
+  Status (*attention_kv)(Backend&, const AttentionKvArgs&);
 };
 
 }  // namespace packmoe

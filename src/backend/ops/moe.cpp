@@ -223,7 +223,12 @@ Status validate_routing_plan(const RoutingPlanArgs& a) {
                          " rows, the plan may need " + num(need) +
                          " (routing_plan_max_rows)");
   return require_non_null(
-      op, {{a.idx, "idx"}, {a.dest, "dest"}, {a.row_slot, "row_slot"}, {a.counts, "counts"}});
+      op, {{a.idx, "idx"},
+           {a.dest, "dest"},
+           {a.row_slot, "row_slot"},
+           {a.counts, "counts"},
+           {a.padded_counts, "padded_counts"},
+           {a.rows, "rows"}});
 }
 
 Result<RoutingPlan> routing_plan_from_counts(const int64_t* counts, int64_t tokens,

@@ -158,10 +158,12 @@ Result<RoutingPlan> build_routing_plan(const int32_t* idx, int64_t tokens, int64
 
 // ---- routing plan on the backend ----------------------------------------------------------------
 //
-// The same plan computed where idx lives, so only the E counts travel to the host (the GEMMs'
-// token counts) instead of idx, dest and row_slot: dest and row_slot equal build_routing_plan's,
-// counts[e] its counts, and counts[E] is the number of idx entries outside [0, E) (then dest and
-// row_slot are unspecified: routing_plan_from_counts turns it into an error).
+// The same plan computed where idx lives, so nothing travels to the host: dest and row_slot equal
+// build_routing_plan's, counts[e] its counts, and counts[E] is the number of idx entries outside
+// [0, E) (then every other output is unspecified: routing_plan_from_counts turns it into an
+// error). padded_counts its padded_counts (the grouped GEMMs' m_device) and rows[0] = M (the
+// row-side ops' device row count), so buffers sized by routing_plan_max_rows serve any plan
+// without the host knowing M.
 struct RoutingPlanArgs {
   int64_t tokens = 0;               // T
   int64_t experts = 0;              // E
@@ -172,6 +174,8 @@ struct RoutingPlanArgs {
   int32_t* dest = nullptr;          // (T, k)
   int32_t* row_slot = nullptr;      // (max_rows): rows past M hold -1 too
   int64_t* counts = nullptr;        // (E + 1)
+  int64_t* padded_counts = nullptr; // (E)
+  int64_t* rows = nullptr;          // (1) M = sum of padded_counts
 };
 
 // The most rows a plan can have: T k routed rows plus at most align - 1 padding rows per expert.
@@ -219,8 +223,12 @@ struct PermuteBackwardArgs {
 // in (M, 2F) holds gate in columns [0, F) and up in [F, 2F) (Hugging Face gate_up_proj order).
 // Forward, per element, g = gate, u = up widened to FP32, s = moe_sigmoid_f32(g):
 //   out = (g * s) * u
+// rows_device (optional, both directions): a (1,) I64 in the backend's memory, M' <= M; only rows
+// [0, M') are read and written (buffers sized by an upper bound, the routing plan's padded_counts[E]
+// the rows in use: the rest hold nothing anyone reads).
 struct SwigluArgs {
   int64_t rows = 0;                // M
+  const int64_t* rows_device = nullptr;
   int64_t ffn = 0;                 // F
   DType in_dtype = DType::kBF16;   // F32 or BF16
   const void* in = nullptr;        // (M, 2F)
@@ -233,6 +241,7 @@ struct SwigluArgs {
 //   dup   = o * (g * s)
 struct SwigluBackwardArgs {
   int64_t rows = 0;                // M
+  const int64_t* rows_device = nullptr;  // as SwigluArgs
   int64_t ffn = 0;                 // F
   DType in_dtype = DType::kBF16;   // F32 or BF16
   const void* in = nullptr;        // (M, 2F) the forward's input
