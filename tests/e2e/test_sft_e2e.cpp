@@ -174,7 +174,7 @@ TEST(SftE2E, LossIsTheMeanOverTrainedTargetsForAnySplit) {
 TEST(SftE2E, TrainsResumesBitwiseAndEvalMatchesTheValidationLoss) {
   const fs::path dir = test::make_test_dir("sft_e2e_");
   const std::string data = " --tokenizer " + write_tokenizer(dir).string() + " --data sft:" +
-                           write_sft(dir, 300, test::recorded_random_seed(), false).string();
+                           write_sft(dir, 600, test::recorded_random_seed(), false).string();
   const std::string run =
       kSft + data + " --micro-batch 4 --eval-interval 4 --eval-batches 3 --decay-steps 8";
   RunResult r = run_cli(run + " --steps 8 --out " + (dir / "full").string());
