@@ -26,14 +26,6 @@ ShardPlan plan_for(const std::vector<DistParam>& params, int world, int64_t buck
   return std::move(plan).value();
 }
 
-template <typename T>
-Segments<T> one_segment(T* p, int64_t n) {
-  Segments<T> s;
-  s.ptr.push_back(p);
-  s.n = n;
-  return s;
-}
-
 }  // namespace
 
 std::string_view gather_mode_name(GatherMode m) {
@@ -71,9 +63,8 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     PACKMOE_CHECK(&gp.backend() == be_, "param " << p
                                                  << " lives in another backend than the "
                                                     "communicator's buffers");
-    PACKMOE_CHECK(gp.master_state() == MasterState::kInitHeld ||
-                      gp.master_state() == MasterState::kMasterReady,
-                  "param " << p << " is already under a distributed optimizer");
+    PACKMOE_CHECK(gp.fp32_state() == Fp32State::kInitHeld,
+                  "param " << p << " is already under an optimizer (its init is gone)");
   }
   be_->fill_zero(master_.get(), master_.size());
 
@@ -86,17 +77,17 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       views.push_back(grads_.data() + plan_.slot(p).offset + e * per_expert);
     gp.bind_main_grad(views);
   }
-  // The master shard from the high-precision values; then only kFp32 params keep a full copy,
-  // as the replica their layers read.
+  // The master shard from the params' FP32 inits; then only kFp32 params keep a full copy, as
+  // the replica their layers read.
   float* master = static_cast<float*>(master_.get());
   for (const ShardPiece& piece : pieces_)
-    params_[piece.param].param->copy_high_precision(piece.begin, piece.count,
-                                                    master + (piece.offset - shard().begin));
+    params_[piece.param].param->copy_init(piece.begin, piece.count,
+                                          master + (piece.offset - shard().begin));
   for (DistParam& d : params_) {
     if (d.form == WeightForm::kFp32)
-      d.param->replicate_master();
+      d.param->keep_fp32_replica();
     else
-      d.param->release_for_sharded_master();
+      d.param->release_init();
   }
 
   traffic_.param_elements = plan_.param_elements();
@@ -142,6 +133,17 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       if (params_[p].form != WeightForm::kFp32 && params_[p].param->keeps_bf16())
         params_[p].param->bind_bf16_primary(
             bf16_views(static_cast<const uint8_t*>(bf16_class_->buffer->get()), p).ptrs());
+  // Likewise a replica is its slot of the FP32 gather buffer.
+  if (fp32_)
+    for (int p = 0; p < plan_.params(); ++p)
+      if (fp32_->offset[p] >= 0) {
+        GroupedParam& gp = *params_[p].param;
+        uint8_t* first = static_cast<uint8_t*>(fp32_->buffer->get()) + fp32_->offset[p];
+        std::vector<void*> views;
+        for (int64_t e = 0; e < gp.experts(); ++e)
+          views.push_back(first + e * gp.n() * gp.k() * static_cast<int64_t>(sizeof(float)));
+        gp.bind_fp32_replica(views);
+      }
   // The moments last: by now every init and every own BF16 copy that a bound slot replaced is
   // freed, so start-up never holds them together with the moments.
   for (std::optional<DeviceBuffer>* b : {&exp_avg_, &exp_avg_sq_}) {
@@ -187,6 +189,10 @@ void DistOptimizer::grad_ready(int p) {
 }
 
 DistStepResult DistOptimizer::step(double max_norm) {
+  for (const DistParam& d : params_)
+    PACKMOE_CHECK(d.param->grad_state() == GradState::kSettled,
+                  "optimizer step with a delayed wgrad pending: its gradient would never reach "
+                  "the update; run backward_dw first");
   overlap_armed_ = false;
   grads_.reduce_scatter();
   const FlatRange sh = shard();
@@ -340,7 +346,7 @@ void DistOptimizer::gather_params() {
     comm_->all_gatherv(buf + class_position(*fp32_, sh.begin), buf, fp32_->counts);
     for (int p = 0; p < plan_.params(); ++p)
       if (fp32_->offset[p] >= 0) {
-        params_[p].param->write_master_replica(
+        params_[p].param->write_fp32_replica(
             reinterpret_cast<const float*>(buf + fp32_->offset[p]));
         params_[p].param->write_primary_from_replica();
       }

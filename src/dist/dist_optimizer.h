@@ -2,8 +2,9 @@
 // (GradBuffer, laid out by a ShardPlan) that every param's main_grad views; a step reduce-scatters
 // it, takes the global grad norm, updates the FP32 masters and moments of this rank's shard only,
 // and stages the shard for the parameter all-gather, which the next prepare_forward runs in one of
-// three modes. Invariants: masters come from the high-precision init, never from dequantized
-// values; all three modes write bitwise the same primary weights; every use of the buffer's memory
+// three modes. It owns the FP32 masters and moments for any rank count (one process: a 1-rank
+// communicator, dist/single_rank_communicator.h). Invariants: masters come from the params' FP32
+// inits, never from dequantized values; all three modes write bitwise the same primary weights; every use of the buffer's memory
 // is a checked GradBufferState transition; ops go through Backend and Communicator only, so the
 // same code runs on the CPU over MPI and on GPUs over NCCL.
 #pragma once
@@ -43,7 +44,7 @@ struct DistOptimizerConfig {
 enum class WeightForm : uint8_t {
   kPrimary,  // the primary weight (BF16 or quantized): gathered in the optimizer's mode
   // The FP32 weight itself (norms, the embedding table: nn/layer_ops.h f32_weight): every rank
-  // keeps a full FP32 replica (MasterState::kReplicated), refreshed by an FP32 all-gather; its
+  // keeps a full FP32 replica (Fp32State::kReplicated), refreshed by an FP32 all-gather; its
   // primary (a tied LM head's GEMM weight) is made from the replica on every rank, not gathered.
   kFp32,
 };
@@ -74,12 +75,11 @@ struct GatherTraffic {
 
 class DistOptimizer {
  public:
-  // Every param: in comm.backend()'s memory, no pending wgrad, its master not yet sharded (the
-  // init, or a master made from it). Binds every main_grad into the grad buffer (its old content
-  // is dropped), copies this rank's master shard from the high-precision values, frees the
-  // params' own init / master (kFp32 params keep it as their replica), and stages the masters, so
-  // the first prepare_forward gathers them (every rank then holds the same weights). Collective:
-  // every rank, same params.
+  // Every param: in comm.backend()'s memory, no pending wgrad, its FP32 init still held (under
+  // no other optimizer). Binds every main_grad into the grad buffer (its old content is
+  // dropped), copies this rank's master shard from the inits, frees the params' inits (kFp32
+  // params keep theirs as their replica), and stages the masters, so the first prepare_forward
+  // gathers them (every rank then holds the same weights). Collective: every rank, same params.
   DistOptimizer(Communicator& comm, std::vector<DistParam> params, const DistOptimizerConfig& cfg);
   DistOptimizer(const DistOptimizer&) = delete;
   DistOptimizer& operator=(const DistOptimizer&) = delete;
@@ -110,7 +110,8 @@ class DistOptimizer {
   // Accumulating -> Reduced -> ParamsStaged (or -> Zeroed when the norm is not finite): the
   // reduce-scatter of the buckets grad_ready has not launched, the global norm (all-reduce of
   // this shard's FP64 sum of squares), the clip scale min(1, max_norm / (norm + 1e-6))
-  // (max_norm <= 0: no clipping), AdamW on the shard, staging for the gather. Collective.
+  // (max_norm <= 0: no clipping), AdamW on the shard, staging for the gather. A delayed wgrad
+  // still pending on a param is a PACKMOE_CHECK error. Collective.
   DistStepResult step(double max_norm = 0.0);
   void set_lr(float lr) { cfg_.adamw.lr = lr; }
   float lr() const { return cfg_.adamw.lr; }

@@ -39,8 +39,8 @@ struct GroupedLinearConfig {
 
 class GroupedLinear {
  public:
-  // init: (E, N, K) F32 on the host or in `backend`'s memory (GroupedParam keeps it until
-  // create_master()).
+  // init: (E, N, K) F32 on the host or in `backend`'s memory (GroupedParam keeps it until an
+  // optimizer takes it).
   GroupedLinear(Backend& backend, const GroupedLinearConfig& cfg, const Tensor& init);
   GroupedLinear(const GroupedLinear&) = delete;
   GroupedLinear& operator=(const GroupedLinear&) = delete;

@@ -1,4 +1,4 @@
-// GroupedParam: master/grad state transitions and the primary weight's way from FP32 (or gathered
+// GroupedParam: FP32 / grad state transitions and the primary weight's way from FP32 (or gathered
 // images) into the recipe's copies (nn/linear_recipe.h does the quantization).
 #include "nn/grouped_param.h"
 
@@ -20,30 +20,19 @@ GroupedParam::GroupedParam(Backend& backend, const QuantRecipe& recipe, PrimaryW
   const int64_t nk = n_ * k_;
 
   // The init lives in the backend's memory: a host init is uploaded once (one copy per group), so
-  // the primary and the master are made there with no further host traffic.
+  // the primary and the optimizer's master are made there with no further host traffic.
   const size_t init_bytes = nk * sizeof(float);
   const Backend::CopyKind kind = copy_kind(backend.device(), init.device());
-  init_ = GroupedStorage(backend, layout, e_, init_bytes);
+  fp32_ = GroupedStorage(backend, layout, e_, init_bytes);
   for (int64_t e = 0; e < e_; ++e)
-    backend.copy(init_.group(e), static_cast<const uint8_t*>(init.data()) + e * init_bytes,
+    backend.copy(fp32_.group(e), static_cast<const uint8_t*>(init.data()) + e * init_bytes,
                  init_bytes, kind);
 
   main_grad_ = GroupedStorage(backend, layout, e_, nk * sizeof(float));
   main_grad_.zero();
   ops_ = make_linear_recipe(backend, recipe, layout, e_, n_, k_);
   if (keeps_bf16()) bf16_ = GroupedStorage(backend, layout, e_, nk * 2);
-  write_primary_from(init_);
-}
-
-void GroupedParam::create_master() {
-  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld,
-                "create_master: the FP32 master is made once, from the high-precision init, which "
-                "is gone (released by the first create_master); a master from the dequantized "
-                "primary weight is never made");
-  master_ = GroupedStorage(*backend_, layout_, e_, n_ * k_ * sizeof(float));
-  master_.copy_from(init_);
-  init_.release();
-  master_state_ = MasterState::kMasterReady;
+  write_primary_from(fp32_);
 }
 
 void GroupedParam::zero_grad() {
@@ -54,18 +43,6 @@ void GroupedParam::zero_grad() {
                 "zeroing is a transition of its state machine (the optimizer's prepare_forward); "
                 "zeroing it here could wipe parameters staged in it");
   main_grad_.zero();
-}
-
-void GroupedParam::requantize_from_master() {
-  PACKMOE_CHECK(master_state_ != MasterState::kInitHeld,
-                "requantize_from_master before create_master");
-  PACKMOE_CHECK(master_state_ == MasterState::kMasterReady,
-                "requantize_from_master: the master is sharded (the optimizer's "
-                "parameter gather writes the primary)");
-  PACKMOE_CHECK(grad_state_ == GradState::kSettled,
-                "requantize_from_master with a delayed wgrad pending: its gradient would never "
-                "reach the update; run backward_dw first");
-  write_primary_from(master_);
 }
 
 void GroupedParam::prepare_compute() {
@@ -111,67 +88,74 @@ void GroupedParam::check_primary_current(const char* what) const {
                         "before any forward)");
 }
 
-// ---- sharded master and the parameter gather ---------------------------------------------------
+// ---- the optimizer's side ---------------------------------------------------------------------
 
-std::string_view master_state_name(MasterState s) {
+std::string_view fp32_state_name(Fp32State s) {
   switch (s) {
-    case MasterState::kInitHeld: return "InitHeld (no master made yet)";
-    case MasterState::kMasterReady: return "MasterReady";
-    case MasterState::kSharded: return "Sharded (the optimizer holds it)";
-    case MasterState::kReplicated: return "Replicated (the optimizer refreshes it)";
+    case Fp32State::kInitHeld: return "InitHeld (no optimizer took it yet)";
+    case Fp32State::kReleased: return "Released (the optimizer holds the master)";
+    case Fp32State::kReplicated: return "Replicated (the optimizer refreshes it)";
   }
   return "?";
 }
 
 int64_t GroupedParam::shard_unit_rows() const { return ops_->shard_unit_rows(); }
 
-void GroupedParam::copy_high_precision(int64_t begin, int64_t count, float* dst) const {
+void GroupedParam::copy_init(int64_t begin, int64_t count, float* dst) const {
   PACKMOE_CHECK(begin >= 0 && count >= 0 && begin + count <= e_ * n_ * k_,
-                "copy_high_precision: elements [" << begin << ", " << begin + count
-                                                  << ") outside the pack of " << e_ * n_ * k_);
-  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld || master_state_ == MasterState::kMasterReady,
-                "copy_high_precision: the master is already sharded");
-  const GroupedStorage& src = master_state_ == MasterState::kInitHeld ? init_ : master_;
-  const Backend::CopyKind kind = copy_kind(backend_->device(), src.memory().device());
-  Backend& engine = copy_engine(*backend_, src.memory());
+                "copy_init: elements [" << begin << ", " << begin + count
+                                        << ") outside the pack of " << e_ * n_ * k_);
+  PACKMOE_CHECK(fp32_state_ == Fp32State::kInitHeld,
+                "copy_init: the init is gone (" << fp32_state_name(fp32_state_) << ")");
+  const Backend::CopyKind kind = copy_kind(backend_->device(), fp32_.memory().device());
+  Backend& engine = copy_engine(*backend_, fp32_.memory());
   const int64_t per_group = n_ * k_;
   // The range crosses expert boundaries: one copy per touched group (in either layout).
   for (int64_t i = begin; i < begin + count;) {
     const int64_t e = i / per_group, off = i - e * per_group;
     const int64_t n = std::min(per_group - off, begin + count - i);
-    engine.copy(dst + (i - begin), static_cast<const float*>(src.group(e)) + off,
+    engine.copy(dst + (i - begin), static_cast<const float*>(fp32_.group(e)) + off,
                 n * sizeof(float), kind);
     i += n;
   }
 }
 
-void GroupedParam::release_for_sharded_master() {
-  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld || master_state_ == MasterState::kMasterReady,
-                "the master is already sharded");
-  init_.release();
-  master_.release();
-  master_state_ = MasterState::kSharded;
+void GroupedParam::release_init() {
+  PACKMOE_CHECK(fp32_state_ == Fp32State::kInitHeld,
+                "release_init: the init is gone (" << fp32_state_name(fp32_state_) << ")");
+  fp32_.release();
+  fp32_state_ = Fp32State::kReleased;
 }
 
-void GroupedParam::replicate_master() {
-  PACKMOE_CHECK(master_state_ == MasterState::kInitHeld || master_state_ == MasterState::kMasterReady,
-                "the master is already sharded");
-  if (master_state_ == MasterState::kInitHeld) create_master();
-  master_state_ = MasterState::kReplicated;
+void GroupedParam::keep_fp32_replica() {
+  PACKMOE_CHECK(fp32_state_ == Fp32State::kInitHeld,
+                "keep_fp32_replica: the init is gone (" << fp32_state_name(fp32_state_) << ")");
+  fp32_state_ = Fp32State::kReplicated;
 }
 
-void GroupedParam::write_master_replica(const float* f32) {
-  PACKMOE_CHECK(master_state_ == MasterState::kReplicated,
-                "write_master_replica: the master is " << master_state_name(master_state_));
+void GroupedParam::write_fp32_replica(const float* f32) {
+  PACKMOE_CHECK(fp32_state_ == Fp32State::kReplicated,
+                "write_fp32_replica: the param is " << fp32_state_name(fp32_state_));
+  if (fp32_.group(0) == f32) return;  // bound: the gather wrote it in place
   const size_t bytes = n_ * k_ * sizeof(float);
   for (int64_t e = 0; e < e_; ++e)
-    backend_->copy(master_.group(e), f32 + e * n_ * k_, bytes, Backend::CopyKind::kDeviceToDevice);
+    backend_->copy(fp32_.group(e), f32 + e * n_ * k_, bytes, Backend::CopyKind::kDeviceToDevice);
+}
+
+void GroupedParam::bind_fp32_replica(const std::vector<void*>& views) {
+  PACKMOE_CHECK(fp32_state_ == Fp32State::kReplicated,
+                "bind_fp32_replica: the param is " << fp32_state_name(fp32_state_));
+  PACKMOE_CHECK(primary_state_ == PrimaryState::kAwaitingGather,
+                "bind_fp32_replica: only a replica awaiting its gather (its bytes would be lost)");
+  PACKMOE_CHECK(static_cast<int64_t>(views.size()) == e_,
+                "bind_fp32_replica: " << views.size() << " views for " << e_ << " experts");
+  fp32_ = GroupedStorage::view(*backend_, layout_, views, n_ * k_ * sizeof(float));
 }
 
 void GroupedParam::write_primary_from_replica() {
-  PACKMOE_CHECK(master_state_ == MasterState::kReplicated,
-                "write_primary_from_replica: the master is " << master_state_name(master_state_));
-  write_primary_from(master_);
+  PACKMOE_CHECK(fp32_state_ == Fp32State::kReplicated,
+                "write_primary_from_replica: the param is " << fp32_state_name(fp32_state_));
+  write_primary_from(fp32_);
 }
 
 void GroupedParam::bind_main_grad(const std::vector<void*>& views) {
@@ -195,8 +179,8 @@ void GroupedParam::bind_bf16_primary(const std::vector<void*>& views) {
 }
 
 void GroupedParam::mark_primary_awaiting_gather() {
-  PACKMOE_CHECK(master_state_ == MasterState::kSharded || master_state_ == MasterState::kReplicated,
-                "only a sharded master is updated apart from its primary weight");
+  PACKMOE_CHECK(fp32_state_ != Fp32State::kInitHeld,
+                "only a master the optimizer holds is updated apart from its primary weight");
   primary_state_ = PrimaryState::kAwaitingGather;
 }
 
@@ -296,20 +280,11 @@ GemmOperand GroupedParam::dgrad_weight() const {
   return ops_->dgrad_weight(bf16_);
 }
 
-const GroupedStorage& GroupedParam::master() const {
-  if (master_state_ == MasterState::kReplicated) {
-    check_primary_current("master (an FP32 replica)");
-    return master_;
-  }
-  PACKMOE_CHECK(master_state_ == MasterState::kMasterReady,
-                "no full master here: the master is " << master_state_name(master_state_));
-  return master_;
-}
-
-GroupedStorage& GroupedParam::master() {
-  PACKMOE_CHECK(master_state_ == MasterState::kMasterReady,
-                "no full master here: the master is " << master_state_name(master_state_));
-  return master_;
+const GroupedStorage& GroupedParam::fp32_weight() const {
+  if (fp32_state_ == Fp32State::kReplicated) check_primary_current("fp32_weight (a replica)");
+  PACKMOE_CHECK(fp32_state_ != Fp32State::kReleased,
+                "no FP32 weight here: the param is " << fp32_state_name(fp32_state_));
+  return fp32_;
 }
 
 std::vector<NamedStorage> GroupedParam::weight_components() const {

@@ -1,10 +1,10 @@
 // GroupedParam: the packed expert weight (E, N, K) of one grouped linear: its primary weight in the
-// recipe's format (the copies belong to its LinearRecipe), the FP32 master, the FP32 main_grad
-// and, until the master exists, the FP32 init. Invariants: every low-precision copy comes from ONE
-// quantize call over all E experts (or, in a data-parallel gather, one per rank's row range, with
-// the same bytes); the master is made once, from the original init (never from dequantized
-// values), here or by the optimizer that holds it (dist/dist_optimizer.h, sharded over its ranks);
-// per-expert views are pointers into storage they do not own; both layouts feed the same ops.
+// recipe's format (the copies belong to its LinearRecipe), the FP32 main_grad and, until an
+// optimizer takes over, the FP32 init. The FP32 masters and moments belong to the optimizer
+// (dist/dist_optimizer.h, sharded over 1..N ranks), which makes them from the init. Invariants:
+// every low-precision copy comes from ONE quantize call over all E experts (or, in a
+// data-parallel gather, one per rank's row range, with the same bytes); per-expert views are
+// pointers into storage they do not own; both layouts feed the same ops.
 #pragma once
 
 #include <cstdint>
@@ -22,21 +22,19 @@
 
 namespace packmoe {
 
-// Where the FP32 master stands. Transitions: kInitHeld -> kMasterReady (create_master), and
-// kInitHeld or kMasterReady -> kSharded (release_for_sharded_master) or -> kReplicated
-// (replicate_master).
-enum class MasterState {
-  kInitHeld,     // the FP32 init is kept; no master yet
-  kMasterReady,  // the master was made from the init; the init is released
-  kSharded,      // the optimizer (dist/) holds the master of its shard; none is kept here
-  // The optimizer holds the master of its shard, and this param keeps a full FP32 copy
-  // that the optimizer's gather refreshes: for layers that read the FP32 weight itself (norms,
-  // the embedding table: nn/layer_ops.h f32_weight).
+// What the param keeps of its FP32 value. Transitions: kInitHeld -> kReleased (release_init) or
+// -> kReplicated (keep_fp32_replica), once, when an optimizer takes the master from the init.
+enum class Fp32State {
+  kInitHeld,  // the FP32 init is kept; no optimizer holds a master of it yet
+  kReleased,  // the optimizer holds the master; no FP32 copy is kept here
+  // The optimizer holds the master, and this param keeps a full FP32 copy that the optimizer's
+  // gather refreshes: for layers that read the FP32 weight itself (norms, the embedding table:
+  // nn/layer_ops.h f32_weight).
   kReplicated,
 };
-std::string_view master_state_name(MasterState s);
+std::string_view fp32_state_name(Fp32State s);
 
-// Whether the primary weight was made from the latest master. Only an optimizer that holds the
+// Whether the primary weight was made from the latest master. Only the optimizer that holds the
 // master makes it stale: its step updates the master, and its parameter gather writes the primary.
 enum class PrimaryState {
   kCurrent,         // made from the init or the latest master
@@ -62,8 +60,8 @@ enum class ComputeCopyState { kStale, kCurrent };
 class GroupedParam {
  public:
   // init: (E, N, K) F32 on the host or in `backend`'s memory. It is copied into `backend`'s
-  // memory (one upload of a host init) and kept there until create_master(). The primary weight
-  // is made from it now: bf16(init) (RNE), quantized once over the pack.
+  // memory (one upload of a host init) and kept there until an optimizer takes it. The primary
+  // weight is made from it now: bf16(init) (RNE), quantized once over the pack.
   GroupedParam(Backend& backend, const QuantRecipe& recipe, PrimaryWeight primary, Layout layout,
                const Tensor& init);
   GroupedParam(const GroupedParam&) = delete;
@@ -76,44 +74,42 @@ class GroupedParam {
   int64_t experts() const { return e_; }
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
-  MasterState master_state() const { return master_state_; }
+  Fp32State fp32_state() const { return fp32_state_; }
   GradState grad_state() const { return grad_state_; }
   ComputeCopyState compute_state() const { return compute_state_; }
   PrimaryState primary_state() const { return primary_state_; }
   GradBinding grad_binding() const { return grad_binding_; }
 
-  // kInitHeld -> kMasterReady: master (E, N, K) F32 = the init's bytes; the init is released.
-  // A second call (or any call once the init is gone) is a PACKMOE_CHECK error.
-  void create_master();
   // main_grad = 0. A pending delayed wgrad would be lost, and a bound main_grad is zeroed by its
   // buffer's owner only: PACKMOE_CHECK errors.
   void zero_grad();
-  // After an optimizer step: master -> BF16 (RNE) -> the primary weight (one quantize call for a
-  // low-precision primary; the BF16 param itself for a high-precision one). Needs the master and
-  // no pending wgrad.
-  void requantize_from_master();
   // Called by forward: a high-precision primary under a quantized recipe is quantized for compute
   // (one call over the pack); otherwise nothing to do.
   void prepare_compute();
 
-  // ---- a master held by the optimizer, and the parameter gather (dist/dist_optimizer.h) -------
+  // ---- the optimizer's side: the master it holds, and the parameter gather (dist/) -----------
   // Rows of one quantization block of the weight along N (MXFP8 32, NVFP4 16, BF16 1): a shard
   // boundary inside the pack falls on a multiple of it, so a rank quantizes its rows alone.
   int64_t shard_unit_rows() const;
   // dst (count F32, the backend's memory) = elements [begin, begin + count) of the flat (E*N*K)
-  // high-precision value: the init (kInitHeld) or the master made from it (kMasterReady).
-  void copy_high_precision(int64_t begin, int64_t count, float* dst) const;
-  // kInitHeld | kMasterReady -> kSharded: the init or master is freed; the optimizer holds the
-  // master of its shard from now on (requantize_from_master and master() are errors).
-  void release_for_sharded_master();
-  // kInitHeld | kMasterReady -> kReplicated: the full master (made from the init if needed) stays
-  // as the FP32 weight its layer reads; from now on only write_master_replica changes it, and
-  // master() is an error while the replica awaits its gather (PrimaryState).
-  void replicate_master();
+  // init (kInitHeld only): what the optimizer's master is made from.
+  void copy_init(int64_t begin, int64_t count, float* dst) const;
+  // kInitHeld -> kReleased: the init is freed; the optimizer holds the master from now on.
+  void release_init();
+  // kInitHeld -> kReplicated: the init stays as the FP32 weight its layer reads; from now on only
+  // write_fp32_replica changes it, and fp32_weight() is an error while the replica awaits its
+  // gather (PrimaryState).
+  void keep_fp32_replica();
   // kReplicated: the full FP32 copy = f32 (E*N*K F32, the backend's memory).
-  void write_master_replica(const float* f32);
-  // kReplicated: the primary from the replica, as requantize_from_master makes it from a master
-  // (what a BF16 gather of this param would bring, without the traffic). -> kCurrent.
+  void write_fp32_replica(const float* f32);
+  // kReplicated: the replica becomes E views (N*K F32 each; consecutive in kSingle) of memory the
+  // caller owns, the optimizer's FP32 gather buffer, so its gather refreshes the replica in place
+  // (write_fp32_replica of those views copies nothing); the own copy is freed. Only while the
+  // replica awaits its gather.
+  void bind_fp32_replica(const std::vector<void*>& views);
+  // kReplicated: the primary from the replica, as from any FP32 value: bf16 (RNE), then the
+  // recipe's quantization (what a BF16 gather of this param would bring, without the traffic).
+  // -> kCurrent.
   void write_primary_from_replica();
   // main_grad becomes E views (N*K F32 each; consecutive in kSingle) of memory the caller owns, a
   // data-parallel grad buffer; the param's own main_grad is freed (kOwned -> kBound). Needs no
@@ -124,8 +120,9 @@ class GroupedParam {
   // in place, and write_primary_from_bf16 of those same views copies nothing. The param's own BF16
   // storage is freed. Only while the primary awaits its gather (the image holds the newer bytes).
   void bind_bf16_primary(const std::vector<void*>& views);
-  // kCurrent -> kAwaitingGather (kSharded or kReplicated): forward (fprop_weight, dgrad_weight,
-  // prepare_compute, and master() of a replica) is an error until a write_primary_from_* call.
+  // kCurrent -> kAwaitingGather (kReleased or kReplicated): forward (fprop_weight, dgrad_weight,
+  // prepare_compute, and fp32_weight() of a replica) is an error until a write_primary_from_*
+  // call.
   void mark_primary_awaiting_gather();
   // The primary from a BF16 (E, N, K) image (views of any layout): a copy into the BF16 param, or
   // ONE quantize launch over the pack. -> kCurrent.
@@ -152,14 +149,13 @@ class GroupedParam {
   void write_primary_from_packed(const std::vector<const void*>& images, const float* amax);
 
   // Per-expert operands of the grouped GEMM (table in backend/ops/gemm.h). Need current
-  // compute copies. The pointers stay valid until the next requantize_from_master / prepare_compute.
+  // compute copies. The pointers stay valid until the primary is next written / prepare_compute.
   GemmOperand fprop_weight() const;  // W rowwise
   GemmOperand dgrad_weight() const;  // W columnwise
 
-  const GroupedStorage& init() const { return init_; }    // (E, N, K) F32, until create_master
-  // (E, N, K) F32, after create_master; a current replica under the optimizer.
-  const GroupedStorage& master() const;
-  GroupedStorage& master();
+  // (E, N, K) F32: the init (kInitHeld) or the current replica (kReplicated): the FP32 weight
+  // that norms and the embedding read.
+  const GroupedStorage& fp32_weight() const;
   const GroupedStorage& main_grad() const { return main_grad_; }  // (E, N, K) F32
   // The primary weight's components (the BF16 param, or the quantized copies of a low-precision
   // primary) plus a high-precision primary's compute copies while they are current; for byte
@@ -190,14 +186,13 @@ class GroupedParam {
   PrimaryWeight primary_;
   Layout layout_;
   int64_t e_, n_, k_;
-  MasterState master_state_ = MasterState::kInitHeld;
+  Fp32State fp32_state_ = Fp32State::kInitHeld;
   GradState grad_state_ = GradState::kSettled;
   ComputeCopyState compute_state_ = ComputeCopyState::kStale;
   PrimaryState primary_state_ = PrimaryState::kCurrent;
   GradBinding grad_binding_ = GradBinding::kOwned;
 
-  GroupedStorage init_;       // (E, N, K) F32, the backend's memory
-  GroupedStorage master_;     // (E, N, K) F32
+  GroupedStorage fp32_;       // (E, N, K) F32, the backend's memory: the init, then the replica
   GroupedStorage main_grad_;  // (E, N, K) F32
   GroupedStorage bf16_;       // (E, N, K) BF16 param (bf16 recipe or high-precision primary)
   // The recipe; its copies are the primary (low precision) or compute copies (high precision).

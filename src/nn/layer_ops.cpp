@@ -2,19 +2,10 @@
 #include "nn/layer_ops.h"
 
 namespace packmoe {
-namespace {
-
-template <typename T>
-Segments<T> whole(const Tensor& t) {
-  return Segments<T>{{static_cast<T*>(t.data())}, t.numel()};
-}
-
-}  // namespace
-
 Tensor to_bf16(Backend& b, const Tensor& x) {
   PACKMOE_CHECK(x.dtype() == DType::kF32, "to_bf16 expects F32");
   Tensor y = Tensor::empty(b, DType::kBF16, x.shape());
-  check_op(ops::cast_f32_to_bf16(b, whole<const float>(x), whole<uint16_t>(y)), "cast to bf16");
+  check_op(ops::cast_f32_to_bf16(b, one_segment<const float>(x), one_segment<uint16_t>(y)), "cast to bf16");
   return y;
 }
 
@@ -23,7 +14,7 @@ void add_into(Backend& b, const Tensor& dst, const Tensor& src) {
                     dst.numel() == src.numel(),
                 "add_into: F32 tensors of equal size, got " << shape_string(dst.shape()) << " and "
                                                             << shape_string(src.shape()));
-  check_op(ops::add_f32(b, whole<float>(dst), whole<const float>(src)), "add");
+  check_op(ops::add_f32(b, one_segment<float>(dst), one_segment<const float>(src)), "add");
 }
 
 Tensor clone(Backend& b, const Tensor& x) {
@@ -50,7 +41,7 @@ GroupedLinearConfig dense_linear_config(Layout layout, bool grad_accum_fusion) {
 
 const float* f32_weight(const GroupedParam& p) {
   PACKMOE_CHECK(p.experts() == 1, "f32_weight of a multi-group param");
-  return static_cast<const float*>(p.master().group(0));
+  return static_cast<const float*>(p.fp32_weight().group(0));
 }
 
 float* f32_grad(const GroupedParam& p) {

@@ -19,9 +19,10 @@ Tensor clone(Backend& b, const Tensor& x);
 // (1, n, k) F32 host tensor from a 2-D or 1-D weight (a view of the same bytes).
 Tensor as_single_group(const Tensor& w);
 
-// A BF16 linear with an FP32 master, FP32 outputs and dgrads (the dense weights of the model).
+// A BF16 linear with FP32 outputs and dgrads (the dense weights of the model).
 GroupedLinearConfig dense_linear_config(Layout layout, bool grad_accum_fusion);
-// A weight that ops read in FP32 (norms, the embedding table): the FP32 master itself, (N, K).
+// A weight that ops read in FP32 (norms, the embedding table): the param's FP32 weight (its init,
+// or the replica of the optimizer's master: GroupedParam::fp32_weight), (N, K).
 const float* f32_weight(const GroupedParam& p);
 // main_grad of a single-group param as an F32 pointer, (N, K).
 float* f32_grad(const GroupedParam& p);

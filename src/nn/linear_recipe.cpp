@@ -1,4 +1,5 @@
-// LinearRecipe's shared helpers and the factory: the only place that maps a Recipe to its class.
+// LinearRecipe's and QuantizedRecipe's shared parts and the factory: the only place that maps a
+// Recipe to its class.
 #include "nn/linear_recipe.h"
 
 #include "nn/recipe_bf16.h"
@@ -31,6 +32,58 @@ GroupedMatrices LinearRecipe::activation_rows(const Tensor& a, const std::vector
   in.data = {rows.begin(), rows.end()};
   in.rows = m;
   return in;
+}
+
+GroupedMatrices QuantizedRecipe::weight_rows(const GroupedStorage& bf16) const {
+  GroupedMatrices in;  // E x (N, K) BF16
+  in.dtype = DType::kBF16;
+  in.cols = k_;
+  in.data = bf16.const_ptrs();
+  in.rows.assign(e_, n_);
+  return in;
+}
+
+void QuantizedRecipe::write_rowwise_and_derive_columnwise(const std::vector<const void*>& images,
+                                                          Tiled2dFormat format) {
+  fill(w_.row_data, images[0]);
+  fill(w_.row_scale, images[1]);
+  Weight2dCopies c;
+  c.format = format;
+  c.rows = n_;
+  c.cols = k_;
+  c.row_data = w_.row_data.const_ptrs();
+  c.row_scale = w_.row_scale.const_ptrs();
+  c.col_data = w_.col_data.ptrs();
+  c.col_scale = w_.col_scale.ptrs();
+  check_op(ops::weight_2d_columnwise(*backend_, c), "columnwise copy of a 2D weight");
+}
+
+GemmOperand QuantizedRecipe::weight_operand(const GroupedStorage& data,
+                                            const GroupedStorage& scale) const {
+  GemmOperand o;
+  o.format = format_;
+  o.data = data.const_ptrs();
+  o.scale = scale.const_ptrs();
+  if (w_.decode_scale.allocated()) o.decode_scale = w_.decode_scale.packed();
+  return o;
+}
+
+GemmOperand QuantizedRecipe::fprop_weight(const GroupedStorage&) const {
+  return weight_operand(w_.row_data, w_.row_scale);
+}
+
+GemmOperand QuantizedRecipe::dgrad_weight(const GroupedStorage&) const {
+  return weight_operand(w_.col_data, w_.col_scale);
+}
+
+std::vector<NamedStorage> QuantizedRecipe::components() const {
+  std::vector<NamedStorage> out = {{"row_data", &w_.row_data},
+                                   {"row_scale", &w_.row_scale},
+                                   {"col_data", &w_.col_data},
+                                   {"col_scale", &w_.col_scale}};
+  if (w_.amax.allocated()) out.push_back({"amax", &w_.amax});
+  if (w_.decode_scale.allocated()) out.push_back({"decode_scale", &w_.decode_scale});
+  return out;
 }
 
 std::unique_ptr<LinearRecipe> make_linear_recipe(Backend& backend, const QuantRecipe& q,

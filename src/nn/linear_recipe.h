@@ -1,5 +1,6 @@
 // LinearRecipe: what one precision recipe does for a grouped linear, one class per recipe
-// (nn/recipe_bf16.h, nn/recipe_mxfp8.h, nn/recipe_nvfp4.h): the weight's quantized copies it owns,
+// (nn/recipe_bf16.h, nn/recipe_mxfp8.h, nn/recipe_nvfp4.h; the two quantized ones share
+// QuantizedRecipe below): the weight's quantized copies it owns,
 // their quantization from a BF16 pack (one launch) or a row range of it (a data-parallel shard),
 // their assembly from gathered images, the GEMM operands, and the activation copies per role.
 // Invariant: GroupedParam and GroupedLinear never branch on the recipe; every quantizer setting
@@ -14,6 +15,7 @@
 #include "backend/device_buffer.h"
 #include "backend/ops/gemm.h"
 #include "core/tensor.h"
+#include "formats/weight_2d.h"
 #include "nn/grouped_storage.h"
 #include "nn/recipe.h"
 
@@ -110,11 +112,47 @@ class LinearRecipe {
   void fill(GroupedStorage& dst, const void* src) const;
   // An activation a (M, C) BF16 as the groups of rows m: the quantizers' input.
   static GroupedMatrices activation_rows(const Tensor& a, const std::vector<int64_t>& m);
+  static std::vector<const void*> const_ptrs(const std::vector<void*>& p) {
+    return {p.begin(), p.end()};
+  }
 
   Backend* backend_;
   QuantRecipe q_;
   Layout layout_;
   int64_t e_, n_, k_;
+};
+
+// What the quantized recipes (MXFP8, NVFP4) do alike: they own the weight's copies
+// (QuantizedWeight), the GEMMs read the rowwise copy in fprop and the columnwise one in dgrad
+// (with NVFP4's per-expert decode scales), and a 2D weight's columnwise copy is derived from the
+// rowwise images a gather brings. What differs by format (block sizes, the amax, rounding, which
+// copies travel, the activation copies) stays in each recipe's class, so their overrides of the
+// remaining LinearRecipe calls are declared alike but written apart.
+class QuantizedRecipe : public LinearRecipe {
+ public:
+  bool quantized() const final { return true; }
+  GemmOperand fprop_weight(const GroupedStorage& bf16) const final;  // row_data, row_scale
+  GemmOperand dgrad_weight(const GroupedStorage& bf16) const final;  // col_data, col_scale
+  // The allocated copies: row_data, row_scale, col_data, col_scale, then NVFP4's amax and
+  // decode_scale.
+  std::vector<NamedStorage> components() const final;
+
+ protected:
+  QuantizedRecipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e, int64_t n,
+                  int64_t k, OperandFormat format)
+      : LinearRecipe(backend, q, layout, e, n, k), format_(format) {}
+  // The pack as the weight quantizers' input: E groups of (N, K) BF16 (any layout).
+  GroupedMatrices weight_rows(const GroupedStorage& bf16) const;
+  // The rowwise copy from whole images {row_data, row_scale}, and the columnwise copy of a 2D
+  // weight derived from it (one launch).
+  void write_rowwise_and_derive_columnwise(const std::vector<const void*>& images,
+                                           Tiled2dFormat format);
+
+  QuantizedWeight w_;
+
+ private:
+  GemmOperand weight_operand(const GroupedStorage& data, const GroupedStorage& scale) const;
+  OperandFormat format_;
 };
 
 // The recipe q.recipe names, for an (E, N, K) weight in `backend`'s memory and `layout` (its

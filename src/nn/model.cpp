@@ -192,27 +192,11 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
   PACKMOE_CHECK(order.size() == specs.size(), "Model: parameter list out of step with the specs");
   for (size_t i = 0; i < specs.size(); ++i) {
     params_.push_back({specs[i].name, order[i].param, specs[i].weight_decay, order[i].reads_fp32});
-    order[i].param->create_master();
     if (order[i].linear) linears_.push_back(order[i].linear);
   }
 }
 
 Model::~Model() = default;
-
-ModelWeights Model::master_weights() const {
-  ModelWeights out;
-  Backend& host = cpu_backend();
-  const std::vector<ParamSpec> specs = model_param_specs(config_);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    Tensor t = Tensor::empty(host, DType::kF32, specs[i].shape);
-    const std::vector<uint8_t> bytes = params_[i].param->master().download();
-    PACKMOE_CHECK(bytes.size() == t.nbytes(), "master of " << specs[i].name << " has "
-                                                           << bytes.size() << " bytes");
-    std::copy(bytes.begin(), bytes.end(), static_cast<uint8_t*>(t.data()));
-    out.emplace(specs[i].name, std::move(t));
-  }
-  return out;
-}
 
 void Model::set_grad_sr_offset(uint64_t offset) {
   for (GroupedLinear* l : linears_) l->set_grad_sr_offset(offset);

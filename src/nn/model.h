@@ -1,8 +1,8 @@
 // Model: the Qwen3-MoE decoder (HF Qwen3MoeForCausalLM) with explicit forward / backward over
-// Backend ops. Every parameter is a GroupedParam (dense ones with E = 1) with an FP32 master;
+// Backend ops. Every parameter is a GroupedParam (dense ones with E = 1) made from its FP32 init;
 // MoE experts use the precision recipe, everything else BF16 GEMM operands and FP32 activations.
-// Invariants: weights come from a ModelWeights map (random init or a checkpoint), so the master is
-// always the high-precision value; both expert layouts issue identical ops (bitwise equal
+// Invariants: weights come from a ModelWeights map (random init or a checkpoint), which the
+// optimizer's FP32 masters are made from (dist/dist_optimizer.h), never dequantized values; both expert layouts issue identical ops (bitwise equal
 // results); gradients are ACCUMULATED into main_grad (the trainer zeroes them once per step).
 #pragma once
 
@@ -132,7 +132,7 @@ enum class ModelState {
 class Model {
  public:
   // Builds every layer from `init` (validated: a bad map is a PACKMOE_CHECK error, callers check
-  // validate_model_weights first for user data) and creates the FP32 masters from it.
+  // validate_model_weights first for user data); each param keeps its FP32 init for the optimizer.
   Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
         const ModelWeights& init);
   ~Model();
@@ -146,8 +146,6 @@ class Model {
 
   // Every parameter, in model_param_specs order (the tied LM head is not listed twice).
   const std::vector<NamedParam>& params() const { return params_; }
-  // FP32 masters copied to the host, in the ModelWeights layout (for checkpoints and tests).
-  ModelWeights master_weights() const;
   // Sets the NVFP4 stochastic-rounding offset of every GroupedLinear (each has its own seed):
   // the trainer's nvfp4_grad_sr_offset of the coming micro-batch. With the seed, that is the
   // whole random state of a run, so a checkpoint needs none.

@@ -35,12 +35,6 @@ Tensor router_init(const Tensor& router) {  // (E, H) -> (1, E, H)
   return router.reshaped({1, router.dim(0), router.dim(1)});
 }
 
-// The whole tensor as one segment of n elements.
-template <typename T>
-Segments<T> one_segment(const Tensor& t) {
-  return Segments<T>{{static_cast<T*>(t.data())}, t.numel()};
-}
-
 }  // namespace
 
 MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockInit& init)
@@ -66,10 +60,6 @@ MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockIn
 
 std::vector<GroupedParam*> MoEBlock::params() {
   return {&router_.param(), &fc1_.param(), &fc2_.param()};
-}
-
-void MoEBlock::create_masters() {
-  for (GroupedParam* p : params()) p->create_master();
 }
 
 void MoEBlock::zero_grad() {

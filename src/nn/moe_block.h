@@ -44,7 +44,7 @@ struct MoEBlockConfig {
 };
 
 // Initial weights, F32, on the host or in the backend's memory (each param keeps its copy until
-// create_masters()).
+// an optimizer takes it).
 struct MoEBlockInit {
   Tensor router;  // (E, H)   Hugging Face mlp.gate.weight
   Tensor fc1;     // (E, 2F, H) gate rows [0, F), up rows [F, 2F) (mlp.experts.gate_up_proj)
@@ -74,8 +74,7 @@ class MoEBlock {
   GroupedLinear& fc2() { return fc2_; }
   // Router, FC1, FC2: what an optimizer updates.
   std::vector<GroupedParam*> params();
-  void create_masters();  // GroupedParam::create_master on each param
-  void zero_grad();       // GroupedParam::zero_grad on each param
+  void zero_grad();  // GroupedParam::zero_grad on each param
 
   // x: (T, H) BF16 in the backend's memory, T > 0. Returns y (T, H) in out_dtype. Allowed from
   // kIdle and kForwardDone (a forward never followed by backward, e.g. eval, is dropped); with

@@ -1,18 +1,11 @@
 // Mxfp8Recipe: the weight's copies (pack, row range, gathered images) and the activation copies.
 #include "nn/recipe_mxfp8.h"
 
-#include "formats/weight_2d.h"
-
 namespace packmoe {
-namespace {
-
-std::vector<const void*> to_const(const std::vector<void*>& p) { return {p.begin(), p.end()}; }
-
-}  // namespace
 
 Mxfp8Recipe::Mxfp8Recipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e,
                          int64_t n, int64_t k)
-    : LinearRecipe(backend, q, layout, e, n, k) {
+    : QuantizedRecipe(backend, q, layout, e, n, k, OperandFormat::kMxfp8) {
   const size_t nk = static_cast<size_t>(n * k);
   w_.row_data = GroupedStorage(backend, layout, e, nk);
   w_.row_scale = GroupedStorage(backend, layout, e, nk / kMxfp8Block);
@@ -21,14 +14,10 @@ Mxfp8Recipe::Mxfp8Recipe(Backend& backend, const QuantRecipe& q, Layout layout, 
 }
 
 void Mxfp8Recipe::quantize_weight(const GroupedStorage& bf16) {
-  GroupedMatrices in;  // E x (N, K) BF16
-  in.dtype = DType::kBF16;
-  in.cols = k_;
-  in.data = bf16.const_ptrs();
-  in.rows.assign(e_, n_);
   Mxfp8Outputs out{w_.row_data.ptrs(), w_.row_scale.ptrs(), w_.col_data.ptrs(),
                    w_.col_scale.ptrs(), {}, {}};
-  check_op(ops::quantize_mxfp8(*backend_, in, mxfp8_config(q_, TensorRole::kWeight), out),
+  check_op(ops::quantize_mxfp8(*backend_, weight_rows(bf16), mxfp8_config(q_, TensorRole::kWeight),
+                               out),
            "weight quantize (mxfp8)");
 }
 
@@ -55,45 +44,14 @@ void Mxfp8Recipe::quantize_rows(const GroupedMatrices& rows, const float*,
 }
 
 void Mxfp8Recipe::write_packed(const std::vector<const void*>& images, const float*) {
-  fill(w_.row_data, images[0]);
-  fill(w_.row_scale, images[1]);
-  if (!q_.mxfp8_weight_2d) {
-    fill(w_.col_data, images[2]);
-    fill(w_.col_scale, images[3]);
+  if (q_.mxfp8_weight_2d) {
+    write_rowwise_and_derive_columnwise(images, Tiled2dFormat::kMxfp8);
     return;
   }
-  Weight2dCopies c;
-  c.format = Tiled2dFormat::kMxfp8;
-  c.rows = n_;
-  c.cols = k_;
-  c.row_data = w_.row_data.const_ptrs();
-  c.row_scale = w_.row_scale.const_ptrs();
-  c.col_data = w_.col_data.ptrs();
-  c.col_scale = w_.col_scale.ptrs();
-  check_op(ops::weight_2d_columnwise(*backend_, c), "columnwise copy of a 2D weight");
-}
-
-GemmOperand Mxfp8Recipe::fprop_weight(const GroupedStorage&) const {
-  GemmOperand o;
-  o.format = OperandFormat::kMxfp8;
-  o.data = w_.row_data.const_ptrs();
-  o.scale = w_.row_scale.const_ptrs();
-  return o;
-}
-
-GemmOperand Mxfp8Recipe::dgrad_weight(const GroupedStorage&) const {
-  GemmOperand o;
-  o.format = OperandFormat::kMxfp8;
-  o.data = w_.col_data.const_ptrs();
-  o.scale = w_.col_scale.const_ptrs();
-  return o;
-}
-
-std::vector<NamedStorage> Mxfp8Recipe::components() const {
-  return {{"row_data", &w_.row_data},
-          {"row_scale", &w_.row_scale},
-          {"col_data", &w_.col_data},
-          {"col_scale", &w_.col_scale}};
+  fill(w_.row_data, images[0]);  // 1D: both copies travel
+  fill(w_.row_scale, images[1]);
+  fill(w_.col_data, images[2]);
+  fill(w_.col_scale, images[3]);
 }
 
 // The rowwise copy, read by the fprop / dgrad right after, is kept as its BF16 values only
@@ -114,17 +72,17 @@ ActivationCopies Mxfp8Recipe::activation_copies(TensorRole role, const Tensor& a
     return carve_rows(memory.emplace_back(b, rows * c * 2).get(), m, c * 2);
   };
   o.row_bf16 = values(out.row_memory);
-  out.rowwise.bf16 = to_const(o.row_bf16);
+  out.rowwise.bf16 = const_ptrs(o.row_bf16);
   if (role == TensorRole::kGradOutput) {
     o.col_bf16 = values(out.col_memory);
-    out.columnwise.bf16 = to_const(o.col_bf16);
+    out.columnwise.bf16 = const_ptrs(o.col_bf16);
   } else {
     o.col_data = carve_rows(out.col_memory.emplace_back(b, rows * c).get(), m, c);  // (M, C)
     // (M/32, C): group g's scales start at row off_g / 32, i.e. byte off_g * C / 32
     o.col_scale = carve_rows(out.col_memory.emplace_back(b, rows * c / kMxfp8Block).get(), m,
                              c / kMxfp8Block);
-    out.columnwise.data = to_const(o.col_data);
-    out.columnwise.scale = to_const(o.col_scale);
+    out.columnwise.data = const_ptrs(o.col_data);
+    out.columnwise.scale = const_ptrs(o.col_scale);
   }
   if (rows) check_op(ops::quantize_mxfp8(b, in, mxfp8_config(q_, role), o), "activation quantize (mxfp8)");
   return out;

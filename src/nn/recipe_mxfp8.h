@@ -8,13 +8,12 @@
 
 namespace packmoe {
 
-class Mxfp8Recipe final : public LinearRecipe {
+class Mxfp8Recipe final : public QuantizedRecipe {
  public:
   // Allocates the weight's copies: data (N, K) and scales (N, K/32) | (N/32, K) per expert.
   Mxfp8Recipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e, int64_t n,
               int64_t k);
 
-  bool quantized() const override { return true; }
   int64_t shard_unit_rows() const override { return kMxfp8Block; }
   void quantize_weight(const GroupedStorage& bf16) override;
   // 2D: {row_data, row_scale}; 1D: {row_data, row_scale, col_data, col_scale}.
@@ -24,15 +23,9 @@ class Mxfp8Recipe final : public LinearRecipe {
   void quantize_rows(const GroupedMatrices& rows, const float* amax,
                      const std::vector<std::vector<void*>>& outputs) const override;
   void write_packed(const std::vector<const void*>& images, const float* amax) override;
-  GemmOperand fprop_weight(const GroupedStorage& bf16) const override;
-  GemmOperand dgrad_weight(const GroupedStorage& bf16) const override;
-  std::vector<NamedStorage> components() const override;
   ActivationCopies activation_copies(TensorRole role, const Tensor& a,
                                      const std::vector<int64_t>& m,
                                      uint64_t sr_offset) const override;
-
- private:
-  QuantizedWeight w_;  // row_data, row_scale, col_data, col_scale
 };
 
 }  // namespace packmoe

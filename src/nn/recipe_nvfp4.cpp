@@ -1,18 +1,11 @@
 // Nvfp4Recipe: the weight's copies (pack, row range, gathered images) and the activation copies.
 #include "nn/recipe_nvfp4.h"
 
-#include "formats/weight_2d.h"
-
 namespace packmoe {
-namespace {
-
-std::vector<const void*> to_const(const std::vector<void*>& p) { return {p.begin(), p.end()}; }
-
-}  // namespace
 
 Nvfp4Recipe::Nvfp4Recipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e,
                          int64_t n, int64_t k)
-    : LinearRecipe(backend, q, layout, e, n, k) {
+    : QuantizedRecipe(backend, q, layout, e, n, k, OperandFormat::kNvfp4) {
   const size_t nk = static_cast<size_t>(n * k);
   w_.row_data = GroupedStorage(backend, layout, e, nk / 2);
   w_.row_scale = GroupedStorage(backend, layout, e, nk / kNvfp4Block);
@@ -29,11 +22,6 @@ void Nvfp4Recipe::decode_scales() {
 }
 
 void Nvfp4Recipe::quantize_weight(const GroupedStorage& bf16) {
-  GroupedMatrices in;  // E x (N, K) BF16
-  in.dtype = DType::kBF16;
-  in.cols = k_;
-  in.data = bf16.const_ptrs();
-  in.rows.assign(e_, n_);
   // 2D tiles: the columnwise amax equals the rowwise one (formats/nvfp4.h), so it is not kept.
   DeviceBuffer col_amax(*backend_, e_ * sizeof(float));  // (E,) F32
   Nvfp4Outputs out;
@@ -43,7 +31,8 @@ void Nvfp4Recipe::quantize_weight(const GroupedStorage& bf16) {
   out.col_data = w_.col_data.ptrs();
   out.col_scale = w_.col_scale.ptrs();
   out.col_amax = col_amax.get();
-  check_op(ops::quantize_nvfp4(*backend_, in, nvfp4_config(q_, TensorRole::kWeight, 0), out),
+  check_op(ops::quantize_nvfp4(*backend_, weight_rows(bf16), nvfp4_config(q_, TensorRole::kWeight, 0),
+                               out),
            "weight quantize (nvfp4)");
   decode_scales();
 }
@@ -70,44 +59,11 @@ void Nvfp4Recipe::quantize_rows(const GroupedMatrices& rows, const float* amax,
 
 void Nvfp4Recipe::write_packed(const std::vector<const void*>& images, const float* amax) {
   PACKMOE_CHECK(amax != nullptr, "write_primary_from_packed (nvfp4) needs the (E,) amax");
-  fill(w_.row_data, images[0]);
-  fill(w_.row_scale, images[1]);
-  Weight2dCopies c;
-  c.format = Tiled2dFormat::kNvfp4;
-  c.rows = n_;
-  c.cols = k_;
-  c.row_data = w_.row_data.const_ptrs();
-  c.row_scale = w_.row_scale.const_ptrs();
-  c.col_data = w_.col_data.ptrs();
-  c.col_scale = w_.col_scale.ptrs();
-  check_op(ops::weight_2d_columnwise(*backend_, c), "columnwise copy of a 2D weight");
+  write_rowwise_and_derive_columnwise(images, Tiled2dFormat::kNvfp4);
   backend_->copy(w_.amax.packed(), amax, e_ * sizeof(float), Backend::CopyKind::kDeviceToDevice);
   decode_scales();
 }
 
-GemmOperand Nvfp4Recipe::fprop_weight(const GroupedStorage&) const {
-  GemmOperand o;
-  o.format = OperandFormat::kNvfp4;
-  o.data = w_.row_data.const_ptrs();
-  o.scale = w_.row_scale.const_ptrs();
-  o.decode_scale = w_.decode_scale.packed();
-  return o;
-}
-
-GemmOperand Nvfp4Recipe::dgrad_weight(const GroupedStorage&) const {
-  GemmOperand o;
-  o.format = OperandFormat::kNvfp4;
-  o.data = w_.col_data.const_ptrs();
-  o.scale = w_.col_scale.const_ptrs();
-  o.decode_scale = w_.decode_scale.packed();
-  return o;
-}
-
-std::vector<NamedStorage> Nvfp4Recipe::components() const {
-  return {{"row_data", &w_.row_data},   {"row_scale", &w_.row_scale},
-          {"col_data", &w_.col_data},   {"col_scale", &w_.col_scale},
-          {"amax", &w_.amax},           {"decode_scale", &w_.decode_scale}};
-}
 
 // The columnwise copy per group (C, m_g/2) and (C, m_g/16), transposed. The rowwise copy, read by
 // the fprop / dgrad right after, is kept as its BF16 values only (without S_dec, which stays the
@@ -126,11 +82,11 @@ ActivationCopies Nvfp4Recipe::activation_copies(TensorRole role, const Tensor& a
       carve_rows(out.col_memory.emplace_back(b, rows * c / 2).get(), m, c / 2);
   const std::vector<void*> cs =
       carve_rows(out.col_memory.emplace_back(b, rows * c / kNvfp4Block).get(), m, c / kNvfp4Block);
-  out.columnwise.data = to_const(cd);
-  out.columnwise.scale = to_const(cs);
+  out.columnwise.data = const_ptrs(cd);
+  out.columnwise.scale = const_ptrs(cs);
   Nvfp4Outputs o;
   o.row_bf16 = carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);  // (M, C)
-  out.rowwise.bf16 = to_const(o.row_bf16);
+  out.rowwise.bf16 = const_ptrs(o.row_bf16);
   // Per-group amax and decode scales of both copies (the columnwise one after the RHT).
   const size_t scalar_bytes = groups * sizeof(float);
   void* row_amax = out.row_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32

@@ -9,14 +9,13 @@
 
 namespace packmoe {
 
-class Nvfp4Recipe final : public LinearRecipe {
+class Nvfp4Recipe final : public QuantizedRecipe {
  public:
   // Allocates the weight's copies: (N, K/2) + (N, K/16) and (K, N/2) + (K, N/16) per expert,
   // and the (E,) amax and decode scales as one array in both layouts.
   Nvfp4Recipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e, int64_t n,
               int64_t k);
 
-  bool quantized() const override { return true; }
   int64_t shard_unit_rows() const override { return kNvfp4Block; }
   void quantize_weight(const GroupedStorage& bf16) override;
   // {row_data, row_scale}, plus the (E,) amax passed beside them.
@@ -26,16 +25,12 @@ class Nvfp4Recipe final : public LinearRecipe {
   void quantize_rows(const GroupedMatrices& rows, const float* amax,
                      const std::vector<std::vector<void*>>& outputs) const override;
   void write_packed(const std::vector<const void*>& images, const float* amax) override;
-  GemmOperand fprop_weight(const GroupedStorage& bf16) const override;
-  GemmOperand dgrad_weight(const GroupedStorage& bf16) const override;
-  std::vector<NamedStorage> components() const override;
   ActivationCopies activation_copies(TensorRole role, const Tensor& a,
                                      const std::vector<int64_t>& m,
                                      uint64_t sr_offset) const override;
 
  private:
   void decode_scales();  // w_.decode_scale from w_.amax, one launch
-  QuantizedWeight w_;
 };
 
 }  // namespace packmoe

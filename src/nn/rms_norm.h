@@ -1,5 +1,5 @@
 // RmsNorm layer: y = x / rms(x) * weight over the last dim D, with its weight (1, 1, D) as a
-// GroupedParam whose FP32 master is what the op reads. Invariant: backward ADDS dweight into
+// GroupedParam whose FP32 weight is what the op reads. Invariant: backward ADDS dweight into
 // main_grad; the forward's input and rstd are kept until the next forward.
 #pragma once
 

@@ -1,7 +1,9 @@
-// AdamW over GroupedParams: host scalars, one backend adamw call per param, re-quantization.
+// AdamW step scalars: computed in FP64 on the host, rounded once to FP32.
 #include "optim/adamw.h"
 
 #include <cmath>
+
+#include "core/check.h"
 
 namespace packmoe {
 
@@ -27,41 +29,6 @@ AdamWStepScalars adamw_param_scalars(const AdamWConfig& cfg, int64_t t, bool wei
   AdamWStepScalars s = adamw_step_scalars(c, t);
   s.grad_scale = grad_scale;
   return s;
-}
-
-void AdamW::add(GroupedParam& param, bool weight_decay) {
-  const GroupedStorage& master = param.master();
-  ParamState st{&param, weight_decay,
-                GroupedStorage(master.memory(), master.layout(), master.groups(),
-                               master.bytes_per_group()),
-                GroupedStorage(master.memory(), master.layout(), master.groups(),
-                               master.bytes_per_group())};
-  st.exp_avg.zero();
-  st.exp_avg_sq.zero();
-  states_.push_back(std::move(st));
-}
-
-void AdamW::set_steps(int64_t t) {
-  PACKMOE_CHECK(t >= 0, "AdamW step count " << t << " is negative");
-  t_ = t;
-}
-
-void AdamW::step(float grad_scale) {
-  for (const ParamState& st : states_)
-    PACKMOE_CHECK(st.param->grad_state() == GradState::kSettled,
-                  "AdamW step with a delayed wgrad pending: run backward_dw first");
-  ++t_;
-  for (ParamState& st : states_) {
-    const GroupedStorage& master = st.param->master();
-    AdamWArgs a;
-    a.scalars = adamw_param_scalars(cfg_, t_, st.weight_decay, grad_scale);
-    a.param = segments<float>(master);
-    a.exp_avg = segments<float>(st.exp_avg);
-    a.exp_avg_sq = segments<float>(st.exp_avg_sq);
-    a.grad = segments<const float>(st.param->main_grad());
-    check_op(ops::adamw(master.memory(), a), "adamw");
-    st.param->requantize_from_master();
-  }
 }
 
 }  // namespace packmoe

@@ -48,16 +48,6 @@ void set_sr_offset(Model& model, int64_t step, int64_t index) {
     model.set_grad_sr_offset(nvfp4_grad_sr_offset(step, index));
 }
 
-// The optimizer's parameters: every model parameter in params() order; the layers that read
-// their FP32 weight itself (every norm, the embedding table) keep full FP32 replicas.
-std::vector<DistParam> optimizer_params(const Model& model) {
-  std::vector<DistParam> params;
-  for (const NamedParam& p : model.params())
-    params.push_back(
-        {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
-  return params;
-}
-
 // Targets of a micro-batch that the loss counts (not kIgnoredTarget).
 int64_t target_count(const Batch& b) {
   return static_cast<int64_t>(b.targets.size()) -
@@ -65,6 +55,14 @@ int64_t target_count(const Batch& b) {
 }
 
 }  // namespace
+
+std::vector<DistParam> optimizer_params(const Model& model) {
+  std::vector<DistParam> params;
+  for (const NamedParam& p : model.params())
+    params.push_back(
+        {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
+  return params;
+}
 
 Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelConfig& model,
                                                  const TrainConfig& config, TrainData data,

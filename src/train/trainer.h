@@ -56,9 +56,14 @@ struct TrainerParallelism {
 
 // Seconds of each phase of Trainer::create / resume, the device synchronized at the end of each
 // (what `packmoe train` prints at start-up).
+// The optimizer's parameters of a model: every parameter in params() order, its weight decay, and
+// a full FP32 replica (WeightForm::kFp32) for those whose layers read their FP32 weight itself
+// (every norm, the embedding table).
+std::vector<DistParam> optimizer_params(const Model& model);
+
 struct StartupTimes {
   double weights = 0;    // random_model_weights in the backend's memory (0 with given weights)
-  double model = 0;      // the layers: primary weights and FP32 masters from the init
+  double model = 0;      // the layers: primary weights from the init (each param keeps it)
   double optimizer = 0;  // grad buffer, master shard and moments, the staged gather
   double state = 0;      // resume: the checkpoint's masters, moments and data position
 };

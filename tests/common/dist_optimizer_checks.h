@@ -280,7 +280,7 @@ TEST(DistOptimizer, IllegalTransitionsAbortNamingBothStates) {
   FullOptimizerState none;
   EXPECT_DEATH((void)run.opt().load_state(none), "load_state in the middle of a step");
   // A sharded master cannot be used as a full one.
-  EXPECT_DEATH(run.block().params()[1]->master(), "the master is Sharded");
+  EXPECT_DEATH(run.block().params()[1]->fp32_weight(), "no FP32 weight here: the param is Released");
   run.opt().step();
   run.opt().prepare_forward();
   // User data: a state of other parameters is a Status, and nothing changes.

@@ -1,11 +1,12 @@
 // Harness of the distributed-optimizer tests (tests/common/dist_optimizer_checks.h, run by
 // tests/dist/test_dist_optimizer.cpp on the CPU and test_nccl_dist_optimizer.cpp on GPUs, and
-// tests/dist/test_reshard.cpp): a MoEBlock per rank trained by DistOptimizer, and the independent
-// reference, one process accumulating every rank's micro-batch with the plain AdamW over full
-// masters. Micro-batch (step s, index i) is regenerated anywhere from (seed, s, i). The reference
-// runs micro-batch i in its own copy of the block (same weights, kept equal after every step) so
-// its NVFP4 stochastic-rounding stream is rank i's, and sums the gradients into copy 0 in index
-// order, ((0 + g_0) + g_1) + ..., the bits one block accumulating them would produce.
+// tests/dist/test_reshard.cpp): a MoEBlock per rank trained by DistOptimizer, and the reference,
+// one process accumulating every rank's micro-batch under the same optimizer over one rank (a
+// 1-rank communicator of its own: the whole of every master). Micro-batch (step s, index i) is
+// regenerated anywhere from (seed, s, i). The reference runs micro-batch i in its own copy of the
+// block (same weights, kept equal after every step) so its NVFP4 stochastic-rounding stream is
+// rank i's, and sums the gradients into copy 0 in index order, ((0 + g_0) + g_1) + ..., the bits
+// one block accumulating them would produce.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -23,11 +24,10 @@
 
 #include "backend/device_buffer.h"
 #include "common/dist_main.h"
+#include "common/single_rank_optimizer.h"
 #include "core/codecs.h"
 #include "dist/dist_optimizer.h"
 #include "nn/moe_block.h"
-#include "optim/adamw.h"
-#include "optim/grad_clip.h"
 
 namespace packmoe::dist_checks {
 
@@ -144,7 +144,7 @@ inline std::vector<std::vector<uint8_t>> primaries(MoEBlock& block) {
   return out;
 }
 
-// ---- the reference: one process, every micro-batch, full masters, plain AdamW ----------------
+// ---- the reference: one process, every micro-batch, one rank ---------------------------------
 
 struct RefStep {
   double norm = 0;
@@ -152,18 +152,29 @@ struct RefStep {
   std::vector<std::vector<uint8_t>> y;  // per micro-batch index
 };
 
+// The primary weight of `p` from an FP32 master (E*N*K, host), as the optimizer's BF16 gather
+// writes it: bf16 (RNE), then the recipe's quantization over the pack.
+inline void write_primary_from_master(GroupedParam& p, const std::vector<float>& master) {
+  Backend& b = p.backend();
+  const int64_t per_expert = p.n() * p.k();
+  GroupedStorage f32(b, Layout::kSingle, p.experts(), per_expert * sizeof(float));
+  b.copy(f32.packed(), master.data(), master.size() * sizeof(float),
+         Backend::CopyKind::kHostToDevice);
+  GroupedStorage bf16(b, p.layout(), p.experts(), per_expert * 2);
+  cast_f32_to_bf16(f32, bf16);
+  p.write_primary_from_bf16(bf16);
+}
+
 class Reference {
  public:
   Reference(Backend& b, const Case& c, const MoEBlockInit& init, int micro)
-      : b_(b), micro_(micro), opt_(kAdamW) {
+      : b_(b), micro_(micro) {
     for (int i = 0; i < micro; ++i)
       blocks_.push_back(std::make_unique<MoEBlock>(b, block_config(c), init));
-    for (auto& blk : blocks_) blk->create_masters();
-    for (GroupedParam* p : blocks_[0]->params()) opt_.add(*p);
+    opt_ = std::make_unique<SingleRankOptimizer>(b, decayed_params(blocks_[0]->params()), kAdamW);
   }
 
   MoEBlock& block() { return *blocks_[0]; }
-  AdamW& optimizer() { return opt_; }
 
   // Block 0's masters as an init (F32 host tensors): a fresh reference that continues from here.
   MoEBlockInit masters_as_init() {
@@ -175,58 +186,58 @@ class Reference {
     };
     return {host(0, {kE, kH}), host(1, {kE, 2 * kF, kH}), host(2, {kE, kH, kF})};
   }
-  // The AdamW moments and step count of `from` (same parameters).
+  // The optimizer state (masters, moments, step count) of `from` (same parameters).
   void take_optimizer_state(Reference& from) {
-    opt_.set_steps(from.opt_.steps());
-    for (size_t p = 0; p < opt_.states().size(); ++p) {
-      opt_.states()[p].exp_avg.copy_from(from.opt_.states()[p].exp_avg);
-      opt_.states()[p].exp_avg_sq.copy_from(from.opt_.states()[p].exp_avg_sq);
-    }
+    const Status s = (*opt_)->load_state((*from.opt_)->gather_state());
+    PACKMOE_CHECK(s.is_ok(), s.message());
   }
 
   RefStep step(uint64_t seed, int s, double max_norm) {
     RefStep out;
     const float scale = 1.0f / static_cast<float>(micro_);
+    DistOptimizer& opt = **opt_;
+    opt.prepare_forward();  // block 0's gather; its gradients zeroed
+    opt.prepare_backward();
     for (int i = 0; i < micro_; ++i) {
       MoEBlock& blk = *blocks_[i];
-      blk.zero_grad();
+      if (i > 0) blk.zero_grad();
       out.y.push_back(bytes_of(b_, blk.forward(micro_x(b_, seed, s, i))));
       blk.backward(micro_dy(b_, seed, s, i, scale), GradAccum::kAccumulate, scale);
     }
-    std::vector<const GroupedStorage*> grads;
+    grads_.clear();
     for (size_t p = 0; p < blocks_[0]->params().size(); ++p) {
       for (int i = 1; i < micro_; ++i)
         add_f32(blocks_[0]->params()[p]->main_grad(), blocks_[i]->params()[p]->main_grad());
-      grads.push_back(&blocks_[0]->params()[p]->main_grad());
+      grads_.push_back(floats_of(blocks_[0]->params()[p]->main_grad()));
     }
-    out.norm = global_grad_norm(b_, grads);
-    out.clip = clip_coefficient(out.norm, max_norm);
-    opt_.step(out.clip);
+    const DistStepResult r = opt.step(max_norm);
+    PACKMOE_CHECK(r.applied, "reference step not applied");
+    out.norm = r.grad_norm;
+    out.clip = r.clip_scale;
+    const FullOptimizerState state = opt.gather_state();
     for (int i = 1; i < micro_; ++i)
-      for (size_t p = 0; p < blocks_[0]->params().size(); ++p) {
-        blocks_[i]->params()[p]->master().copy_from(blocks_[0]->params()[p]->master());
-        blocks_[i]->params()[p]->requantize_from_master();
-      }
+      for (size_t p = 0; p < blocks_[0]->params().size(); ++p)
+        write_primary_from_master(*blocks_[i]->params()[p], state.master[p]);
+    opt.prepare_forward();  // block 0's primaries current, for comparisons
     return out;
   }
 
-  // Parameter p's summed gradient and master, (E*N*K) F32.
-  std::vector<float> grad(int p) { return floats_of(blocks_[0]->params()[p]->main_grad()); }
-  std::vector<float> master(int p) { return floats_of(blocks_[0]->params()[p]->master()); }
+  // Parameter p's summed gradient (of the last step) and master, (E*N*K) F32.
+  std::vector<float> grad(int p) { return grads_.at(p); }
+  std::vector<float> master(int p) { return opt_->master(p); }
 
  private:
   Backend& b_;
   int micro_;
-  AdamW opt_;
   std::vector<std::unique_ptr<MoEBlock>> blocks_;
+  std::unique_ptr<SingleRankOptimizer> opt_;
+  std::vector<std::vector<float>> grads_;  // the last step's summed gradients
 };
 
 // ---- a rank's block under DistOptimizer ------------------------------------------------------
 
 inline std::vector<DistParam> dist_params(MoEBlock& block) {
-  std::vector<DistParam> out;
-  for (GroupedParam* p : block.params()) out.push_back({p, true});
-  return out;
+  return decayed_params(block.params());
 }
 
 struct DistStep {

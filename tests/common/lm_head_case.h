@@ -91,7 +91,6 @@ inline std::unique_ptr<GroupedParam> make_head(Backend& b, const Case& c) {
       Tensor::view(const_cast<float*>(c.w.data()), DType::kF32, {1, c.V, c.H}, Device::kCPU);
   auto p = std::make_unique<GroupedParam>(b, QuantRecipe{Recipe::kBF16, false, 0},
                                           PrimaryWeight::kHighPrecision, Layout::kSingle, init);
-  p->create_master();
   b.copy(p->main_grad().group(0), c.grad0.data(), c.grad0.size() * sizeof(float),
          Backend::CopyKind::kHostToDevice);
   return p;

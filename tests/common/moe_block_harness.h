@@ -1,5 +1,6 @@
 // Shared MoEBlock test harness (header-only): the single-vs-discrete layout parity matrix, block
-// construction from a seed, the four-step AdamW training plan and the bytewise comparison of
+// construction from a seed, the four-step training plan (AdamW on a 1-rank DistOptimizer per
+// block) and the bytewise comparison of
 // outputs, main_grads, masters and weight components. Used by tests/parity/test_moe_block_parity.cpp
 // (CPU backend) and tests/cuda/test_cuda_moe_block.cpp (CUDA backend); the Backend is a parameter.
 #pragma once
@@ -13,9 +14,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/single_rank_optimizer.h"
 #include "core/codecs.h"
 #include "nn/moe_block.h"
-#include "optim/adamw.h"
 
 namespace packmoe::testing {
 
@@ -123,7 +124,8 @@ struct Step {
   std::vector<Microbatch> micro;
 };
 
-// Steps whose first micro-batch accumulates start with zero_grad; the others overwrite.
+// Each step starts from the optimizer's zeroed gradients; a first micro-batch that overwrites them
+// never reads the zeros.
 inline const std::vector<Step> kPlan = {
     {false, {{0.0f, GradAccum::kAccumulate, DType::kF32}}},
     {false,
@@ -135,23 +137,29 @@ inline const std::vector<Step> kPlan = {
 
 // ---- the parity run ---------------------------------------------------------------------------
 
-// Bytewise: every weight component, master and (with `grads`) main_grad of `s` equals `d`'s.
-// With `resident`, the storages must also live in that device's memory.
+// Bytewise: every weight component, (with `grads`) main_grad and (with the blocks' optimizers,
+// between steps) master of `single` equals `discrete`'s. With `resident`, the storages must also
+// live in that device's memory.
 inline void expect_same_params(MoEBlock& single, MoEBlock& discrete, const std::string& when,
-                               bool grads, std::optional<Device> resident) {
+                               bool grads, std::optional<Device> resident,
+                               SingleRankOptimizer* opt_s = nullptr,
+                               SingleRankOptimizer* opt_d = nullptr) {
   const std::vector<GroupedParam*> s = single.params(), d = discrete.params();
   for (size_t i = 0; i < s.size(); ++i) {
+    const auto a = s[i]->weight_components(), e = d[i]->weight_components();
     if (resident) {
       ASSERT_EQ(s[i]->main_grad().memory().device(), *resident);
-      ASSERT_EQ(d[i]->master().memory().device(), *resident);
+      ASSERT_EQ(e.at(0).storage->memory().device(), *resident);
     }
-    const auto a = s[i]->weight_components(), e = d[i]->weight_components();
     ASSERT_EQ(a.size(), e.size());
     for (size_t j = 0; j < a.size(); ++j)
       EXPECT_TRUE(a[j].storage->download() == e[j].storage->download())
           << when << ": " << kParamNames[i] << " weight component " << a[j].name << " differs";
-    EXPECT_TRUE(s[i]->master().download() == d[i]->master().download())
-        << when << ": " << kParamNames[i] << " master differs";
+    if (opt_s && opt_d) {
+      EXPECT_TRUE(opt_s->master_bytes(static_cast<int>(i)) ==
+                  opt_d->master_bytes(static_cast<int>(i)))
+          << when << ": " << kParamNames[i] << " master differs";
+    }
     if (grads) {
       EXPECT_TRUE(s[i]->main_grad().download() == d[i]->main_grad().download())
           << when << ": " << kParamNames[i] << " main_grad differs";
@@ -159,9 +167,9 @@ inline void expect_same_params(MoEBlock& single, MoEBlock& discrete, const std::
   }
 }
 
-inline std::vector<std::vector<uint8_t>> masters_of(MoEBlock& block) {
+inline std::vector<std::vector<uint8_t>> masters_of(SingleRankOptimizer& opt) {
   std::vector<std::vector<uint8_t>> out;
-  for (GroupedParam* p : block.params()) out.push_back(p->master().download());
+  for (int p = 0; p < 3; ++p) out.push_back(opt.master_bytes(p));
   return out;
 }
 
@@ -173,7 +181,7 @@ struct ParityRun {
 };
 
 // A single-layout and a discrete-layout block with the same init (seed 4321) and inputs, on `b`,
-// train the four steps of kPlan with AdamW; y, dx, aux loss, routing, main_grads, masters and
+// train the four steps of kPlan, each under its own 1-rank DistOptimizer; y, dx, aux loss, routing, main_grads, masters and
 // weight components must be bitwise identical at every step, and every master must move at every
 // step. With `resident`, the inputs, outputs and param storages must live in that device's memory.
 inline void run_layout_parity(Backend& b, const Case& c, std::optional<Device> resident,
@@ -185,22 +193,22 @@ inline void run_layout_parity(Backend& b, const Case& c, std::optional<Device> r
   MoEBlock* blocks[] = {&single, &discrete};
 
   const AdamWConfig opt_cfg{/*lr=*/1e-2f, 0.9f, 0.999f, 1e-8f, /*weight_decay=*/0.1f};
-  AdamW opt_single(opt_cfg), opt_discrete(opt_cfg);
-  for (MoEBlock* blk : blocks) blk->create_masters();
-  for (GroupedParam* p : single.params()) opt_single.add(*p);
-  for (GroupedParam* p : discrete.params()) opt_discrete.add(*p);
+  SingleRankOptimizer opt_single(b, decayed_params(single.params()), opt_cfg);
+  SingleRankOptimizer opt_discrete(b, decayed_params(discrete.params()), opt_cfg);
+  SingleRankOptimizer* opts[] = {&opt_single, &opt_discrete};
+  for (SingleRankOptimizer* o : opts) (*o)->prepare_forward();
 
-  expect_same_params(single, discrete, "after create_masters", true, resident);
+  expect_same_params(single, discrete, "after the optimizers took the init", true, resident,
+                     &opt_single, &opt_discrete);
 
-  std::vector<std::vector<uint8_t>> previous = masters_of(single);
+  std::vector<std::vector<uint8_t>> previous = masters_of(opt_single);
   for (size_t step = 0; step < kPlan.size(); ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
+    for (SingleRankOptimizer* o : opts) (*o)->prepare_forward();  // the gather, zeroed grads
     if (kPlan[step].eval_forward_first) {
       const Tensor x = random_activation(b, rng, DType::kBF16, 0.0f);
       EXPECT_TRUE(bytes_of(b, single.forward(x)) == bytes_of(b, discrete.forward(x))) << "eval y";
     }
-    if (kPlan[step].micro[0].accum == GradAccum::kAccumulate)
-      for (MoEBlock* blk : blocks) blk->zero_grad();
     for (size_t mb = 0; mb < kPlan[step].micro.size(); ++mb) {
       SCOPED_TRACE("micro-batch " + std::to_string(mb));
       const Microbatch& micro = kPlan[step].micro[mb];
@@ -221,6 +229,7 @@ inline void run_layout_parity(Backend& b, const Case& c, std::optional<Device> r
       // The routing covers what the plan promises: a starved expert, or every expert busy.
       for (int64_t e = 0; e < kE; ++e)
         EXPECT_EQ(counts[e] == 0, micro.x_mean != 0.0f && e == kStarved) << "expert " << e;
+      for (SingleRankOptimizer* o : opts) (*o)->prepare_backward();
       const Tensor dx_s = single.backward(dy, micro.accum);
       const Tensor dx_d = discrete.backward(dy, micro.accum);
       EXPECT_TRUE(bytes_of(b, dx_s) == bytes_of(b, dx_d)) << "dx differs";
@@ -231,11 +240,12 @@ inline void run_layout_parity(Backend& b, const Case& c, std::optional<Device> r
       }
       expect_same_params(single, discrete, "after backward", true, resident);
     }
-    opt_single.step();
-    opt_discrete.step();
-    expect_same_params(single, discrete, "after the optimizer step", false, resident);
+    for (SingleRankOptimizer* o : opts) (*o)->step();
+    for (SingleRankOptimizer* o : opts) (*o)->prepare_forward();
+    expect_same_params(single, discrete, "after the optimizer step", false, resident, &opt_single,
+                       &opt_discrete);
     // Every param trains: the update reached each master (the "weights never change" bug).
-    const std::vector<std::vector<uint8_t>> now = masters_of(single);
+    const std::vector<std::vector<uint8_t>> now = masters_of(opt_single);
     for (size_t i = 0; i < now.size(); ++i)
       EXPECT_FALSE(now[i] == previous[i])
           << "the optimizer step left the " << kParamNames[i] << " master unchanged";

@@ -28,7 +28,7 @@
 #include "common/moe_block_harness.h"
 #include "core/codecs.h"
 #include "nn/moe_block.h"
-#include "optim/adamw.h"
+#include "common/single_rank_optimizer.h"
 
 namespace packmoe {
 namespace {
@@ -198,12 +198,11 @@ TEST_P(CudaMoEBlockVsCpu, OneTrainingStepAgreesWithTheCpuReference) {
             << kParamNames[i] << " primary weight component " << a[j].name << " differs at init";
     }
   }
-  on_cpu.create_masters();
-  on_gpu.create_masters();
   const AdamWConfig opt_cfg{/*lr=*/1e-3f, 0.9f, 0.999f, 1e-8f, /*weight_decay=*/0.0f};
-  AdamW opt_cpu(opt_cfg), opt_gpu(opt_cfg);
-  for (GroupedParam* p : on_cpu.params()) opt_cpu.add(*p);
-  for (GroupedParam* p : on_gpu.params()) opt_gpu.add(*p);
+  SingleRankOptimizer opt_cpu(cpu, decayed_params(on_cpu.params()), opt_cfg);
+  SingleRankOptimizer opt_gpu(*gpu, decayed_params(on_gpu.params()), opt_cfg);
+  opt_cpu->prepare_forward();
+  opt_gpu->prepare_forward();
 
   const Tensor y_cpu = on_cpu.forward(cpu.to_device(x_host));
   const Tensor y_gpu = on_gpu.forward(gpu->to_device(x_host));
@@ -216,6 +215,8 @@ TEST_P(CudaMoEBlockVsCpu, OneTrainingStepAgreesWithTheCpuReference) {
   EXPECT_NEAR(on_gpu.aux_loss(), on_cpu.aux_loss(), 1e-4 * std::fabs(on_cpu.aux_loss()))
       << "aux loss: FP32 sums of probs that differ by the router GEMMs' summation order";
 
+  opt_cpu->prepare_backward();
+  opt_gpu->prepare_backward();
   const Tensor dx_cpu = on_cpu.backward(cpu.to_device(dy_host), GradAccum::kOverwrite);
   const Tensor dx_gpu = on_gpu.backward(gpu->to_device(dy_host), GradAccum::kOverwrite);
 
@@ -231,11 +232,11 @@ TEST_P(CudaMoEBlockVsCpu, OneTrainingStepAgreesWithTheCpuReference) {
                                   floats_of_storage(c[i]->main_grad()));
       EXPECT_LE(err_grad[i], kTolerance) << kParamNames[i] << " main_grad";
     }
-    opt_cpu.step();
-    opt_gpu.step();
+    opt_cpu->step();
+    opt_gpu->step();
     for (size_t i = 0; i < c.size(); ++i) {
-      err_master[i] =
-          rel_frobenius(floats_of_storage(g[i]->master()), floats_of_storage(c[i]->master()));
+      const int p = static_cast<int>(i);
+      err_master[i] = rel_frobenius(opt_gpu.master(p), opt_cpu.master(p));
       EXPECT_LE(err_master[i], kTolerance) << kParamNames[i] << " master after the AdamW step";
     }
   }

@@ -1,12 +1,11 @@
 // The whole tiny Qwen3-MoE Model (embedding, attention, norms, router, experts, LM head: every
 // parameter a GroupedParam, dense ones with E = 1) trained by DistOptimizer under Local and MPI:
 // each rank's micro-batch loss, the masters and every primary weight equal one process
-// accumulating all ranks' micro-batches with the plain AdamW, bitwise, for one recipe per gather
-// mode, with each gradient bucket's reduce-scatter started during backward (the grad-ready
-// hook). The model's masters exist before the optimizer (Model makes them from its init), so this
-// also covers taking the shard from a full master; norms and the embedding table, which layers
-// read in FP32 (NamedParam::reads_fp32), run as WeightForm::kFp32 (full FP32 replicas refreshed
-// by an FP32 all-gather).
+// accumulating all ranks' micro-batches under the same optimizer over one rank, bitwise, for one
+// recipe per gather mode, with each gradient bucket's reduce-scatter started during backward (the
+// grad-ready hook). Norms and the embedding table, which layers read in FP32
+// (NamedParam::reads_fp32), run as WeightForm::kFp32 (full FP32 replicas refreshed by an FP32
+// all-gather).
 #include <cstring>
 #include <memory>
 #include <random>
@@ -16,6 +15,7 @@
 #include "common/dist_optimizer_harness.h"
 #include "nn/model.h"
 #include "train/model_config.h"
+#include "train/trainer.h"
 
 namespace packmoe::dist_checks {
 namespace {
@@ -36,6 +36,29 @@ Batch micro_batch(uint64_t seed, int s, int i) {
     b.targets.insert(b.targets.end(), row.begin() + 1, row.end());
   }
   return b;
+}
+
+// A model copy with no optimizer of its own: kFp32 params keep their FP32 weight as a replica
+// (from the init), which write_weights refreshes.
+void hold_replicas(Model& m) {
+  for (const NamedParam& p : m.params())
+    if (p.reads_fp32) p.param->keep_fp32_replica();
+}
+
+// The weights of the optimizer's masters (one per param, host F32) written into such a copy as
+// the optimizer's BF16 gather writes them: replicas and the primary made from each, the other
+// primaries from bf16(master).
+void write_weights(Model& m, const std::vector<std::vector<float>>& masters) {
+  for (size_t p = 0; p < m.params().size(); ++p) {
+    GroupedParam& param = *m.params()[p].param;
+    if (!m.params()[p].reads_fp32) {
+      write_primary_from_master(param, masters[p]);
+      continue;
+    }
+    const DeviceBuffer f32 = upload(masters[p]);
+    param.write_fp32_replica(static_cast<const float*>(f32.get()));
+    param.write_primary_from_replica();
+  }
 }
 
 std::vector<std::vector<uint8_t>> model_primaries(const Model& m) {
@@ -69,18 +92,16 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
   for (const ModelCase& c : cases) {
     SCOPED_TRACE(std::string(c.name) + " / " + std::string(gather_mode_name(c.mode)));
     // The reference: micro-batch i in model copy i (its own SR streams), gradients summed into
-    // copy 0 in index order, AdamW there, the masters copied back to the others.
+    // copy 0 in index order, a 1-rank optimizer there, its masters' weights written into the
+    // others.
     std::vector<std::unique_ptr<Model>> ref;
     for (int i = 0; i < world; ++i)
       ref.push_back(std::make_unique<Model>(b, config, c.precision, init));
-    AdamW ref_opt(kAdamW);
-    for (const NamedParam& p : ref[0]->params()) ref_opt.add(*p.param, p.weight_decay);
+    SingleRankOptimizer ref_opt(b, train::optimizer_params(*ref[0]), kAdamW);
+    for (int i = 1; i < world; ++i) hold_replicas(*ref[i]);
 
     Model model(b, config, c.precision, init);
-    std::vector<DistParam> params;
-    for (const NamedParam& p : model.params())
-      params.push_back(
-          {p.param, p.weight_decay, p.reads_fp32 ? WeightForm::kFp32 : WeightForm::kPrimary});
+    const std::vector<DistParam> params = train::optimizer_params(model);
     DistOptimizer opt(comm(), params, {kAdamW, c.mode, int64_t{1} << 14});
     EXPECT_GT(opt.plan().buckets().size(), 2u);
     // Each bucket's reduce-scatter starts during backward once its gradients are final.
@@ -90,24 +111,20 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
     for (int s = 0; s < 3; ++s) {
       SCOPED_TRACE("step " + std::to_string(s));
       std::vector<ForwardLosses> ref_losses;
+      ref_opt->prepare_forward();
+      ref_opt->prepare_backward();
       for (int i = 0; i < world; ++i) {
-        ref[i]->zero_grad();
+        if (i > 0) ref[i]->zero_grad();
         ref_losses.push_back(ref[i]->forward(micro_batch(g_seed, s, i), scale).value());
         ref[i]->backward();
       }
-      std::vector<const GroupedStorage*> grads;
-      for (size_t p = 0; p < ref[0]->params().size(); ++p) {
+      for (size_t p = 0; p < ref[0]->params().size(); ++p)
         for (int i = 1; i < world; ++i)
           add_f32(ref[0]->params()[p].param->main_grad(), ref[i]->params()[p].param->main_grad());
-        grads.push_back(&ref[0]->params()[p].param->main_grad());
-      }
-      const double ref_norm = global_grad_norm(b, grads);
-      ref_opt.step(clip_coefficient(ref_norm, 0.0));
-      for (int i = 1; i < world; ++i)
-        for (size_t p = 0; p < ref[0]->params().size(); ++p) {
-          ref[i]->params()[p].param->master().copy_from(ref[0]->params()[p].param->master());
-          ref[i]->params()[p].param->requantize_from_master();
-        }
+      const double ref_norm = ref_opt->step().grad_norm;
+      const FullOptimizerState ref_state = ref_opt->gather_state();
+      for (int i = 1; i < world; ++i) write_weights(*ref[i], ref_state.master);
+      ref_opt->prepare_forward();
 
       opt.prepare_forward();
       opt.prepare_backward(/*last_of_step=*/true);
@@ -120,14 +137,13 @@ TEST(DistModel, TinyModelEqualsOneProcessAccumulatingEveryRanksMicroBatch) {
       EXPECT_EQ(mine.aux_loss, ref_losses[comm().rank()].aux_loss);
       EXPECT_LE(std::fabs(r.grad_norm - ref_norm) / ref_norm, 1e-12);
       compare_shard(
-          opt, opt.master_shard(),
-          [&](int p) { return floats_of(ref[0]->params()[p].param->master()); }, true, "master");
+          opt, opt.master_shard(), [&](int p) { return ref_state.master[p]; }, true, "master");
       opt.prepare_forward();
       EXPECT_TRUE(model_primaries(model) == model_primaries(*ref[0])) << "primary weights";
       for (size_t p = 0; p < params.size(); ++p) {  // the replicas are the whole masters
         const GroupedParam& replica = *params[p].param;
         if (params[p].form != WeightForm::kFp32) continue;
-        EXPECT_TRUE(replica.master().download() == ref[0]->params()[p].param->master().download())
+        EXPECT_TRUE(floats_of(replica.fp32_weight()) == ref_state.master[p])
             << model.params()[p].name;
       }
     }

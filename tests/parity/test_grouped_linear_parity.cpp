@@ -1,8 +1,9 @@
 // Single vs discrete layout of GroupedLinear, bitwise: recipe {bf16, mxfp8, mxfp8 2D weights,
 // nvfp4} x primary weight {high, low} x grad-accum fusion {off, on} x delayed wgrad {off, on}.
 // Two layers with the same init and inputs train four steps (micro-batches with overwrite and
-// accumulate, experts with zero tokens, AdamW, re-quantization); outputs, input grads, main_grads,
-// masters and every primary-weight byte must be identical at every step (Megatron accepts 2e-2).
+// accumulate, experts with zero tokens, AdamW on a 1-rank DistOptimizer, re-quantization); outputs,
+// input grads, main_grads, masters and every primary-weight byte must be identical at every step
+// (Megatron accepts 2e-2).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -11,9 +12,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/single_rank_optimizer.h"
 #include "core/codecs.h"
 #include "nn/grouped_linear.h"
-#include "optim/adamw.h"
 
 namespace packmoe {
 namespace {
@@ -73,8 +74,8 @@ struct Microbatch {
   GradAccum accum;
 };
 
-// Four optimizer steps. Steps whose first micro-batch accumulates start with zero_grad; the others
-// overwrite. Empty experts appear in every step, and each expert is empty in some micro-batch.
+// Four optimizer steps. Each starts from the optimizer's zeroed gradients; a first micro-batch that
+// overwrites them never reads the zeros. Empty experts appear in every step, and each expert is empty in some micro-batch.
 const std::vector<std::vector<Microbatch>> kPlan = {
     {{{32, 0, 64, 32}, GradAccum::kAccumulate}},
     {{{64, 32, 0, 0}, GradAccum::kOverwrite}, {{0, 32, 32, 64}, GradAccum::kAccumulate}},
@@ -107,29 +108,30 @@ TEST_P(GroupedLinearParity, SingleEqualsDiscreteBitwiseOverFourSteps) {
   GroupedLinear* layers[] = {&single, &discrete};
 
   const AdamWConfig opt_cfg{/*lr=*/1e-2f, 0.9f, 0.999f, 1e-8f, /*weight_decay=*/0.1f};
-  AdamW opt_single(opt_cfg), opt_discrete(opt_cfg);
-  single.param().create_master();
-  discrete.param().create_master();
-  opt_single.add(single.param());
-  opt_discrete.add(discrete.param());
+  SingleRankOptimizer opt_single(b, {{&single.param(), true}}, opt_cfg);
+  SingleRankOptimizer opt_discrete(b, {{&discrete.param(), true}}, opt_cfg);
+  SingleRankOptimizer* opts[] = {&opt_single, &opt_discrete};
 
-  auto expect_same_weights = [&](const std::string& when) {
+  // masters: between steps only (the optimizer's state is whole there).
+  auto expect_same_weights = [&](const std::string& when, bool masters = true) {
     const auto a = single.param().weight_components();
     const auto d = discrete.param().weight_components();
     ASSERT_EQ(a.size(), d.size());
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_TRUE(a[i].storage->download() == d[i].storage->download())
           << when << ": primary/compute weight component " << a[i].name << " differs";
-    EXPECT_TRUE(single.param().master().download() == discrete.param().master().download())
-        << when << ": master differs";
+    if (masters) {
+      EXPECT_TRUE(opt_single.master_bytes(0) == opt_discrete.master_bytes(0))
+          << when << ": master differs";
+    }
   };
-  expect_same_weights("after create_master");
+  for (SingleRankOptimizer* o : opts) (*o)->prepare_forward();
+  expect_same_weights("after the optimizer took the init");
 
-  std::vector<uint8_t> previous_master = single.param().master().download();
+  std::vector<uint8_t> previous_master = opt_single.master_bytes(0);
   for (size_t step = 0; step < kPlan.size(); ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    if (kPlan[step][0].accum == GradAccum::kAccumulate)
-      for (GroupedLinear* l : layers) l->param().zero_grad();
+    for (SingleRankOptimizer* o : opts) (*o)->prepare_forward();  // the gather, zeroed grads
     for (size_t mb = 0; mb < kPlan[step].size(); ++mb) {
       SCOPED_TRACE("micro-batch " + std::to_string(mb));
       const Microbatch& micro = kPlan[step][mb];
@@ -138,7 +140,8 @@ TEST_P(GroupedLinearParity, SingleEqualsDiscreteBitwiseOverFourSteps) {
       const Tensor y_s = single.forward(x, micro.m);
       const Tensor y_d = discrete.forward(x, micro.m);
       EXPECT_TRUE(bytes_of(b, y_s) == bytes_of(b, y_d)) << "y differs";
-      expect_same_weights("after forward");
+      expect_same_weights("after forward", false);
+      for (SingleRankOptimizer* o : opts) (*o)->prepare_backward();
       const Tensor dx_s = single.backward(dy, micro.accum);
       const Tensor dx_d = discrete.backward(dy, micro.accum);
       EXPECT_TRUE(bytes_of(b, dx_s) == bytes_of(b, dx_d)) << "dx differs";
@@ -151,11 +154,11 @@ TEST_P(GroupedLinearParity, SingleEqualsDiscreteBitwiseOverFourSteps) {
       EXPECT_TRUE(single.param().main_grad().download() == discrete.param().main_grad().download())
           << "main_grad differs";
     }
-    opt_single.step();
-    opt_discrete.step();
+    for (SingleRankOptimizer* o : opts) (*o)->step();
+    for (SingleRankOptimizer* o : opts) (*o)->prepare_forward();
     expect_same_weights("after the optimizer step");
     // The experts train: the update reached the master (the "weights never change" bug).
-    const std::vector<uint8_t> master = single.param().master().download();
+    const std::vector<uint8_t> master = opt_single.master_bytes(0);
     EXPECT_FALSE(master == previous_master) << "the optimizer step left the master unchanged";
     previous_master = master;
   }

@@ -1,7 +1,7 @@
 // The single-process pieces of the distributed optimizer: the NVFP4 amax op and the given-amax
 // quantize, the columnwise copy of 2D weights derived from the rowwise one, GroupedParam's
 // row-range quantization (any unit-aligned split of a pack gives the whole pack's bytes, bitwise),
-// its sharded-master and bound-main_grad states, the grad buffer's transition table, the
+// its init / replica and bound-main_grad states, the grad buffer's transition table, the
 // ShardPlan's invariants over random geometries, and the optimizer shard file and its assembly.
 #include <gtest/gtest.h>
 
@@ -229,7 +229,7 @@ TEST(Weight2dColumnwise, EqualsTheQuantizersColumnwiseCopy) {
   }
 }
 
-// ---- GroupedParam: row ranges, the sharded master, bound gradients ---------------------------
+// ---- GroupedParam: row ranges, the optimizer's side (init, replica), bound gradients ---------
 
 struct ParamCase {
   const char* name;
@@ -326,52 +326,49 @@ TEST(GroupedParamRows, PackedComponentsCarryTheDocumentedBytes) {
   EXPECT_EQ(bytes(kParamCases[4]), 0.5 + 1.0 / 16);
 }
 
-TEST(GroupedParamShardedMaster, CopiesTheInitBytesThenRefusesFullMasterUse) {
+TEST(GroupedParamOptimizerSide, CopiesTheInitBytesThenRefusesFp32Use) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   std::mt19937 rng(15);
   const std::vector<float> v = random_groups(rng, {kE * kN}, kK, false);
   const Tensor init = host_f32(v, {kE, kN, kK});
-  GroupedParam p(cpu_backend(), {Recipe::kNvfp4, false, 1}, PrimaryWeight::kLowPrecision,
-                 Layout::kDiscrete, init);
-  std::vector<float> got(5000);
-  p.copy_high_precision(kN * kK - 100, 5000, got.data());  // crosses experts 0 -> 1 -> 2
-  EXPECT_EQ(0, std::memcmp(got.data(), v.data() + kN * kK - 100, got.size() * sizeof(float)));
-  GroupedParam q(cpu_backend(), {Recipe::kNvfp4, false, 1}, PrimaryWeight::kLowPrecision,
-                 Layout::kSingle, init);
-  q.create_master();  // a master made from the init gives the same bytes
-  std::vector<float> got2(5000);
-  q.copy_high_precision(kN * kK - 100, 5000, got2.data());
-  EXPECT_EQ(got, got2);
-  p.release_for_sharded_master();
-  EXPECT_EQ(p.master_state(), MasterState::kSharded);
-  EXPECT_DEATH(p.master(), "no full master here: the master is Sharded");
-  EXPECT_DEATH(p.requantize_from_master(), "the master is sharded");
-  EXPECT_DEATH(p.create_master(), "create_master");
-  EXPECT_DEATH(p.copy_high_precision(0, 1, got.data()), "already sharded");
-  p.mark_primary_awaiting_gather();
-  EXPECT_DEATH(p.fprop_weight(), "fprop_weight: the primary weight is older than the master");
-  EXPECT_DEATH(p.prepare_compute(), "prepare_compute: the primary weight is older");
-  EXPECT_DEATH(q.mark_primary_awaiting_gather(), "only a sharded master");
+  for (Layout layout : {Layout::kDiscrete, Layout::kSingle}) {
+    GroupedParam p(cpu_backend(), {Recipe::kNvfp4, false, 1}, PrimaryWeight::kLowPrecision,
+                   layout, init);
+    std::vector<float> got(5000);
+    p.copy_init(kN * kK - 100, 5000, got.data());  // crosses experts 0 -> 1 -> 2
+    EXPECT_EQ(0, std::memcmp(got.data(), v.data() + kN * kK - 100, got.size() * sizeof(float)));
+    EXPECT_DEATH(p.mark_primary_awaiting_gather(), "only a master the optimizer holds");
+    p.release_init();
+    EXPECT_EQ(p.fp32_state(), Fp32State::kReleased);
+    EXPECT_DEATH(p.fp32_weight(), "no FP32 weight here: the param is Released");
+    EXPECT_DEATH(p.copy_init(0, 1, got.data()), "copy_init: the init is gone \\(Released");
+    EXPECT_DEATH(p.release_init(), "release_init: the init is gone");
+    EXPECT_DEATH(p.keep_fp32_replica(), "keep_fp32_replica: the init is gone");
+    p.mark_primary_awaiting_gather();
+    EXPECT_DEATH(p.fprop_weight(), "fprop_weight: the primary weight is older than the master");
+    EXPECT_DEATH(p.prepare_compute(), "prepare_compute: the primary weight is older");
+    std::vector<float> next(v.size(), 0.5f);
+    EXPECT_DEATH(p.write_fp32_replica(next.data()), "write_fp32_replica: the param is Released");
+  }
 
-  // A replica (layers that read the FP32 weight): the full master stays, refreshed from outside;
-  // reading it while a gather is owed is an error.
+  // A replica (layers that read the FP32 weight): the init stays as the FP32 weight, refreshed
+  // from outside; reading it while a gather is owed is an error.
   GroupedParam r(cpu_backend(), {Recipe::kBF16, false, 1}, PrimaryWeight::kHighPrecision,
                  Layout::kDiscrete, init);
-  r.replicate_master();
-  EXPECT_EQ(r.master_state(), MasterState::kReplicated);
+  r.keep_fp32_replica();
+  EXPECT_EQ(r.fp32_state(), Fp32State::kReplicated);
   const GroupedParam& rc = r;
-  EXPECT_EQ(0, std::memcmp(rc.master().download().data(), v.data(), v.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(rc.fp32_weight().download().data(), v.data(), v.size() * sizeof(float)));
   r.mark_primary_awaiting_gather();
-  EXPECT_DEATH(rc.master(), "master \\(an FP32 replica\\): the primary weight is older");
+  EXPECT_DEATH(rc.fp32_weight(), "fp32_weight \\(a replica\\): the primary weight is older");
   std::vector<float> next(v.size(), 0.5f);
-  r.write_master_replica(next.data());
+  r.write_fp32_replica(next.data());
   std::vector<uint16_t> bf16(kE * kN * kK, f32_to_bf16(0.5f));  // the gather's primary
   r.write_primary_from_bf16(GroupedStorage::view(
       cpu_backend(), Layout::kSingle,
       {bf16.data(), bf16.data() + kN * kK, bf16.data() + 2 * kN * kK}, kN * kK * 2));
-  EXPECT_EQ(0,
-            std::memcmp(rc.master().download().data(), next.data(), next.size() * sizeof(float)));
-  EXPECT_DEATH(p.write_master_replica(next.data()), "write_master_replica: the master is Sharded");
+  EXPECT_EQ(0, std::memcmp(rc.fp32_weight().download().data(), next.data(),
+                           next.size() * sizeof(float)));
 }
 
 TEST(GroupedParamBoundGrad, MainGradViewsExternalMemoryInBothLayouts) {

@@ -1,8 +1,9 @@
-// Global grad-norm clipping and the trainer-facing AdamW: the norm against an FP64 reference over
-// fresh random gradients (segments longer than one sum_squares chunk, both layouts, bitwise equal
-// between layouts), the clip coefficient of torch's clip_grad_norm_, grad_scale equal to scaling
-// the gradient first, per-param weight decay against the documented formula, and restoring
-// (step count, moments) continuing a run bitwise.
+// Global grad-norm clipping and AdamW as the trainer runs it (DistOptimizer over one rank): the
+// norm against an FP64 reference over fresh random gradients (segments longer than one
+// sum_squares chunk, both layouts, bitwise equal between layouts), the clip coefficient of torch's
+// clip_grad_norm_, a clipped step equal to scaling the gradient first, per-param weight decay
+// against the documented formula, and restoring (step count, masters, moments) continuing a run
+// bitwise.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,7 +12,7 @@
 #include <random>
 
 #include "backend/backend.h"
-#include "optim/adamw.h"
+#include "common/single_rank_optimizer.h"
 #include "optim/grad_clip.h"
 
 namespace packmoe {
@@ -24,12 +25,10 @@ Tensor random_tensor(std::mt19937& rng, Shape shape, float scale) {
   return t;
 }
 
-// A BF16-recipe param (E, N, K) with its master, and a way to set its main_grad (CPU memory).
+// A BF16-recipe param (E, N, K), and a way to set its main_grad (CPU memory).
 std::unique_ptr<GroupedParam> make_param(const Tensor& init, Layout layout) {
-  auto p = std::make_unique<GroupedParam>(cpu_backend(), QuantRecipe{}, PrimaryWeight::kLowPrecision,
-                                          layout, init);
-  p->create_master();
-  return p;
+  return std::make_unique<GroupedParam>(cpu_backend(), QuantRecipe{}, PrimaryWeight::kLowPrecision,
+                                        layout, init);
 }
 
 void set_grad(const GroupedParam& p, const std::vector<float>& g) {
@@ -38,13 +37,6 @@ void set_grad(const GroupedParam& p, const std::vector<float>& g) {
   ASSERT_EQ(g.size(), per * static_cast<size_t>(s.groups()));
   for (int64_t e = 0; e < s.groups(); ++e)
     std::memcpy(s.group(e), g.data() + e * per, s.bytes_per_group());
-}
-
-std::vector<float> floats(const GroupedStorage& s) {
-  const std::vector<uint8_t> b = s.download();
-  std::vector<float> out(b.size() / sizeof(float));
-  std::memcpy(out.data(), b.data(), b.size());
-  return out;
 }
 
 std::vector<float> random_values(std::mt19937& rng, size_t n, float scale) {
@@ -93,60 +85,66 @@ TEST(GradClip, CoefficientFollowsTorch) {
   EXPECT_TRUE(std::isnan(clip_coefficient(NAN, 1.0)));
 }
 
-TEST(AdamWTrainer, GradScaleEqualsScalingTheGradientFirst) {
+// One step of a 1-rank optimizer whose params' main_grads are set to `grads` (in params order).
+DistStepResult step_with(SingleRankOptimizer& opt, const std::vector<GroupedParam*>& params,
+                         const std::vector<std::vector<float>>& grads, double max_norm = 0.0) {
+  opt->prepare_forward();
+  opt->prepare_backward();
+  for (size_t i = 0; i < params.size(); ++i) set_grad(*params[i], grads[i]);
+  return opt->step(max_norm);
+}
+
+TEST(SingleRankAdamW, ClipScaleEqualsScalingTheGradientFirst) {
   std::mt19937 rng(std::random_device{}());
   const Shape shape = {3, 16, 32};
   Tensor init = random_tensor(rng, shape, 0.05f);
   auto scaled = make_param(init, Layout::kSingle);
   auto prescaled = make_param(init, Layout::kDiscrete);
-  AdamW a(AdamWConfig{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f}), b(AdamWConfig{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f});
-  a.add(*scaled);
-  b.add(*prescaled);
+  const AdamWConfig cfg{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
+  SingleRankOptimizer a(cpu_backend(), {{scaled.get(), true}}, cfg);
+  SingleRankOptimizer b(cpu_backend(), {{prescaled.get(), true}}, cfg);
   for (int step = 0; step < 3; ++step) {
     const std::vector<float> g = random_values(rng, 3 * 16 * 32, 2.0f);
-    const float c = std::uniform_real_distribution<float>(0.05f, 1.0f)(rng);
+    // A max norm below the norm: the step multiplies the gradient by its clip scale c < 1.
+    const DistStepResult r = step_with(a, {scaled.get()}, {g}, /*max_norm=*/0.05);
+    const float c = r.clip_scale;
+    ASSERT_LT(c, 1.0f);
     std::vector<float> gc(g.size());
     for (size_t i = 0; i < g.size(); ++i) gc[i] = g[i] * c;  // one FP32 rounding, as adamw_update
-    set_grad(*scaled, g);
-    set_grad(*prescaled, gc);
-    a.step(c);
-    b.step();
+    EXPECT_EQ(step_with(b, {prescaled.get()}, {gc}).clip_scale, 1.0f);
   }
-  EXPECT_EQ(scaled->master().download(), prescaled->master().download());
-  EXPECT_EQ(a.states()[0].exp_avg.download(), b.states()[0].exp_avg.download());
-  EXPECT_EQ(a.states()[0].exp_avg_sq.download(), b.states()[0].exp_avg_sq.download());
+  const FullOptimizerState sa = a->gather_state(), sb = b->gather_state();
+  EXPECT_EQ(sa.master, sb.master);
+  EXPECT_EQ(sa.exp_avg, sb.exp_avg);
+  EXPECT_EQ(sa.exp_avg_sq, sb.exp_avg_sq);
 }
 
-TEST(AdamWTrainer, WeightDecayOnlyWhereAskedAndLrFromSetLr) {
+TEST(SingleRankAdamW, WeightDecayOnlyWhereAskedAndLrFromSetLr) {
   std::mt19937 rng(std::random_device{}());
   const Shape shape = {1, 8, 16};
   Tensor init = random_tensor(rng, shape, 0.5f);
   auto decayed = make_param(init, Layout::kSingle);
   auto norm = make_param(init, Layout::kSingle);
   const AdamWConfig cfg{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f};
-  AdamW opt(cfg);
-  opt.add(*decayed, /*weight_decay=*/true);
-  opt.add(*norm, /*weight_decay=*/false);
+  SingleRankOptimizer opt(cpu_backend(), {{decayed.get(), true}, {norm.get(), false}}, cfg);
   const std::vector<float> g = random_values(rng, 8 * 16, 1.0f);
-  set_grad(*decayed, g);
-  set_grad(*norm, g);
-  opt.set_lr(0.25f);
-  opt.step();
+  opt->set_lr(0.25f);
+  step_with(opt, {decayed.get(), norm.get()}, {g, g});
   // Step 1 of the documented formula in FP64: m = (1-b1) g, v = (1-b2) g^2,
   // p = p0 (1 - lr wd) - lr / (1-b1) * m / (sqrt(v) / sqrt(1-b2) + eps); no decay for the norm.
   const std::vector<float> p0(init.data_as<float>(), init.data_as<float>() + init.numel());
-  const std::vector<float> pd = floats(decayed->master()), pn = floats(norm->master());
+  const std::vector<float> pd = opt.master(0), pn = opt.master(1);
   for (size_t i = 0; i < g.size(); ++i) {
     const double m = (1 - 0.9) * g[i], v = (1 - 0.95) * double(g[i]) * g[i];
     const double upd = 0.25 / (1 - 0.9) * m / (std::sqrt(v) / std::sqrt(1 - 0.95) + 1e-8);
     EXPECT_NEAR(pd[i], p0[i] * (1 - 0.25 * 0.1) - upd, 2e-6) << i;
     EXPECT_NEAR(pn[i], p0[i] - upd, 2e-6) << i;
   }
-  EXPECT_EQ(opt.lr(), 0.25f);
-  EXPECT_EQ(opt.steps(), 1);
+  EXPECT_EQ(opt->lr(), 0.25f);
+  EXPECT_EQ(opt->steps(), 1);
 }
 
-TEST(AdamWTrainer, RestoredStepCountAndMomentsContinueBitwise) {
+TEST(SingleRankAdamW, RestoredStepCountAndMomentsContinueBitwise) {
   std::mt19937 rng(std::random_device{}());
   const Shape shape = {2, 16, 32};
   Tensor init = random_tensor(rng, shape, 0.05f);
@@ -155,30 +153,22 @@ TEST(AdamWTrainer, RestoredStepCountAndMomentsContinueBitwise) {
   const AdamWConfig cfg{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f};
 
   auto straight = make_param(init, Layout::kSingle);
-  AdamW a(cfg);
-  a.add(*straight);
-  for (const auto& g : grads) {
-    set_grad(*straight, g);
-    a.step();
-  }
+  SingleRankOptimizer a(cpu_backend(), {{straight.get(), true}}, cfg);
+  for (const auto& g : grads) step_with(a, {straight.get()}, {g});
 
-  auto resumed = make_param(init, Layout::kDiscrete);
-  AdamW first(cfg);
-  first.add(*resumed);
-  for (int i = 0; i < 2; ++i) {
-    set_grad(*resumed, grads[i]);
-    first.step();
-  }
-  AdamW second(cfg);  // a fresh optimizer restored from the first one's state
-  second.add(*resumed);
-  second.set_steps(first.steps());
-  second.states()[0].exp_avg.copy_from(first.states()[0].exp_avg);
-  second.states()[0].exp_avg_sq.copy_from(first.states()[0].exp_avg_sq);
-  set_grad(*resumed, grads[2]);
-  second.step();
-  EXPECT_EQ(second.steps(), 3);
-  EXPECT_EQ(straight->master().download(), resumed->master().download());
-  EXPECT_EQ(a.states()[0].exp_avg_sq.download(), second.states()[0].exp_avg_sq.download());
+  auto first_param = make_param(init, Layout::kDiscrete);
+  SingleRankOptimizer first(cpu_backend(), {{first_param.get(), true}}, cfg);
+  for (int i = 0; i < 2; ++i) step_with(first, {first_param.get()}, {grads[i]});
+  // A fresh model and optimizer (another init: the load replaces it) restored from the first
+  // one's state.
+  auto resumed = make_param(random_tensor(rng, shape, 0.05f), Layout::kDiscrete);
+  SingleRankOptimizer second(cpu_backend(), {{resumed.get(), true}}, cfg);
+  ASSERT_TRUE(second->load_state(first->gather_state()).is_ok());
+  step_with(second, {resumed.get()}, {grads[2]});
+  EXPECT_EQ(second->steps(), 3);
+  const FullOptimizerState sa = a->gather_state(), sb = second->gather_state();
+  EXPECT_EQ(sa.master, sb.master);
+  EXPECT_EQ(sa.exp_avg_sq, sb.exp_avg_sq);
 }
 
 }  // namespace

@@ -52,7 +52,6 @@ TEST(GroupedLinearNoTokens, MainGradKeptOrZeroedInEveryRecipe) {
       std::normal_distribution<float> dist(0.0f, 0.1f);
       for (int64_t i = 0; i < init.numel(); ++i) init.data_as<float>()[i] = dist(rng);
       GroupedLinear layer(b, cfg, init);
-      layer.param().create_master();
       step(layer, b, rng, {32, 0, 64}, GradAccum::kOverwrite, delay);  // a main_grad with tokens
       if (HasFatalFailure()) return;
       const std::vector<uint8_t> before = layer.param().main_grad().download();

@@ -53,7 +53,6 @@ Tensor random_init(Backend& b) {
 std::vector<uint8_t> wgrad_of(Backend& b, bool delay, Tensor x, const std::vector<uint16_t>& dy_bits,
                               const std::function<void()>& meanwhile) {
   GroupedLinear layer(b, bf16_config(delay), random_init(b));
-  layer.param().create_master();
   layer.forward(x, kM);
   x = Tensor{};
   meanwhile();

@@ -1,5 +1,5 @@
-// GroupedParam / GroupedLinear / AdamW units: the master is the FP32 init's bytes (never the
-// dequantized primary), checked state machines (death tests), every expert's gradient reaches its
+// GroupedParam / GroupedLinear / AdamW units: the optimizer's master is the FP32 init's bytes
+// (never the dequantized primary), checked state machines (death tests), every expert's gradient reaches its
 // slice of main_grad, one step against FP64 on the dequantized operands, a batch with no tokens,
 // ONE quantize call per pack and ONE optimizer call per param in both layouts, and a backend
 // reporting a device (over host memory) bitwise equal to the CPU backend.
@@ -17,8 +17,8 @@
 #include "backend/backend.h"
 #include "core/codecs.h"
 #include "formats/nvfp4_math.h"
+#include "common/single_rank_optimizer.h"
 #include "nn/grouped_linear.h"
-#include "optim/adamw.h"
 
 namespace packmoe {
 namespace {
@@ -224,8 +224,8 @@ TEST(GroupedParam, MasterIsTheFp32InitNotTheDequantizedPrimary) {
       for (Layout l : kLayouts) {
         SCOPED_TRACE(label(r, p, l));
         GroupedParam param(b, r.recipe, p, l, init);
-        EXPECT_EQ(param.master_state(), MasterState::kInitHeld);
-        EXPECT_TRUE(param.init().download() == init_bytes);
+        EXPECT_EQ(param.fp32_state(), Fp32State::kInitHeld);
+        EXPECT_TRUE(param.fp32_weight().download() == init_bytes);
         param.prepare_compute();
         // What a master made from the primary weight would hold (Megatron's fallback). It differs
         // from the init, so the equality below fails for a master made that way.
@@ -239,12 +239,11 @@ TEST(GroupedParam, MasterIsTheFp32InitNotTheDequantizedPrimary) {
 
         std::vector<std::vector<uint8_t>> weights;
         for (const NamedStorage& s : param.weight_components()) weights.push_back(s.storage->download());
-        param.create_master();
-        EXPECT_EQ(param.master_state(), MasterState::kMasterReady);
-        EXPECT_TRUE(param.master().download() == init_bytes) << "master is not the FP32 init";
-        EXPECT_FALSE(param.init().allocated()) << "the init is released once the master exists";
+        SingleRankOptimizer opt(b, {{&param, true}}, AdamWConfig{});
+        EXPECT_EQ(param.fp32_state(), Fp32State::kReleased) << "the optimizer took the init";
+        EXPECT_TRUE(opt.master_bytes(0) == init_bytes) << "master is not the FP32 init";
         // Primary from the master (no update yet) == primary from the init: one conversion rule.
-        param.requantize_from_master();
+        opt->prepare_forward();
         param.prepare_compute();
         const auto after = param.weight_components();
         ASSERT_EQ(after.size(), weights.size());
@@ -259,31 +258,26 @@ class GroupedStateDeathTest : public testing::Test {
  protected:
   void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
 
-  // A trained-on layer: master made, one forward done.
+  // An MXFP8 layer as built.
   std::unique_ptr<GroupedLinear> layer(bool delay) {
     GroupedLinearConfig cfg;
     cfg.recipe = {Recipe::kMxfp8, false, 1};
     cfg.delay_wgrad = delay;
-    auto l = std::make_unique<GroupedLinear>(cpu_backend(), cfg, random_init(3));
-    l->param().create_master();
-    return l;
+    return std::make_unique<GroupedLinear>(cpu_backend(), cfg, random_init(3));
   }
   const std::vector<int64_t> m_ = {32, 0, 32, 64};
   Tensor x() { auto h = random_bf16_host(1, m_, kK); return upload_bf16(cpu_backend(), h, kK); }
   Tensor dy() { auto h = random_bf16_host(2, m_, kN); return upload_bf16(cpu_backend(), h, kN); }
 };
 
-TEST_F(GroupedStateDeathTest, SecondCreateMasterDies) {
+// The master is made once, from the init: a second optimizer finds the init gone.
+TEST_F(GroupedStateDeathTest, SecondOptimizerOverOneParamDies) {
   GroupedParam p(cpu_backend(), {Recipe::kNvfp4, false, 0}, PrimaryWeight::kLowPrecision,
                  Layout::kSingle, random_init(4));
-  p.create_master();
-  EXPECT_DEATH(p.create_master(), "create_master: the FP32 master is made once");
-}
-
-TEST_F(GroupedStateDeathTest, RequantizeWithoutMasterDies) {
-  GroupedParam p(cpu_backend(), {Recipe::kMxfp8, false, 0}, PrimaryWeight::kLowPrecision,
-                 Layout::kDiscrete, random_init(4));
-  EXPECT_DEATH(p.requantize_from_master(), "requantize_from_master before create_master");
+  SingleRankOptimizer first(cpu_backend(), {{&p, true}}, AdamWConfig{});
+  EXPECT_DEATH((SingleRankOptimizer(cpu_backend(), {{&p, true}}, AdamWConfig{})),
+               "param 0 is already under an optimizer \\(its init is gone\\)");
+  EXPECT_DEATH(p.fp32_weight(), "no FP32 weight here: the param is Released");
 }
 
 // The trainer's NVFP4 gradient SR offsets: step (24 bits) | micro-batch index (12) | 2^28 blocks
@@ -323,11 +317,12 @@ TEST_F(GroupedStateDeathTest, ZeroGradWithPendingWgradDies) {
 
 TEST_F(GroupedStateDeathTest, OptimizerStepWithPendingWgradDies) {
   auto l = layer(true);
-  AdamW opt(AdamWConfig{});
-  opt.add(l->param());
+  SingleRankOptimizer opt(cpu_backend(), {{&l->param(), true}}, AdamWConfig{});
+  opt->prepare_forward();
   l->forward(x(), m_);
+  opt->prepare_backward();
   l->backward(dy(), GradAccum::kAccumulate);
-  EXPECT_DEATH(opt.step(), "AdamW step with a delayed wgrad pending");
+  EXPECT_DEATH(opt->step(), "optimizer step with a delayed wgrad pending");
 }
 
 TEST_F(GroupedStateDeathTest, DoubledWgradDies) {
@@ -596,21 +591,23 @@ TEST(GroupedLinear, OneQuantizeCallPerPackAndDeviceMemoryPathMatchesCpu) {
         GroupedLinear on_dev(dev, cfg, init_dev);
         GroupedLinear on_cpu(cpu, cfg, init_host);
         EXPECT_EQ(dev.quantize_calls, quantized && !high ? 1 : 0) << "construction";
-        AdamW opt_dev(AdamWConfig{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f});
-        AdamW opt_cpu(AdamWConfig{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f});
-        for (GroupedLinear* layer : {&on_dev, &on_cpu}) layer->param().create_master();
-        opt_dev.add(on_dev.param());
-        opt_cpu.add(on_cpu.param());
+        const AdamWConfig adamw{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f};
+        SingleRankOptimizer opt_dev(dev, {{&on_dev.param(), true}}, adamw);
+        SingleRankOptimizer opt_cpu(cpu, {{&on_cpu.param(), true}}, adamw);
 
         for (int step = 0; step < 2; ++step) {
           SCOPED_TRACE("step " + std::to_string(step));
           auto xh = random_bf16_host(60 + step, m, kK), dyh = random_bf16_host(70 + step, m, kN);
+          opt_dev->prepare_forward();
+          opt_cpu->prepare_forward();
           dev.quantize_calls = 0;
           const Tensor y_dev = on_dev.forward(upload_bf16(dev, xh, kK), m);
           EXPECT_EQ(dev.quantize_calls, quantized ? (high ? 2 : 1) : 0) << "forward: weight + x";
           const Tensor y_cpu = on_cpu.forward(upload_bf16(cpu, xh, kK), m);
           EXPECT_TRUE(bytes_of(dev, y_dev) == bytes_of(cpu, y_cpu)) << "y";
           dev.quantize_calls = 0;
+          opt_dev->prepare_backward();
+          opt_cpu->prepare_backward();
           const Tensor dx_dev = on_dev.backward(upload_bf16(dev, dyh, kN), GradAccum::kOverwrite);
           EXPECT_EQ(dev.quantize_calls, quantized ? 1 : 0) << "backward: dy";
           const Tensor dx_cpu = on_cpu.backward(upload_bf16(cpu, dyh, kN), GradAccum::kOverwrite);
@@ -620,11 +617,13 @@ TEST(GroupedLinear, OneQuantizeCallPerPackAndDeviceMemoryPathMatchesCpu) {
           EXPECT_TRUE(on_dev.param().main_grad().download() == on_cpu.param().main_grad().download());
           dev.quantize_calls = 0;
           dev.adamw_calls = 0;
-          opt_dev.step();
+          opt_dev->step();
+          opt_dev->prepare_forward();  // the gather writes the primary
           EXPECT_EQ(dev.quantize_calls, quantized && !high ? 1 : 0) << "requantize";
           EXPECT_EQ(dev.adamw_calls, 1) << "one optimizer call over all experts";
-          opt_cpu.step();
-          EXPECT_TRUE(on_dev.param().master().download() == on_cpu.param().master().download());
+          opt_cpu->step();
+          opt_cpu->prepare_forward();
+          EXPECT_TRUE(opt_dev.master(0) == opt_cpu.master(0));
           const auto a = on_dev.param().weight_components(), c = on_cpu.param().weight_components();
           ASSERT_EQ(a.size(), c.size());
           for (size_t i = 0; i < a.size(); ++i)

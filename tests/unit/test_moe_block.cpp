@@ -1,4 +1,4 @@
-// MoEBlock units: the masters are the FP32 init's bytes in every recipe; every expert's gradient
+// MoEBlock units: the optimizer's masters are the FP32 init's bytes in every recipe; every expert's gradient
 // reaches its slice of the packed main_grad (and a starved expert's slice stays zero); the BF16
 // block's dx and router-weight gradient against FP64 central finite differences of an FP64
 // re-implementation of the whole block written here; checked state ordering (death tests).
@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "common/single_rank_optimizer.h"
 #include "core/codecs.h"
 #include "nn/moe_block.h"
-#include "optim/adamw.h"
 
 namespace packmoe {
 namespace {
@@ -89,13 +89,12 @@ TEST(MoEBlock, MastersEqualTheOriginalInitBytesInEveryRecipe) {
         cfg.primary = p;
         cfg.layout = l;
         MoEBlock block(b, cfg, init);
-        // A training micro-batch before the masters exist must not disturb the held init.
+        // A training micro-batch before the optimizer exists must not disturb the held init.
         block.forward(x);
         block.backward(dy, GradAccum::kOverwrite);
-        block.create_masters();
-        const std::vector<GroupedParam*> params = block.params();
-        for (size_t i = 0; i < params.size(); ++i)
-          EXPECT_TRUE(params[i]->master().download() == host_bytes(*inits[i])) << "param " << i;
+        SingleRankOptimizer opt(b, decayed_params(block.params()), AdamWConfig{});
+        for (int i = 0; i < 3; ++i)
+          EXPECT_TRUE(opt.master_bytes(i) == host_bytes(*inits[i])) << "param " << i;
       }
 }
 
@@ -438,16 +437,20 @@ TEST_F(MoEBlockStateDeathTest, ForwardWithPendingWgradsDies) {
 
 TEST_F(MoEBlockStateDeathTest, ZeroGradOrOptimizerStepWithPendingWgradsDies) {
   auto blk = block(true);
-  blk->create_masters();
-  AdamW opt(AdamWConfig{});
-  for (GroupedParam* p : blk->params()) opt.add(*p);
   blk->forward(x());
   blk->backward(dy(), GradAccum::kAccumulate);
   EXPECT_DEATH(blk->zero_grad(), "zero_grad with a delayed wgrad pending");
-  EXPECT_DEATH(opt.step(), "AdamW step with a delayed wgrad pending");
+  blk->backward_dw();
+  // Under an optimizer (which zeroes the gradients itself), its step refuses as well.
+  SingleRankOptimizer opt(cpu_backend(), decayed_params(blk->params()), AdamWConfig{});
+  opt->prepare_forward();
+  blk->forward(x());
+  opt->prepare_backward();
+  blk->backward(dy(), GradAccum::kAccumulate);
+  EXPECT_DEATH(opt->step(), "optimizer step with a delayed wgrad pending");
   blk->backward_dw();
   EXPECT_EQ(blk->state(), BlockState::kIdle);
-  opt.step();
+  opt->step();
 }
 
 TEST_F(MoEBlockStateDeathTest, BackwardDwWithoutQueuedWgradsDies) {

@@ -36,14 +36,9 @@ struct BwdLayout {
   static constexpr uint32_t kStageTx = 2 * kQBytes + kRowBytes;
 };
 
-struct BwdParams {
-  int S, S_pad, Hq, group, n_tiles, m_tiles, batch_heads;
-  float scale, scale_log2;
-  bool has_doc;
-  const float* dl;     // (B, Hq, S_pad)
-  const float* lse2;   // (B, Hq, S_pad)
-  const int32_t* doc;  // (B, S_pad)
-  float* dk;           // (B, S, Hq, D): per query head (summed over each group afterwards)
+struct BwdParams : FlashBwdRows {
+  int n_tiles;  // 128-key tiles
+  float* dk;    // (B, S, Hq, D): per query head (summed over each group afterwards)
   float* dv;
 };
 
@@ -287,34 +282,16 @@ void launch_dkdv(const FlashAttentionShape& sh, const uint16_t* q, const uint16_
                  const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
                  const int32_t* doc, bool has_doc, float* dk, float* dv, cudaStream_t stream) {
   using L = BwdLayout<D>;
-  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tdo = make_head_map(dout, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const FlashBwdMaps t = flash_bwd_maps(sh, D, L::kBM, L::kBN, q, k, v, dout);
   BwdParams p;
-  p.S = static_cast<int>(sh.seq);
-  p.S_pad = static_cast<int>((sh.seq + 127) / 128 * 128);
-  p.Hq = static_cast<int>(sh.q_heads);
-  p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
+  static_cast<FlashBwdRows&>(p) = flash_bwd_rows(sh, L::kBM, dl, lse2, doc, has_doc);
   p.n_tiles = static_cast<int>((sh.seq + L::kBN - 1) / L::kBN);
-  p.m_tiles = static_cast<int>((sh.seq + L::kBM - 1) / L::kBM);
-  p.batch_heads = static_cast<int>(sh.batch * sh.q_heads);
-  p.scale = sh.scale;
-  p.scale_log2 = sh.scale * kLog2e;
-  p.has_doc = has_doc;
-  p.dl = dl;
-  p.lse2 = lse2;
-  p.doc = doc;
   p.dk = dk;
   p.dv = dv;
-  static bool configured = [] {
-    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(flash_dkdv_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem));
-    return true;
-  }();
+  static const bool configured = set_max_dynamic_smem(flash_dkdv_kernel<D>, L::kSmem);
   (void)configured;
   const dim3 grid(static_cast<unsigned>(p.n_tiles * p.batch_heads));
-  flash_dkdv_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, p);
+  flash_dkdv_kernel<D><<<grid, 256, L::kSmem, stream>>>(t.q, t.k, t.v, t.dout, p);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -24,14 +24,8 @@ struct DqLayout {
   static constexpr int kSmem = kBars + (1 + kStages) * 8;
 };
 
-struct DqParams {
-  int S, S_pad, Hq, group, m_tiles, batch_heads;
-  float scale, scale_log2;
-  bool has_doc;
-  const float* dl;     // (B, Hq, S_pad)
-  const float* lse2;   // (B, Hq, S_pad)
-  const int32_t* doc;  // (B, S_pad)
-  float* dq;           // (B, S, Hq, D)
+struct DqParams : FlashBwdRows {
+  float* dq;  // (B, S, Hq, D)
 };
 
 // Thread 0 loads K and V of the it-th KV tile (n_hi - it) into stage it % kStages.
@@ -184,32 +178,14 @@ void launch_dq(const FlashAttentionShape& sh, const uint16_t* q, const uint16_t*
                const uint16_t* v, const uint16_t* dout, const float* dl, const float* lse2,
                const int32_t* doc, bool has_doc, float* dq, cudaStream_t stream) {
   using L = DqLayout<D>;
-  const CUtensorMap tq = make_head_map(q, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tdo = make_head_map(dout, sh.batch, sh.seq, sh.q_heads, D, L::kBM);
-  const CUtensorMap tk = make_head_map(k, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
-  const CUtensorMap tv = make_head_map(v, sh.batch, sh.seq, sh.kv_heads, D, L::kBN);
+  const FlashBwdMaps t = flash_bwd_maps(sh, D, L::kBM, L::kBN, q, k, v, dout);
   DqParams p;
-  p.S = static_cast<int>(sh.seq);
-  p.S_pad = static_cast<int>((sh.seq + 127) / 128 * 128);
-  p.Hq = static_cast<int>(sh.q_heads);
-  p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
-  p.m_tiles = static_cast<int>((sh.seq + L::kBM - 1) / L::kBM);
-  p.batch_heads = static_cast<int>(sh.batch * sh.q_heads);
-  p.scale = sh.scale;
-  p.scale_log2 = sh.scale * kLog2e;
-  p.has_doc = has_doc;
-  p.dl = dl;
-  p.lse2 = lse2;
-  p.doc = doc;
+  static_cast<FlashBwdRows&>(p) = flash_bwd_rows(sh, L::kBM, dl, lse2, doc, has_doc);
   p.dq = dq;
-  static bool configured = [] {
-    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(flash_dq_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem));
-    return true;
-  }();
+  static const bool configured = set_max_dynamic_smem(flash_dq_kernel<D>, L::kSmem);
   (void)configured;
   const dim3 grid(static_cast<unsigned>(p.m_tiles * p.batch_heads));
-  flash_dq_kernel<D><<<grid, 256, L::kSmem, stream>>>(tq, tk, tv, tdo, p);
+  flash_dq_kernel<D><<<grid, 256, L::kSmem, stream>>>(t.q, t.k, t.v, t.dout, p);
   PACKMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -262,11 +262,7 @@ void launch_forward(const FlashAttentionShape& sh, const uint16_t* q, const uint
   p.doc_start = doc_start;
   p.o = o;
   p.lse = lse;
-  static bool configured = [] {
-    PACKMOE_CUDA_CHECK(cudaFuncSetAttribute(flash_fwd_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, L::kSmem));
-    return true;
-  }();
+  static const bool configured = set_max_dynamic_smem(flash_fwd_kernel<D>, L::kSmem);
   (void)configured;
   static const int sms = [] {
     int dev = 0, n = 0;

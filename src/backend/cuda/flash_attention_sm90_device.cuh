@@ -1,7 +1,8 @@
 // Device helpers of the sm_90a flash attention kernels (flash_attention_fwd_sm90.cu,
-// flash_attention_bwd_sm90.cu): the m64nNk16 BF16 wgmma forms that grouped_gemm_sm90_ptx.cuh lacks
-// (N = 64 from shared memory; A from registers, N = 64 and 128), 4-D TMA tile loads,
-// 1-D bulk loads, BF16 packing, exp2, and the host-side 4-D tensor map of a (B, S, H, D) tensor.
+// flash_attention_bwd_sm90.cu, flash_attention_dq_sm90.cu): the m64nNk16 BF16 wgmma forms that
+// grouped_gemm_sm90_ptx.cuh lacks (N = 64 from shared memory; A from registers, N = 64 and 128),
+// 4-D TMA tile loads, 1-D bulk loads, BF16 packing, exp2, the host-side 4-D tensor map of a
+// (B, S, H, D) tensor, and the launch parameters the two backward kernels share.
 // Only files compiled for sm_90a include this.
 #pragma once
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/flash_attention_sm90.h"
 #include "backend/cuda/grouped_gemm_sm90_ptx.cuh"
 
 namespace packmoe::cuda::flash {
@@ -162,6 +164,62 @@ inline CUtensorMap make_head_map(const uint16_t* base, int64_t batch, int64_t se
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   PACKMOE_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ")");
   return m;
+}
+
+// Raises `kernel`'s dynamic shared memory limit to `bytes` (a launcher calls it once per kernel
+// instantiation, from a function-local static).
+template <typename Kernel>
+bool set_max_dynamic_smem(Kernel kernel, int bytes) {
+  PACKMOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return true;
+}
+
+// ---- what the two backward kernels share (dK / dV: flash_attention_bwd_sm90.cu, dQ:
+// flash_attention_dq_sm90.cu); each kernel's tiles, loops and outputs differ by design ---------
+
+// The parameters both backward kernels read: sizes, the softmax scale and the preprocessing's
+// rows (flash_backward_preprocess).
+struct FlashBwdRows {
+  int S, S_pad, Hq, group, m_tiles, batch_heads;
+  float scale, scale_log2;
+  bool has_doc;
+  const float* dl;     // (B, Hq, S_pad)
+  const float* lse2;   // (B, Hq, S_pad)
+  const int32_t* doc;  // (B, S_pad)
+};
+
+// Query tiles of bm rows (m_tiles); has_doc: doc_start was given (else doc holds zeros).
+inline FlashBwdRows flash_bwd_rows(const FlashAttentionShape& sh, int bm, const float* dl,
+                                   const float* lse2, const int32_t* doc, bool has_doc) {
+  FlashBwdRows p;
+  p.S = static_cast<int>(sh.seq);
+  p.S_pad = static_cast<int>((sh.seq + 127) / 128 * 128);
+  p.Hq = static_cast<int>(sh.q_heads);
+  p.group = static_cast<int>(sh.q_heads / sh.kv_heads);
+  p.m_tiles = static_cast<int>((sh.seq + bm - 1) / bm);
+  p.batch_heads = static_cast<int>(sh.batch * sh.q_heads);
+  p.scale = sh.scale;
+  p.scale_log2 = sh.scale * kLog2e;
+  p.has_doc = has_doc;
+  p.dl = dl;
+  p.lse2 = lse2;
+  p.doc = doc;
+  return p;
+}
+
+// The tensor maps both backward kernels load: Q and dO in tiles of bm query rows, K and V in
+// tiles of bn keys (head dimension d).
+struct FlashBwdMaps {
+  CUtensorMap q, dout, k, v;
+};
+inline FlashBwdMaps flash_bwd_maps(const FlashAttentionShape& sh, int d, int bm, int bn,
+                                   const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                   const uint16_t* dout) {
+  return {make_head_map(q, sh.batch, sh.seq, sh.q_heads, d, bm),
+          make_head_map(dout, sh.batch, sh.seq, sh.q_heads, d, bm),
+          make_head_map(k, sh.batch, sh.seq, sh.kv_heads, d, bn),
+          make_head_map(v, sh.batch, sh.seq, sh.kv_heads, d, bn)};
 }
 
 }  // namespace packmoe::cuda::flash

@@ -10,6 +10,7 @@
 
 #include "core/hd.h"
 #include "core/status.h"
+#include "core/tensor.h"
 
 namespace packmoe {
 
@@ -19,6 +20,16 @@ struct Segments {
   std::vector<T*> ptr;
   int64_t n = 0;
 };
+
+// One segment: n elements at p, or a whole tensor (its data as T, numel elements).
+template <typename T>
+Segments<T> one_segment(T* p, int64_t n) {
+  return Segments<T>{{p}, n};
+}
+template <typename T>
+Segments<T> one_segment(const Tensor& t) {
+  return one_segment(static_cast<T*>(t.data()), t.numel());
+}
 
 // The scalars of AdamW step t >= 1, each computed in FP64 and rounded once to FP32:
 //   decay = 1 - lr * weight_decay; one_minus_beta{1,2} = 1 - beta{1,2};

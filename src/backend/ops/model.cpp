@@ -60,28 +60,47 @@ Status check_attention_dims(const char* op, int64_t b, int64_t s, int64_t hq, in
   return Status::ok();
 }
 
+// What the attention forward and backward both take: the dimensions, and q, k, v, o, lse (the
+// forward's outputs are the backward's inputs).
+template <typename Args>
+Status check_attention(const char* op, const Args& a) {
+  PACKMOE_RETURN_IF_ERROR(
+      check_attention_dims(op, a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim, a.scale));
+  return require_non_null(op, {{a.q, "q"}, {a.k, "k"}, {a.v, "v"}, {a.o, "o"}, {a.lse, "lse"}});
+}
+
+// The embedding's (T, V, H), forward and backward.
+Status check_embedding_dims(const char* op, int64_t tokens, int64_t vocab, int64_t hidden) {
+  PACKMOE_RETURN_IF_ERROR(check_tokens(op, tokens, "T (tokens)"));
+  PACKMOE_RETURN_IF_ERROR(check_vocab(op, vocab));
+  return check_pos(op, hidden, "H (hidden)");
+}
+
+// RMSNorm's (N, D), forward and backward.
+Status check_norm_dims(const char* op, int64_t rows, int64_t dim) {
+  PACKMOE_RETURN_IF_ERROR(check_pos(op, rows, "N (rows)"));
+  return check_tokens(op, dim, "D (dim)");
+}
+
 }  // namespace
 
+// Forward and backward check the same dimensions (the helpers above) and different pointers: the
+// lists of what may not be null differ by design.
 Status validate_embedding(const EmbeddingArgs& a) {
   constexpr const char* op = "embedding";
-  PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
-  PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
-  PACKMOE_RETURN_IF_ERROR(check_pos(op, a.hidden, "H (hidden)"));
+  PACKMOE_RETURN_IF_ERROR(check_embedding_dims(op, a.tokens, a.vocab, a.hidden));
   return require_non_null(op, {{a.ids, "ids"}, {a.table, "table"}, {a.out, "out"}});
 }
 
 Status validate_embedding_backward(const EmbeddingBackwardArgs& a) {
   constexpr const char* op = "embedding_backward";
-  PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.tokens, "T (tokens)"));
-  PACKMOE_RETURN_IF_ERROR(check_vocab(op, a.vocab));
-  PACKMOE_RETURN_IF_ERROR(check_pos(op, a.hidden, "H (hidden)"));
+  PACKMOE_RETURN_IF_ERROR(check_embedding_dims(op, a.tokens, a.vocab, a.hidden));
   return require_non_null(op, {{a.ids, "ids"}, {a.dout, "dout"}, {a.dtable, "dtable"}});
 }
 
 Status validate_rms_norm(const RmsNormArgs& a) {
   constexpr const char* op = "rms_norm";
-  PACKMOE_RETURN_IF_ERROR(check_pos(op, a.rows, "N (rows)"));
-  PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.dim, "D (dim)"));
+  PACKMOE_RETURN_IF_ERROR(check_norm_dims(op, a.rows, a.dim));
   if (!std::isfinite(a.eps) || a.eps < 0.0f)
     return Status::error(std::string(op) + ": eps must be finite and >= 0, got " +
                          std::to_string(a.eps));
@@ -90,8 +109,7 @@ Status validate_rms_norm(const RmsNormArgs& a) {
 
 Status validate_rms_norm_backward(const RmsNormBackwardArgs& a) {
   constexpr const char* op = "rms_norm_backward";
-  PACKMOE_RETURN_IF_ERROR(check_pos(op, a.rows, "N (rows)"));
-  PACKMOE_RETURN_IF_ERROR(check_tokens(op, a.dim, "D (dim)"));
+  PACKMOE_RETURN_IF_ERROR(check_norm_dims(op, a.rows, a.dim));
   return require_non_null(op, {{a.x, "x"},
                                {a.weight, "weight"},
                                {a.rstd, "rstd"},
@@ -118,30 +136,12 @@ Status validate_rope(const RopeArgs& a) {
   return require_non_null(op, {{a.cos, "cos"}, {a.sin, "sin"}, {a.in, "in"}, {a.out, "out"}});
 }
 
-Status validate_attention(const AttentionArgs& a) {
-  constexpr const char* op = "attention";
-  PACKMOE_RETURN_IF_ERROR(
-      check_attention_dims(op, a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim, a.scale));
-  return require_non_null(op, {{a.q, "q"},
-                               {a.k, "k"},
-                               {a.v, "v"},
-                               {a.o, "o"},
-                               {a.lse, "lse"}});
-}
+Status validate_attention(const AttentionArgs& a) { return check_attention("attention", a); }
 
 Status validate_attention_backward(const AttentionBackwardArgs& a) {
   constexpr const char* op = "attention_backward";
-  PACKMOE_RETURN_IF_ERROR(
-      check_attention_dims(op, a.batch, a.seq, a.q_heads, a.kv_heads, a.head_dim, a.scale));
-  return require_non_null(op, {{a.q, "q"},
-                               {a.k, "k"},
-                               {a.v, "v"},
-                               {a.o, "o"},
-                               {a.lse, "lse"},
-                               {a.dout, "dout"},
-                               {a.dq, "dq"},
-                               {a.dk, "dk"},
-                               {a.dv, "dv"}});
+  PACKMOE_RETURN_IF_ERROR(check_attention(op, a));
+  return require_non_null(op, {{a.dout, "dout"}, {a.dq, "dq"}, {a.dk, "dk"}, {a.dv, "dv"}});
 }
 
 Status validate_attention_kv(const AttentionKvArgs& a) {
