@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -106,5 +107,16 @@ struct GenerateArgs {
 };
 void add_generate_command(CLI::App& app, GenerateArgs& args);
 Status run_generate(const GenerateArgs& args);
+
+// `packmoe eval` (tools/eval_command.cpp).
+struct EvalArgs {
+  std::string checkpoint, data, split = "validation", batches, tokenizer, device = "auto";
+  std::string attention_mask = "causal";
+  std::optional<int64_t> micro_batch, seq_len;
+  bool reset_position_ids = false, quiet = false;
+  CLI::App* cmd = nullptr;
+};
+void add_eval_command(CLI::App& app, EvalArgs& args);
+Status run_eval(const EvalArgs& args);
 
 }  // namespace packmoe::tools

@@ -1,6 +1,7 @@
 // The `packmoe` executable: subcommands `train` (the main job), `tokenize` (text to a Megatron
 // .bin/.idx with a real tokenizer), `export-hf` (a checkpoint as a
-// Hugging Face model directory), `demo` (packed quantization demo), `quantize` and `dequantize`
+// Hugging Face model directory), `eval` (a checkpoint's loss and perplexity), `demo` (packed
+// quantization demo), `quantize` and `dequantize`
 // (safetensors conversion), `plot` (training curves to SVG). Bad
 // input, unknown flags included, prints one line starting with "packmoe: error:" and exits 1;
 // --help on every subcommand explains the flags.
@@ -32,6 +33,8 @@ int main(int argc, char** argv) {
   packmoe::tools::add_export_hf_command(app, export_hf);
   packmoe::tools::GenerateArgs generate;
   packmoe::tools::add_generate_command(app, generate);
+  packmoe::tools::EvalArgs eval;
+  packmoe::tools::add_eval_command(app, eval);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {  // --help
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
   if (app.got_subcommand("tokenize")) status = packmoe::tools::run_tokenize(tokenize);
   if (app.got_subcommand("export-hf")) status = packmoe::tools::run_export_hf(export_hf);
   if (app.got_subcommand("generate")) status = packmoe::tools::run_generate(generate);
+  if (app.got_subcommand("eval")) status = packmoe::tools::run_eval(eval);
   if (!status.is_ok()) {
     std::fprintf(stderr, "packmoe: error: %s\n", status.message().c_str());
     return 1;

@@ -24,7 +24,7 @@ struct Model::Impl {
 
   // Saved by a training forward.
   int64_t tokens = 0;     // T
-  float loss_scale = 0;   // of the backward it began
+  float loss_scale = 0;   // of the aux loss in the backward it began
   Tensor ids;             // (T) I32
   Tensor dlm;             // (T, H) F32: the LM head's dgrad, computed with the loss
   // Every MoE layer's router statistics of the last forward (null without MoE layers or aux loss).
@@ -218,12 +218,17 @@ Result<ForwardLosses> Model::forward(const Batch& batch) {
 }
 
 Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale) {
-  Result<QueuedLosses> queued = queue_forward(batch, loss_scale);
+  return forward(batch, loss_scale, loss_scale);
+}
+
+Result<ForwardLosses> Model::forward(const Batch& batch, float loss_scale, float aux_scale) {
+  Result<QueuedLosses> queued = queue_forward(batch, loss_scale, aux_scale);
   if (!queued) return queued.status();
   return read_losses(*backend_, {queued.value()})[0];
 }
 
-Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<float> loss_scale) {
+Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<float> loss_scale,
+                                          std::optional<float> aux_scale) {
   PACKMOE_CHECK(state_ != ModelState::kForwardDone,
                 "forward after a training forward whose backward has not run: the LM head's "
                 "gradient is already in main_grad, so that backward is owed");
@@ -307,7 +312,7 @@ Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<floa
   if (!head) return head.status();
   losses.target_tokens = head.value().valid;
   if (loss_scale) {
-    m.loss_scale = *loss_scale;
+    m.loss_scale = aux_scale.value_or(*loss_scale);
     m.dlm = std::move(head.value().dh);
     state_ = ModelState::kForwardDone;
   }

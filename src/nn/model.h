@@ -163,9 +163,14 @@ class Model {
   // kIdle -> kForwardDone; any forward from kForwardDone is a PACKMOE_CHECK error (that backward
   // is owed).
   Result<ForwardLosses> forward(const Batch& batch, float loss_scale);
+  // The same with the aux loss's gradient scaled apart: loss_scale * lm_loss + aux_scale * coef *
+  // aux_loss (SFT weighs a micro-batch's lm loss by its share of the step's targets).
+  Result<ForwardLosses> forward(const Batch& batch, float loss_scale, float aux_scale);
   // Either forward with its losses left in the backend's memory (no host wait): loss_scale given,
-  // the training forward; absent, the evaluation one. read_losses reads them.
-  Result<QueuedLosses> queue_forward(const Batch& batch, std::optional<float> loss_scale);
+  // the training forward; absent, the evaluation one. read_losses reads them. aux_scale: the aux
+  // loss's backward scale when it differs from loss_scale.
+  Result<QueuedLosses> queue_forward(const Batch& batch, std::optional<float> loss_scale,
+                                     std::optional<float> aux_scale = std::nullopt);
   // The rest of the training forward's backward: every gradient is ADDED into its main_grad.
   // Only from kForwardDone (-> kIdle). Fires the grad-ready hook (if any) for each parameter as
   // its gradient becomes final (the LM head's first, as before).

@@ -70,6 +70,30 @@ Result<BatchSampler> BatchSampler::create(DataBlend data, int64_t vocab_size, in
       return Status::error(name + ": document separator token " +
                            std::to_string(*src.separator) + " is not below vocab_size " +
                            std::to_string(vocab_size));
+    if (src.packed) {
+      if (src.packed->pad >= vocab)
+        return Status::error(name + ": padding token " + std::to_string(src.packed->pad) +
+                             " is not below vocab_size " + std::to_string(vocab_size));
+      if (src.documents.empty())
+        return Status::error(name + ": the " + side_name(validation) +
+                             " side of the data has no conversations" +
+                             (validation ? " (raise --valid-fraction or give --valid-data)" : ""));
+      int64_t tokens = 0;
+      for (const io::TokenRange& r : src.documents) {
+        PACKMOE_RETURN_IF_ERROR(src.tokens.check_range(r.begin, r.end, vocab, name));
+        tokens += static_cast<int64_t>(r.size());
+      }
+      Result<std::vector<int64_t>> rows = rows_of_packed(src, seq);
+      if (!rows) return rows.status();
+      Stream s;
+      s.source = std::move(src);
+      s.rows = std::move(rows.value());
+      s.shape.tokens = tokens;
+      s.shape.windows = static_cast<int64_t>(s.rows.size()) - 1;
+      s.shape.packed = true;
+      streams.push_back(std::move(s));
+      continue;
+    }
     std::erase_if(src.documents, [](const io::TokenRange& r) { return r.size() == 0; });
     int64_t tokens = 0;
     for (const io::TokenRange& r : src.documents) {
@@ -120,9 +144,36 @@ int64_t BatchSampler::tokens() const {
   return n;
 }
 
+Result<std::vector<int64_t>> rows_of_packed(const DataSource& source, int64_t seq) {
+  PACKMOE_CHECK(source.packed && source.packed->lines.size() == source.documents.size() &&
+                    source.packed->trained->size() == source.tokens.size(),
+                "packed source " << source.name << " without a flag per token and a line per document");
+  std::vector<int64_t> first{0};
+  int64_t used = 0;  // tokens in the current row
+  for (size_t d = 0; d < source.documents.size(); ++d) {
+    const int64_t n = static_cast<int64_t>(source.documents[d].size());
+    if (n > seq)
+      return Status::error(source.packed->file + ":" + std::to_string(source.packed->lines[d]) +
+                           ": the conversation has " + std::to_string(n) +
+                           " tokens, more than seq_len = " + std::to_string(seq) +
+                           " (raise --seq-len or shorten it)");
+    if (used + n > seq) {
+      first.push_back(static_cast<int64_t>(d));
+      used = 0;
+    }
+    used += n;
+  }
+  first.push_back(static_cast<int64_t>(source.documents.size()));
+  return first;
+}
+
 void BatchSampler::load_epoch(size_t d, int64_t epoch) {
   Stream& s = streams_[d];
   if (s.epoch == epoch || (!options_.shuffle && s.epoch >= 0)) return;  // unshuffled: one order
+  if (s.source.packed) {  // packed rows are fixed; only their order (next()) changes by epoch
+    s.epoch = epoch;
+    return;
+  }
   const uint64_t D = s.source.documents.size();
   const uint64_t key = order_key(options_.seed,
                                  validation_ ? OrderKind::kValidDocuments : OrderKind::kTrainDocuments,
@@ -141,8 +192,52 @@ void BatchSampler::load_epoch(size_t d, int64_t epoch) {
   s.epoch = epoch;
 }
 
+void BatchSampler::read_packed_row(Batch& b, int64_t r, const Stream& s, int64_t row) const {
+  const PackedDocuments& p = *s.source.packed;
+  const std::vector<uint8_t>& trained = *p.trained;
+  int32_t* inputs = b.inputs.data() + r * seq_;    // (S)
+  int32_t* targets = b.targets.data() + r * seq_;  // (S)
+  const bool documents = options_.document_mask != DocumentMask::kNone;
+  std::vector<uint32_t> doc;
+  int64_t t = 0;
+  const auto start_document = [&](int64_t from, int64_t to) {
+    if (documents && options_.document_mask == DocumentMask::kIndex)
+      for (int64_t i = from; i < to; ++i) b.doc_start[r * seq_ + i] = static_cast<int32_t>(from);
+  };
+  for (int64_t d = s.rows[static_cast<size_t>(row)]; d < s.rows[static_cast<size_t>(row) + 1]; ++d) {
+    const io::TokenRange& range = s.source.documents[static_cast<size_t>(d)];
+    const int64_t n = static_cast<int64_t>(range.size());
+    doc.resize(static_cast<size_t>(n));
+    s.source.tokens.read(range.begin, static_cast<uint64_t>(n), doc.data());
+    for (int64_t i = 0; i < n; ++i) {
+      inputs[t + i] = static_cast<int32_t>(doc[static_cast<size_t>(i)]);
+      const bool target = i + 1 < n && trained[range.begin + static_cast<uint64_t>(i) + 1] != 0;
+      targets[t + i] = target ? static_cast<int32_t>(doc[static_cast<size_t>(i) + 1]) : kIgnoredTarget;
+    }
+    start_document(t, t + n);
+    t += n;
+  }
+  start_document(t, seq_);  // the padding: a document of its own
+  for (; t < seq_; ++t) {
+    inputs[t] = static_cast<int32_t>(p.pad);
+    targets[t] = kIgnoredTarget;
+  }
+  if (documents && options_.document_mask == DocumentMask::kEodToken) mark_documents(b, r, s, 0);
+  else if (documents) mark_positions(b, r);
+}
+
+void BatchSampler::mark_positions(Batch& b, int64_t r) const {
+  if (!options_.reset_positions) return;
+  for (int64_t t = 0; t < seq_; ++t)
+    b.positions[r * seq_ + t] = static_cast<int32_t>(t - b.doc_start[r * seq_ + t]);
+}
+
 void BatchSampler::read_window(Batch& b, int64_t r, size_t d, int64_t window) {
   const Stream& s = streams_[d];
+  if (s.source.packed) {
+    read_packed_row(b, r, s, window);
+    return;
+  }
   const int64_t offset = window * seq_;
   std::vector<uint32_t> w(static_cast<size_t>(seq_ + 1));  // (S + 1)
   size_t j = static_cast<size_t>(std::upper_bound(s.begin.begin(), s.begin.end(), offset) -
@@ -189,8 +284,7 @@ void BatchSampler::mark_documents(Batch& b, int64_t r, const Stream& s, int64_t 
         current = static_cast<int32_t>(t + 1);
     }
   }
-  if (options_.reset_positions)
-    for (int64_t t = 0; t < seq_; ++t) b.positions[r * seq_ + t] = static_cast<int32_t>(t - start[t]);
+  mark_positions(b, r);
 }
 
 Batch BatchSampler::next() {
@@ -253,7 +347,11 @@ int64_t BatchSampler::rows_before_repeat(int64_t limit) const {
 Result<std::vector<Batch>> fixed_batches(DataBlend data, int64_t vocab_size, int64_t batch,
                                          int64_t seq, int64_t count, const StreamOptions& options) {
   std::string names;
-  for (const DataSource& s : data.sources) names += (names.empty() ? "" : ", ") + s.name;
+  bool packed = false;  // SFT rows hold up to S tokens, not S + 1
+  for (const DataSource& s : data.sources) {
+    names += (names.empty() ? "" : ", ") + s.name;
+    packed = packed || s.packed.has_value();
+  }
   Result<BatchSampler> sampler =
       BatchSampler::create(std::move(data), vocab_size, batch, seq, options, /*validation=*/true);
   if (!sampler) return sampler.status();
@@ -261,8 +359,9 @@ Result<std::vector<Batch>> fixed_batches(DataBlend data, int64_t vocab_size, int
   const int64_t rows = s.rows_before_repeat(count * batch);
   if (rows < batch) {
     std::ostringstream e;
-    e << names << ": the validation data gives " << rows << " distinct rows of seq_len + 1 = "
-      << seq + 1 << " tokens, fewer than the micro_batch_size = " << batch
+    e << names << ": the validation data gives " << rows << " distinct rows of "
+      << (packed ? "seq_len = " + std::to_string(seq) : "seq_len + 1 = " + std::to_string(seq + 1))
+      << " tokens, fewer than the micro_batch_size = " << batch
       << " of one evaluation batch (lower --micro-batch or --seq-len, raise --valid-fraction, "
          "or give --valid-data)";
     return Status::error(e.str());

@@ -2,13 +2,16 @@
 // Model. Each source's epoch stream is its documents in an order (seeded shuffle per epoch, or
 // source order), concatenated; its samples are the windows stream[kS, kS + S + 1) that fit
 // (inputs the first S tokens, targets the last S), read in an order (seeded shuffle per epoch,
-// or k = 0, 1, ...). Each row comes from the source the blend rule picks (train/sample_order.h).
+// or k = 0, 1, ...); an SFT source's samples are instead its documents packed whole into rows
+// (rows_of_packed), ignored targets where no loss is taken. Each row comes from the source the
+// blend rule picks (train/sample_order.h).
 // Invariant: the batches are a pure function of (sources, options, state), the state is a count
 // of samples drawn per source, observable and settable, so a resumed run reads exactly the
 // rows it would have read; no thread count, machine or floating point enters.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,13 +38,31 @@ enum class DocumentMask {
 // pieces of the source's documents). With `separator` set that token is inserted between
 // consecutive documents of the epoch stream (the byte corpus uses '\n', so fortunes stay apart
 // by a blank line; Megatron and llm.c data carry their own end-of-document tokens and use none).
+// SFT data (train/sft_data.h): each document is a whole conversation, packed into rows rather
+// than windowed (rows_of_packed), with a loss flag per token.
+struct PackedDocuments {
+  std::shared_ptr<const std::vector<uint8_t>> trained;  // (tokens) 1: a target with loss
+  std::vector<int64_t> lines;  // (documents) each one's line in `file`, for messages
+  std::string file;
+  uint32_t pad = 0;            // the input of a row's unused tail (whose targets are ignored)
+};
+
 struct DataSource {
   std::string name;  // for messages
   io::TokenArray tokens;
   std::vector<io::TokenRange> documents;
   bool boundaries_known = true;  // false: one run of tokens whose documents are unknown (llm.c)
   std::optional<uint32_t> separator;
+  std::optional<PackedDocuments> packed;  // SFT: the documents are packed, not windowed
 };
+
+// Packing (SFT): documents in source order fill rows of S tokens, each whole; one that does not
+// fit in what is left of a row starts the next row, the rest padded. Row r holds documents
+// [first[r], first[r + 1]). A document longer than S is an error naming its file and line.
+// Row positions: input t of a document, target t + 1 when that token is trained, else
+// kIgnoredTarget; a document's last position and the padding are never targets.
+Result<std::vector<int64_t>> rows_of_packed(const DataSource& source, int64_t seq);
+inline constexpr int32_t kIgnoredTarget = -100;
 
 // Sources and their weights. Weighted: each row comes from source d with probability w_d / sum w
 // (exactly, in counts: sample_order.h). Unweighted (weights empty): each source weighs its number
@@ -80,7 +101,8 @@ struct SamplerState {
 // A source's stream, the same in every epoch: what a checkpoint checks its data against.
 struct SourceShape {
   int64_t tokens = 0;   // stream tokens per epoch (separators included)
-  int64_t windows = 0;  // samples per epoch: floor((tokens - S - 1) / S) + 1
+  int64_t windows = 0;  // samples per epoch: floor((tokens - S - 1) / S) + 1; packed: its rows
+  bool packed = false;  // SFT documents packed into rows (DataSource::packed)
   bool operator==(const SourceShape&) const = default;
 };
 
@@ -115,6 +137,7 @@ class BatchSampler {
     int64_t epoch = -1;            // whose order `order` and `begin` hold
     std::vector<uint64_t> order;   // (D) the document at each place of the epoch
     std::vector<int64_t> begin;    // (D + 1) stream index of each place's first token
+    std::vector<int64_t> rows;     // packed sources: (windows + 1) each row's first document
   };
   BatchSampler(std::vector<Stream> streams, BlendOrder blend, int64_t batch, int64_t seq,
                const StreamOptions& options, bool validation)
@@ -129,6 +152,8 @@ class BatchSampler {
   // Row r of `b` from window `window` of source d's current epoch.
   void read_window(Batch& b, int64_t r, size_t d, int64_t window);
   void mark_documents(Batch& b, int64_t r, const Stream& s, int64_t offset) const;
+  void read_packed_row(Batch& b, int64_t r, const Stream& s, int64_t row) const;
+  void mark_positions(Batch& b, int64_t r) const;
 
   std::vector<Stream> streams_;
   BlendOrder blend_;

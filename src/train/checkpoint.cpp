@@ -84,8 +84,11 @@ json state_json(const TrainerCheckpoint& c) {
                 c.sampler.consumed.size() << " sample counts for " << c.train_sources.size()
                                           << " sources");
   json sources = json::array();
-  for (const SourceShape& shape : c.train_sources)
-    sources.push_back({{"tokens", shape.tokens}, {"windows", shape.windows}});
+  for (const SourceShape& shape : c.train_sources) {
+    json src = {{"tokens", shape.tokens}, {"windows", shape.windows}};
+    if (shape.packed) src["packed"] = true;  // SFT rows (train/batch_sampler.h rows_of_packed)
+    sources.push_back(std::move(src));
+  }
   j["sampler"] = {{"consumed", c.sampler.consumed}, {"sources", std::move(sources)}};
   j["train"] = train_config_to_json(c.config);
   j["world_size"] = c.world_size;
@@ -303,8 +306,14 @@ Status parse_state(const json& j, const std::string& path, int64_t marker_step,
     SourceShape shape;
     PACKMOE_RETURN_IF_ERROR(r.int_at_least((*sources)[d], at, "tokens", 2, &shape.tokens));
     PACKMOE_RETURN_IF_ERROR(r.int_at_least((*sources)[d], at, "windows", 1, &shape.windows));
-    if (shape.windows != (shape.tokens - 1 - c->config.seq_len) / c->config.seq_len + 1 ||
-        shape.tokens < c->config.seq_len + 1)
+    if (auto p = (*sources)[d].find("packed"); p != (*sources)[d].end()) {
+      if (!p->is_boolean()) return r.error(at + "packed must be true or false");
+      shape.packed = p->get<bool>();
+    }
+    const int64_t S = c->config.seq_len;
+    // Packed rows hold 1 to S tokens each; windows are the exact count of the stream's.
+    if (shape.packed ? shape.windows > shape.tokens || shape.windows < (shape.tokens + S - 1) / S
+                     : shape.windows != (shape.tokens - 1 - S) / S + 1 || shape.tokens < S + 1)
       return r.error(at + "windows " + std::to_string(shape.windows) + " is not the sample count of " +
                      std::to_string(shape.tokens) + " tokens at seq_len " +
                      std::to_string(c->config.seq_len));

@@ -10,6 +10,7 @@
 #include "io/text_corpus.h"
 #include "io/token_mmap.h"
 #include "tokenize/encode_documents.h"
+#include "train/sft_data.h"
 
 namespace packmoe::train {
 namespace {
@@ -46,6 +47,10 @@ Result<io::TokenDataset> tokenize_dataset(const io::TokenDataset& bytes,
   return out;
 }
 
+Status load_sft_source(const std::string& path, double fraction,
+                       const tokenize::Tokenizer* tokenizer, LoadedData* out,
+                       std::string* description);
+
 // One source: "fortunes" | "text:PATH" | "megatron:PREFIX" | "llmc:SHARD", split by
 // `fraction` (io/data_split.h; text by content hash, token files by document index; a side
 // left empty: by position). Token files stay memory-mapped; text is read into memory.
@@ -81,9 +86,12 @@ Status load_source(const std::string& spec, const char* flag, double fraction,
                    (corpus.value().split_by_position ? ", split by position" : "") + ")";
     return Status::ok();
   }
+  if (kind == "sft" && !path.empty())
+    return load_sft_source(path, fraction, tokenizer, out, description);
   if ((kind != "megatron" && kind != "llmc") || path.empty())
     return Status::error(std::string(flag) + " '" + spec +
-                         "' must be fortunes, text:PATH, megatron:PREFIX or llmc:SHARD (or a "
+                         "' must be fortunes, text:PATH, megatron:PREFIX, llmc:SHARD or "
+                         "sft:FILE.jsonl (or a "
                          "list of them, each with a weight or none: \"0.7 megatron:a 0.3 "
                          "megatron:b\")");
   Result<io::MappedTokens> mapped =
@@ -111,6 +119,59 @@ Status load_source(const std::string& spec, const char* flag, double fraction,
     blend->sources.push_back(std::move(src));
   }
   *description = spec + (split.by_position ? " (split by position)" : "");
+  return Status::ok();
+}
+
+// "sft:FILE.jsonl": conversations (train/sft_data.h), each whole on one side of the split: by
+// its line's hash, or, when that leaves a side empty, the last conversation validates.
+Status load_sft_source(const std::string& path, double fraction,
+                       const tokenize::Tokenizer* tokenizer, LoadedData* out,
+                       std::string* description) {
+  if (!tokenizer)
+    return Status::error("sft:" + path + " needs --tokenizer (its chat template renders the "
+                         "conversations)");
+  Result<SftRenderer> renderer = SftRenderer::create(*tokenizer);
+  if (!renderer) return renderer.status();
+  Result<std::vector<SftConversation>> read = read_sft_file(path, renderer.value());
+  if (!read) return read.status();
+  const std::vector<SftConversation>& conversations = read.value();
+  const size_t n = conversations.size();
+  std::vector<bool> validates(n);
+  size_t valid = 0;
+  for (size_t i = 0; i < n; ++i) {
+    validates[i] = fraction > 0 &&
+                   conversations[i].key % io::kSplitBuckets <
+                       static_cast<uint64_t>(fraction * static_cast<double>(io::kSplitBuckets));
+    valid += validates[i] ? 1 : 0;
+  }
+  bool moved = false;
+  if (fraction > 0 && n >= 2 && valid == 0) validates[n - 1] = moved = true;
+  if (fraction > 0 && n >= 2 && valid == n) validates[0] = false, moved = true;
+  std::vector<uint32_t> tokens;
+  auto trained = std::make_shared<std::vector<uint8_t>>();
+  std::vector<io::TokenRange> ranges;
+  for (const SftConversation& c : conversations) {
+    ranges.push_back({tokens.size(), tokens.size() + c.tokens.size()});
+    tokens.insert(tokens.end(), c.tokens.begin(), c.tokens.end());
+    trained->insert(trained->end(), c.trained.begin(), c.trained.end());
+  }
+  const io::TokenArray array = io::TokenArray::owned(std::move(tokens));
+  const uint32_t pad = tokenizer->pad_id().value_or(tokenizer->eos_id().value_or(0));
+  for (bool side : {false, true}) {
+    DataSource src;
+    src.name = path;
+    src.tokens = array;
+    src.packed = PackedDocuments{trained, {}, path, pad};
+    for (size_t i = 0; i < n; ++i)
+      if (validates[i] == side) {
+        src.documents.push_back(ranges[i]);
+        src.packed->lines.push_back(conversations[i].line);
+      }
+    (side ? out->validation : out->train).sources.push_back(std::move(src));
+  }
+  *description = "sft:" + path + " (" + std::to_string(n) + " conversations, " +
+                 (renderer.value().has_template() ? "chat template" : "plain template") +
+                 (moved ? ", one moved to keep both sides" : "") + ")";
   return Status::ok();
 }
 

@@ -2,6 +2,7 @@
 // optimizer's reduce-scatter, grad norm, clip and AdamW; checkpoint snapshot / save / resume.
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -45,6 +46,12 @@ std::vector<float> host_floats(const Tensor& t) {
 void set_sr_offset(Model& model, int64_t step, int64_t index) {
   if (model.precision().recipe.recipe == Recipe::kNvfp4)
     model.set_grad_sr_offset(nvfp4_grad_sr_offset(step, index));
+}
+
+// Targets of a micro-batch that the loss counts (not kIgnoredTarget).
+int64_t target_count(const Batch& b) {
+  return static_cast<int64_t>(b.targets.size()) -
+         std::count(b.targets.begin(), b.targets.end(), kIgnoredTarget);
 }
 
 }  // namespace
@@ -270,27 +277,47 @@ Result<StepResult> Trainer::train_step() {
   const int world = comm_->size(), rank = comm_->rank();
   StepResult r;
   r.step = step_ + 1;
+  // Micro-batch `rank` of every `world` consecutive ones. Every rank draws all of the step's, so
+  // each knows the step's targets (those not ignored) without a collective: the lm loss is the
+  // mean over all of them, each micro-batch weighted by its share (SFT masks vary it).
+  std::vector<Batch> batches;    // (A) this rank's
+  std::vector<int64_t> targets;  // (A) their targets
+  int64_t step_targets = 0;
+  for (int64_t micro = 0; micro < A; ++micro)
+    for (int w = 0; w < world; ++w) {
+      Batch b = train_sampler_.next();
+      const int64_t n = target_count(b);
+      step_targets += n;
+      if (w == rank) {
+        batches.push_back(std::move(b));
+        targets.push_back(n);
+      }
+    }
+  if (step_targets == 0)
+    return Status::error("step " + std::to_string(r.step) +
+                         ": no row of the step has a target (every token's loss is masked)");
   std::vector<QueuedLosses> queued;  // this rank's micro-batches', read once after the last
   for (int64_t micro = 0; micro < A; ++micro) {
-    Batch batch;
-    for (int w = 0; w < world; ++w) {  // micro-batch `rank` of every `world` consecutive ones
-      Batch b = train_sampler_.next();
-      if (w == rank) batch = std::move(b);
-    }
+    const Batch& batch = batches[static_cast<size_t>(micro)];
+    const double share = static_cast<double>(targets[static_cast<size_t>(micro)]);
     set_sr_offset(*model_, r.step, micro * world + rank);
     optimizer_->prepare_forward();
     // Before the forward: the training forward already adds the LM head's gradient.
     optimizer_->prepare_backward(/*last_of_step=*/micro == A - 1);
-    Result<QueuedLosses> losses = model_->queue_forward(batch, optimizer_->loss_scale(A));
+    Result<QueuedLosses> losses = model_->queue_forward(
+        batch, static_cast<float>(share / static_cast<double>(step_targets)),
+        optimizer_->loss_scale(A));
     if (!losses) return losses.status();
     queued.push_back(losses.value());
     model_->backward();
     r.tokens += batch.batch * batch.seq * world;
   }
-  double sums[2] = {0, 0};  // lm, aux loss over this rank's micro-batches, in micro-batch order
-  for (const ForwardLosses& l : read_losses(model_->backend(), queued)) {
-    sums[0] += l.lm_loss;
-    sums[1] += l.aux_loss;
+  // lm loss x targets, aux loss over this rank's micro-batches, in micro-batch order
+  double sums[2] = {0, 0};
+  const std::vector<ForwardLosses> losses = read_losses(model_->backend(), queued);
+  for (size_t i = 0; i < losses.size(); ++i) {
+    sums[0] += static_cast<double>(losses[i].lm_loss) * static_cast<double>(targets[i]);
+    sums[1] += losses[i].aux_loss;
   }
   // Rank-ordered F64 sum (MPI; NCCL with 2 ranks is one rounding, the same): with A = 1 the bits
   // of one process accumulating every rank's loss. In the communicator's memory (NCCL: device).
@@ -300,7 +327,7 @@ Result<StepResult> Trainer::train_step() {
   double global[2] = {0, 0};
   std::memcpy(global, loss_sums_.download().data(), sizeof global);
   const double n = static_cast<double>(A) * static_cast<double>(world);
-  r.loss = global[0] / n;
+  r.loss = global[0] / static_cast<double>(step_targets);
   r.aux_loss = global[1] / n;
   r.lr = schedule_.at(r.step);
   // The global loss is the same on every rank, so all of them refuse the step together.
@@ -334,9 +361,15 @@ Result<EvalResult> Trainer::evaluate() {
     queued.push_back(losses.value());
     r.tokens += batch.batch * batch.seq;
   }
-  double loss_sum = 0;
-  for (const ForwardLosses& l : read_losses(model_->backend(), queued)) loss_sum += l.lm_loss;
-  r.loss = loss_sum / static_cast<double>(validation_.size());
+  double loss_sum = 0;  // lm loss x targets: the mean over every target of the set
+  int64_t targets = 0;
+  for (const ForwardLosses& l : read_losses(model_->backend(), queued)) {
+    loss_sum += static_cast<double>(l.lm_loss) * static_cast<double>(l.target_tokens);
+    targets += l.target_tokens;
+  }
+  if (targets == 0)
+    return Status::error("the validation batches have no target (every token's loss is masked)");
+  r.loss = loss_sum / static_cast<double>(targets);
   r.seconds = seconds_since(start);
   return r;
 }

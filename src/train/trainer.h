@@ -39,7 +39,7 @@ struct TrainData {
 
 struct StepResult {
   int64_t step = 0;       // optimizer steps done, this one included
-  double loss = 0;        // mean lm loss over the micro-batches
+  double loss = 0;        // mean lm loss over every target of the step's micro-batches
   double aux_loss = 0;    // mean load-balancing loss (Hugging Face's over all MoE layers, no coef)
   double grad_norm = 0;   // global norm of the accumulated gradient, before clipping
   double lr = 0;          // the lr of this step
@@ -69,7 +69,7 @@ struct StartupTimes {
 };
 
 struct EvalResult {
-  double loss = 0;  // mean lm loss over the fixed validation batches (each has B x S targets)
+  double loss = 0;  // mean lm loss over every target of the fixed validation batches
   int64_t tokens = 0;
   double seconds = 0;
 };
@@ -125,7 +125,9 @@ class Trainer {
   // micro-batch's offset follows from the step (nvfp4_grad_sr_offset).
   Status load_checkpoint(const TrainerCheckpoint& checkpoint);
 
-  // A x (forward + backward(1 / (A x ranks))) into the grad buffer; the global mean loss and grad
+  // A x (forward + backward) into the grad buffer, micro-batch m's lm loss scaled by n_m / N (its
+  // targets over the step's, all ranks: the mean over every target), its aux loss by
+  // 1 / (A x ranks); the global mean loss and grad
   // norm (the same on every rank); clip coefficient; lr of step step() + 1; the optimizer step
   // (the weights reach the model at the next forward). A non-finite loss or grad norm is an
   // error and nothing is updated (the trainer is then not to be stepped again). Collective.

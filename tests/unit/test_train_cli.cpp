@@ -194,7 +194,7 @@ TEST(TrainCli, BadInputIsOneErrorLineAndNoOutput) {
       {"train --config " + (dir / "unknown.json").string(), "unknown key train.warmup"},
       {"train --config " + (dir / "model.json").string(), "num_key_value_heads"},
       {"train --config " + (dir / "array.json").string(), "must be a JSON object"},
-      {"train --data books", "--data 'books' must be fortunes, text:PATH, megatron:PREFIX or llmc:SHARD"},
+      {"train --data books", "--data 'books' must be fortunes, text:PATH, megatron:PREFIX, llmc:SHARD or sft:FILE.jsonl"},
       {"train --data megatron:" + (dir / "nope").string(), (dir / "nope").string()},
       {"train --data llmc:" + (dir / "nope.bin").string(), (dir / "nope.bin").string()},
       {"train --data llmc:" + (dir / "bad.shard").string(), "bad.shard"},
