@@ -25,6 +25,15 @@ using test::run_cli;
 const std::string kTiny =
     " --preset tiny --device cpu --micro-batch 2 --seq-len 16 --eval-batches 1 --warmup 1";
 
+// A corpus of its own in `dir` (the default one is an OS package a machine may lack), as the
+// --data flag that reads it.
+std::string own_corpus(const fs::path& dir) {
+  std::ofstream out(dir / "text.txt");
+  for (int i = 0; i < 400; ++i)
+    out << "line " << i << ": the quick brown fox jumps over the lazy dog " << i * 7 % 13 << "\n";
+  return " --data text:" + (dir / "text.txt").string();
+}
+
 std::vector<json> records(const fs::path& metrics) {
   std::ifstream in(metrics);
   std::vector<json> out;
@@ -41,9 +50,9 @@ std::string slurp(const fs::path& p) {
 
 TEST(TrainObservability, AuxLossExpertLoadSummaryAndTensorBoard) {
   const fs::path dir = test::make_test_dir("train_observability_");
-  const test::RunResult r =
-      run_cli("train" + kTiny + " --steps 4 --log-interval 2 --eval-interval 4 --out " +
-              (dir / "run").string() + " --tensorboard " + (dir / "tb").string());
+  const test::RunResult r = run_cli(
+      "train" + kTiny + own_corpus(dir) + " --steps 4 --log-interval 2 --eval-interval 4 --out " +
+      (dir / "run").string() + " --tensorboard " + (dir / "tb").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::vector<json> recs = records(dir / "run" / "metrics.jsonl");
   ASSERT_EQ(recs.size(), 5u);  // 4 train, 1 eval
@@ -74,12 +83,12 @@ TEST(TrainObservability, AuxLossExpertLoadSummaryAndTensorBoard) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].filename().string().rfind("events.out.tfevents.", 0), 0u);
   const std::string tb = slurp(events[0]);
-  for (const char* tag : {"train/loss", "train/lr", "train/grad_norm", "train/aux_loss",
-                          "train/tokens_per_s", "memory/host_peak_gib", "eval/loss",
-                          "expert_load/layer1/cv"})
+  for (const char* tag :
+       {"train/loss", "train/lr", "train/grad_norm", "train/aux_loss", "train/tokens_per_s",
+        "memory/host_peak_gib", "eval/loss", "expert_load/layer1/cv"})
     EXPECT_NE(tb.find(tag), std::string::npos) << tag;
   // An unwritable --tensorboard is refused before the run.
-  const test::RunResult bad = run_cli("train" + kTiny + " --steps 1 --out " +
+  const test::RunResult bad = run_cli("train" + kTiny + own_corpus(dir) + " --steps 1 --out " +
                                       (dir / "bad").string() + " --tensorboard /dev/null/tb");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_EQ(bad.output.rfind("packmoe: error: --tensorboard", 0), 0u) << bad.output;
@@ -89,8 +98,8 @@ TEST(TrainObservability, AuxLossExpertLoadSummaryAndTensorBoard) {
 
 TEST(TrainObservability, LongerStepsOnResumeKeepTheSchedule) {
   const fs::path dir = test::make_test_dir("train_observability_");
-  const std::string common = kTiny + " --eval-interval 0 --out " + (dir / "run").string() +
-                             " --save-dir " + (dir / "ckpt").string();
+  const std::string common = kTiny + own_corpus(dir) + " --eval-interval 0 --out " +
+                             (dir / "run").string() + " --save-dir " + (dir / "ckpt").string();
   ASSERT_EQ(run_cli("train" + common + " --steps 4").exit_code, 0);
   const test::RunResult r = run_cli("train" + common + " --steps 6 --resume auto");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -103,9 +112,9 @@ TEST(TrainObservability, LongerStepsOnResumeKeepTheSchedule) {
   EXPECT_EQ(recs[4]["lr"].get<double>(), 3e-4);  // steps 5, 6 stay there: no jump
   EXPECT_EQ(recs[5]["lr"].get<double>(), 3e-4);
   // --decay-steps re-stretches the cosine explicitly.
-  const test::RunResult s = run_cli("train" + kTiny + " --eval-interval 0 --out " +
-                                    (dir / "run2").string() + " --save-dir " +
-                                    (dir / "ckpt").string() + " --steps 8 --decay-steps 8 --resume auto");
+  const test::RunResult s = run_cli(
+      "train" + kTiny + own_corpus(dir) + " --eval-interval 0 --out " + (dir / "run2").string() +
+      " --save-dir " + (dir / "ckpt").string() + " --steps 8 --decay-steps 8 --resume auto");
   ASSERT_EQ(s.exit_code, 0) << s.output;
   EXPECT_EQ(s.output.find("schedule:"), std::string::npos);
   test::remove_test_dir(dir);
