@@ -34,8 +34,15 @@ def run(cmd):
 def prepare(args):
     root = args.dir
     os.makedirs(root, exist_ok=True)
+    # A corpus of its own (the default one is the fortunes package, which a machine may lack).
+    words = ("the quick brown fox jumps over a lazy dog while seven wise owls sing "
+             "about rivers and stones under the old moon").split()
+    with open(f"{root}/corpus.txt", "w") as f:
+        for i in range(4000):
+            f.write(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(9)) + ".\n")
     run([args.packmoe, "train", "--preset", "tiny", "--device", "cpu", "--steps", str(args.steps),
-         "--eval-interval", "0", "--save-dir", f"{root}/ckpt", "--out", f"{root}/train"])
+         "--eval-interval", "0", "--data", f"text:{root}/corpus.txt", "--save-dir", f"{root}/ckpt",
+         "--out", f"{root}/train"])
     run([args.packmoe, "export-hf", f"{root}/ckpt", f"{root}/hf", "--dtype", "f32"])
     print(f"generate_check: prepared {root}/hf ({args.steps} steps of the tiny preset)")
 
