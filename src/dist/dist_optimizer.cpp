@@ -121,7 +121,7 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       any_fp32 = true;
     }
   if (any_fp32) {
-    fp32_.emplace(make_class(fp32_ratio));
+    fp32_.emplace(make_class(fp32_ratio, true, kImageAlign));
     traffic_.fp32_bytes = fp32_->bytes;
     traffic_.all_gather_bytes += fp32_->bytes;
   }
@@ -131,19 +131,14 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
   if (cfg_.gather == GatherMode::kBf16)
     for (int p = 0; p < plan_.params(); ++p)
       if (params_[p].form != WeightForm::kFp32 && params_[p].param->keeps_bf16())
-        params_[p].param->bind_bf16_primary(
-            bf16_views(static_cast<const uint8_t*>(bf16_class_->buffer->get()), p).ptrs());
+        params_[p].param->bind_bf16_primary(slot_views(
+            *bf16_class_, static_cast<const uint8_t*>(bf16_class_->buffer->get()), p, 2));
   // Likewise a replica is its slot of the FP32 gather buffer.
   if (fp32_)
     for (int p = 0; p < plan_.params(); ++p)
-      if (fp32_->offset[p] >= 0) {
-        GroupedParam& gp = *params_[p].param;
-        uint8_t* first = static_cast<uint8_t*>(fp32_->buffer->get()) + fp32_->offset[p];
-        std::vector<void*> views;
-        for (int64_t e = 0; e < gp.experts(); ++e)
-          views.push_back(first + e * gp.n() * gp.k() * static_cast<int64_t>(sizeof(float)));
-        gp.bind_fp32_replica(views);
-      }
+      if (fp32_->offset[p] >= 0)
+        params_[p].param->bind_fp32_replica(slot_views(
+            *fp32_, static_cast<const uint8_t*>(fp32_->buffer->get()), p, sizeof(float)));
   // The moments last: by now every init and every own BF16 copy that a bound slot replaced is
   // freed, so start-up never holds them together with the moments.
   for (std::optional<DeviceBuffer>* b : {&exp_avg_, &exp_avg_sq_}) {
@@ -377,14 +372,20 @@ void DistOptimizer::gather_params() {
   }
 }
 
+std::vector<void*> DistOptimizer::slot_views(const GatherClass& cls, const uint8_t* base, int p,
+                                             size_t elem_bytes) const {
+  const GroupedParam& gp = *params_[p].param;
+  const size_t per_expert = static_cast<size_t>(gp.n() * gp.k()) * elem_bytes;
+  uint8_t* first = const_cast<uint8_t*>(base) + cls.offset[p];
+  std::vector<void*> views;
+  for (int64_t e = 0; e < gp.experts(); ++e) views.push_back(first + e * per_expert);
+  return views;
+}
+
 GroupedStorage DistOptimizer::bf16_views(const uint8_t* image, int p) const {
   const GroupedParam& gp = *params_[p].param;
-  const int64_t per_expert = gp.n() * gp.k();
-  const uint16_t* first = reinterpret_cast<const uint16_t*>(image + bf16_class_->offset[p]);
-  std::vector<void*> views;
-  for (int64_t e = 0; e < gp.experts(); ++e)
-    views.push_back(const_cast<uint16_t*>(first) + e * per_expert);
-  return GroupedStorage::view(*be_, gp.layout(), views, per_expert * sizeof(uint16_t));
+  return GroupedStorage::view(*be_, gp.layout(), slot_views(*bf16_class_, image, p, 2),
+                              gp.n() * gp.k() * sizeof(uint16_t));
 }
 
 DistOptimizer::GatherClass DistOptimizer::make_class(
@@ -434,7 +435,7 @@ void DistOptimizer::build_lowp_layout() {
       const std::vector<PackedComponent> comps = params_[p].param->packed_components();
       if (c < comps.size()) ratio[p] = {comps[c].bytes_num, comps[c].bytes_den};
     }
-    lowp_.push_back(make_class(ratio));
+    lowp_.push_back(make_class(ratio, true, kImageAlign));
     traffic_.all_gather_bytes += lowp_.back().bytes;
   }
   if (amax_count_ > 0) amax_.emplace(*be_, amax_count_ * sizeof(float));

@@ -161,13 +161,17 @@ class DistOptimizer {
   // class owns a zeroed buffer unless `allocate` is false (reuse-grad-buffer: the grad buffer).
   // Each param's slot starts `align`-byte aligned in it.
   GatherClass make_class(const std::vector<std::pair<int64_t, int64_t>>& ratio,
-                         bool allocate = true, int64_t align = 16);
+                         bool allocate, int64_t align);
   // {2, 1} for params whose primary travels, {0, 1} for WeightForm::kFp32 ones (theirs is made
   // from the gathered replica).
   std::vector<std::pair<int64_t, int64_t>> bf16_ratio() const;
   void build_lowp_layout();
   // Byte position in a class buffer of flat buffer position `flat` (a legal shard boundary).
   int64_t class_position(const GatherClass& cls, int64_t flat) const;
+  // Param p's E expert views (N*K elements of elem_bytes each) in `base`, a buffer in cls's
+  // layout.
+  std::vector<void*> slot_views(const GatherClass& cls, const uint8_t* base, int p,
+                                size_t elem_bytes) const;
   // Param p's (E, N, K) BF16 in a class image (bf16_class_ layout).
   GroupedStorage bf16_views(const uint8_t* image, int p) const;
   // The shard's pieces of primary-form params, cast to BF16 at their class positions in `image`.
