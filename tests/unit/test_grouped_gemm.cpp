@@ -3,7 +3,8 @@
 // x BF16 / MXFP8 (E4M3, E5M2, 2D weights) / NVFP4 (2D weights, RHT + SR wgrad copies) x F32 / BF16
 // output. Operands come from the CPU quantizers, so the stored layouts are the real ones. Also:
 // packed vs per-expert pointers bitwise, main_grad accumulate / overwrite, empty groups, group
-// routing, token counts on the "device" with packed token buffers, validation errors. Random inputs use a fresh seed, printed on failure.
+// routing, token counts on the "device" with packed token buffers, batch invariance of fprop /
+// dgrad rows (bitwise, whatever the token count and the row's place), validation errors. Random inputs use a fresh seed, printed on failure.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -821,6 +822,61 @@ TEST(GroupedGemmTokenCounts, BadPackedCallsFailCleanly) {
 // ---- validation ---------------------------------------------------------------------------------
 
 // Every malformed call returns a non-ok Status naming the problem and writes no output byte.
+// Batch invariance: a token row's fprop / dgrad output depends on that row and the weight only.
+// The same rows computed alone (m = 1), among a few others and deep inside a large call (past the
+// 64-row tiles and a 256-row panel) give the same bits, F32 and BF16 outputs.
+TEST(GroupedGemmBatchInvariance, ARowsBitsDoNotDependOnTheOtherRows) {
+  RANDOM_SEED(seed);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  struct Shape {
+    int64_t n, k;
+  };
+  for (const Shape sh : {Shape{48, 32}, Shape{130, 40}, Shape{96, 520}}) {
+    for (const GemmOp op : {GemmOp::kFprop, GemmOp::kDgrad}) {
+      for (const DType out : {DType::kF32, DType::kBF16}) {
+        const int64_t red = op == GemmOp::kFprop ? sh.k : sh.n;   // lhs row length
+        const int64_t cols = op == GemmOp::kFprop ? sh.n : sh.k;  // output row length
+        std::vector<uint16_t> w(sh.n * sh.k);
+        for (uint16_t& v : w) v = f32_to_bf16(nd(rng));
+        // A call of m rows whose lhs rows are `rows`; returns the output's bytes per row.
+        auto run = [&](const std::vector<uint16_t>& lhs, int64_t m) {
+          std::vector<uint8_t> y(dtype_bytes_for(out, static_cast<size_t>(m * cols)));
+          GroupedGemmArgs a;
+          a.op = op;
+          a.n = sh.n;
+          a.k = sh.k;
+          a.m = {m};
+          a.lhs.data = {lhs.data()};
+          a.rhs.data = {w.data()};
+          a.out_dtype = out;
+          a.out = {y.data()};
+          EXPECT_TRUE(grouped_gemm_cpu(a).is_ok());
+          return y;
+        };
+        const int64_t big = 300;
+        std::vector<uint16_t> lhs(big * red);
+        for (uint16_t& v : lhs) v = f32_to_bf16(nd(rng));
+        const std::vector<uint8_t> all = run(lhs, big);
+        const size_t row_bytes = all.size() / big;
+        for (const int64_t r : {int64_t{0}, int64_t{9}, int64_t{63}, int64_t{200}, big - 1}) {
+          const std::vector<uint16_t> one(lhs.begin() + r * red, lhs.begin() + (r + 1) * red);
+          const std::vector<uint8_t> alone = run(one, 1);
+          const int64_t few = std::min<int64_t>(r + 1, 5);  // rows r - few + 1 .. r
+          const std::vector<uint16_t> some(lhs.begin() + (r - few + 1) * red,
+                                           lhs.begin() + (r + 1) * red);
+          const std::vector<uint8_t> among = run(some, few);
+          const std::vector<uint8_t> want(all.begin() + r * row_bytes,
+                                          all.begin() + (r + 1) * row_bytes);
+          EXPECT_EQ(alone, want) << "row " << r << " alone, N " << sh.n << " K " << sh.k;
+          EXPECT_EQ(std::vector<uint8_t>(among.end() - row_bytes, among.end()), want)
+              << "row " << r << " among " << few << ", N " << sh.n << " K " << sh.k;
+        }
+      }
+    }
+  }
+}
+
 TEST(GroupedGemmValidation, BadCallsFailCleanlyAndTouchNothing) {
   RANDOM_SEED(seed);
   std::mt19937_64 rng(seed);

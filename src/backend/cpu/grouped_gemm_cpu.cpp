@@ -1,10 +1,12 @@
 // CPU reference of the grouped GEMM (backend/ops/gemm.h). Every operand is dequantized
 // exactly to FP32 in its LOGICAL layout (X (m, K), dY (m, N), W (N, K)), whatever copy is stored,
-// one token panel at a time, and multiplied with OpenBLAS sgemm (FP32 accumulation) in fixed
-// output tiles, one single-threaded sgemm each, OpenMP over the tiles. Invariant: a group's
+// one token panel at a time, and multiplied with single-threaded OpenBLAS (FP32 accumulation) in
+// fixed output tiles, OpenMP over the tiles: fprop / dgrad one sgemv per token row of a tile,
+// wgrad one sgemm per tile. Invariant: a group's
 // arithmetic depends only on (op, format, m_g, N, K) and its values, never on where its pointers
 // live nor on the OpenMP / OpenBLAS thread counts, so packed (E, N, K) and per-expert buffers, and
-// every thread setting, give the same bytes. Token counts in "device" memory (host memory here)
+// every thread setting, give the same bytes; and a token row's fprop / dgrad bits never depend on the
+// other rows (batch invariance, tiled_sgemm). Token counts in "device" memory (host memory here)
 // are checked and run as host counts on per-group pointers.
 #include <cblas.h>
 
@@ -47,6 +49,14 @@ void blas_single_threaded() {
 // C (rows, cols) = alpha * op(A) (rows, red) . op(B) (red, cols) + beta * C, row-major, in fixed
 // (kTileRows, kTileCols) tiles. A is stored (rows, red) or, trans_a, (red, rows); B (red, cols)
 // or, trans_b, (cols, red).
+// Batch invariance: OpenBLAS sgemm's rounding of a row depends on the call's shape and on the
+// row's place in it (its micro-kernels treat rows at different offsets differently), so the same
+// token could get other bits in a call of 3 rows than in one of 300. An untransposed A (fprop's X,
+// dgrad's dY: one token per row) therefore runs row by row, one sgemv per (row, column tile): a
+// row's result is a function of its own values, the weight and the shapes alone, whatever else
+// shares the GEMM (the KV-cached decode of one token equals the whole sequence's forward,
+// tests/unit/test_kv_cache.cpp). wgrad (transposed A, a reduction over tokens) stays one sgemm per
+// tile.
 void tiled_sgemm(bool trans_a, bool trans_b, int64_t rows, int64_t cols, int64_t red, float alpha,
                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
                  int64_t ldc) {
@@ -56,12 +66,23 @@ void tiled_sgemm(bool trans_a, bool trans_b, int64_t rows, int64_t cols, int64_t
   for (int64_t t = 0; t < row_tiles * col_tiles; ++t) {
     const int64_t i0 = (t / col_tiles) * kTileRows, j0 = (t % col_tiles) * kTileCols;
     const int64_t tr = std::min(kTileRows, rows - i0), tc = std::min(kTileCols, cols - j0);
-    const float* at = trans_a ? a + i0 : a + i0 * lda;
     const float* bt = trans_b ? b + j0 * ldb : b + j0;
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-                trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(tr), static_cast<int>(tc),
-                static_cast<int>(red), alpha, at, static_cast<int>(lda), bt,
-                static_cast<int>(ldb), beta, c + i0 * ldc + j0, static_cast<int>(ldc));
+    if (!trans_a) {
+      for (int64_t i = i0; i < i0 + tr; ++i) {
+        float* out = c + i * ldc + j0;  // (tc)
+        if (trans_b)  // out = B_tile (tc, red) . a_i
+          cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(tc), static_cast<int>(red),
+                      alpha, bt, static_cast<int>(ldb), a + i * lda, 1, beta, out, 1);
+        else  // out = B_tile^T (tc, red) . a_i, B_tile stored (red, tc)
+          cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<int>(red), static_cast<int>(tc),
+                      alpha, bt, static_cast<int>(ldb), a + i * lda, 1, beta, out, 1);
+      }
+      continue;
+    }
+    cblas_sgemm(CblasRowMajor, CblasTrans, trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<int>(tr), static_cast<int>(tc), static_cast<int>(red), alpha, a + i0,
+                static_cast<int>(lda), bt, static_cast<int>(ldb), beta, c + i0 * ldc + j0,
+                static_cast<int>(ldc));
   }
 }
 
