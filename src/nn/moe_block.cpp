@@ -66,12 +66,12 @@ MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockIn
       fc1_(backend, expert_config(cfg, 2 * cfg.recipe.sr_seed), init.fc1),
       fc2_(backend, expert_config(cfg, 2 * cfg.recipe.sr_seed + 1), init.fc2) {
   const int64_t e = init.router.dim(0), h = init.router.dim(1);
-  const int64_t f = fc2_.param().k();
-  PACKMOE_CHECK(
-      fc1_.param().experts() == e && fc1_.param().n() == 2 * f && fc1_.param().k() == h,
-      "MoEBlock fc1 init must be (E, 2F, H) = (" << e << ", " << 2 * f << ", " << h << ")");
-  PACKMOE_CHECK(fc2_.param().experts() == e && fc2_.param().n() == h,
-                "MoEBlock fc2 init must be (E, H, F) with E = " << e << ", H = " << h);
+  const int64_t el = fc1_.param().experts(), f = fc2_.param().k();
+  PACKMOE_CHECK(el >= 1 && e % el == 0 && fc1_.param().n() == 2 * f && fc1_.param().k() == h,
+                "MoEBlock fc1 init must be (E_local, 2F, H) with E_local dividing E = "
+                    << e << ", 2F = " << 2 * f << ", H = " << h);
+  PACKMOE_CHECK(fc2_.param().experts() == el && fc2_.param().n() == h,
+                "MoEBlock fc2 init must be (E_local, H, F) with E_local = " << el << ", H = " << h);
   PACKMOE_CHECK(cfg.top_k >= 1 && cfg.top_k <= e,
                 "MoEBlock top_k " << cfg.top_k << " for " << e << " experts");
   PACKMOE_CHECK(cfg.out_dtype == DType::kBF16 || cfg.out_dtype == DType::kF32,
@@ -176,7 +176,8 @@ Tensor MoEBlock::forward(const Tensor& x) {
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
   const ExpertRows local = dispatcher_->dispatch(all);
   const int64_t CL = local.rows.dim(0);
-  h_ = fc1_.forward(local.rows, local.counts);               // (CL, 2F)
+  h_ = local.host_counts.empty() ? fc1_.forward(local.rows, local.counts)
+                                 : fc1_.forward(local.rows, local.host_counts);  // (CL, 2F)
   const Tensor a = Tensor::empty(b, DType::kBF16, {CL, F});  // FC2's GEMM operand
   SwigluArgs sa;
   sa.rows = CL;
@@ -187,7 +188,9 @@ Tensor MoEBlock::forward(const Tensor& x) {
   sa.out_dtype = DType::kBF16;
   sa.out = a.data();
   check_op(ops::swiglu(b, sa), "swiglu");
-  yp_ = dispatcher_->combine(fc2_.forward(a, local.counts));  // (C, H)
+  yp_ = dispatcher_->combine(local.host_counts.empty()
+                                 ? fc2_.forward(a, local.counts)
+                                 : fc2_.forward(a, local.host_counts));  // (C, H)
 
   Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});
   UnpermuteArgs ua;
