@@ -1,9 +1,9 @@
 // Communicator: the collectives of data and expert parallelism over Local (1 rank, host), MPI
 // (host memory) and NCCL (device memory), and sub-communicators (split). Invariants: every rank
-// makes the same calls in the same order; any
-// failure (bad arguments, calls that differ across ranks, an MPI/NCCL error, a call that does not
-// complete in time) prints one line naming the rank and the operation and terminates the WHOLE
-// job instead of hanging it. Local and MPI reduce in increasing rank order (docs/dist.md).
+// makes the same calls in the same order; any failure (bad arguments, calls that differ across
+// ranks, an MPI/NCCL error, a call that does not complete in time) prints one line naming the
+// rank and the operation and terminates the WHOLE job instead of hanging it. Local and MPI
+// reduce in increasing rank order (docs/dist.md).
 #pragma once
 
 #include <atomic>
