@@ -145,7 +145,13 @@ CommKind comm_kind_for(Device device) {
 
 Communicator::Communicator(CommKind kind, int rank, int size, Backend& backend, CommOptions options,
                            bool whole_job)
-    : kind_(kind), rank_(rank), size_(size), backend_(&backend), options_(options) {
+    : kind_(kind),
+      rank_(rank),
+      size_(size),
+      whole_job_(whole_job),
+      job_rank_(rank),
+      backend_(&backend),
+      options_(options) {
   PACKMOE_CHECK(size >= 1 && rank >= 0 && rank < size, "rank " << rank << " of " << size);
   if (whole_job && size > 1) set_check_rank(rank);
 }
@@ -158,7 +164,9 @@ void Communicator::fail(std::string_view op, std::string_view why) {
 
 void Communicator::fail_at(uint64_t seq, std::string_view op, std::string_view why) {
   std::ostringstream os;
-  os << "[rank " << rank_ << "/" << size_ << "] packmoe: " << comm_kind_name(kind_) << " " << op;
+  os << "[rank " << rank_ << "/" << size_;
+  if (!whole_job_) os << ", job rank " << job_rank_;
+  os << "] packmoe: " << comm_kind_name(kind_) << " " << op;
   if (seq != 0) os << " (call #" << seq << ")";
   os << " failed: " << why << "; aborting the job\n";
   const std::string line = os.str();
@@ -409,6 +417,7 @@ std::unique_ptr<Communicator> Communicator::split(int color) {
   PACKMOE_COMM_REQUIRE(call, color >= 0, "color " << color << " < 0");
   enter(call);
   std::unique_ptr<Communicator> part = do_split(color);
+  part->job_rank_ = job_rank_;
   leave();
   return part;
 }

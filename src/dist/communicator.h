@@ -1,9 +1,9 @@
 // Communicator: the collectives of data and expert parallelism over Local (1 rank, host), MPI
 // (host memory) and NCCL (device memory), and sub-communicators (split). Invariants: every rank
-// makes the same calls in the same order; any
-// failure (bad arguments, calls that differ across ranks, an MPI/NCCL error, a call that does not
-// complete in time) prints one line naming the rank and the operation and terminates the WHOLE
-// job instead of hanging it. Local and MPI reduce in increasing rank order (docs/dist.md).
+// makes the same calls in the same order; any failure (bad arguments, calls that differ across
+// ranks, an MPI/NCCL error, a call that does not complete in time) prints one line naming the
+// rank and the operation and terminates the WHOLE job instead of hanging it. Local and MPI
+// reduce in increasing rank order (docs/dist.md).
 #pragma once
 
 #include <atomic>
@@ -139,8 +139,8 @@ class Communicator {
   virtual void backend_waits_for_side() {}
 
   // Prints "[rank r/N] packmoe: <kind> <op> (call #k) failed: <why>; aborting the job" (the call
-  // number when a collective is in flight) and terminates every rank (MPI_Abort; NCCL:
-  // ncclCommAbort first). Never returns.
+  // number when a collective is in flight; "[rank r/N, job rank j]" on a split communicator) and
+  // terminates every rank of the job (MPI_Abort; NCCL: ncclCommAbort first). Never returns.
   [[noreturn]] void fail(std::string_view op, std::string_view why);
   // Terminates every rank of the job without printing.
   [[noreturn]] virtual void abort_job() = 0;
@@ -193,6 +193,8 @@ class Communicator {
   CommKind kind_;
   int rank_;
   int size_;
+  bool whole_job_;
+  int job_rank_;  // this process's rank in the whole-job communicator it was split from
   Backend* backend_;
   CommOptions options_;
   uint64_t calls_ = 0;  // collectives issued so far on this rank

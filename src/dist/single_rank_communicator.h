@@ -11,7 +11,8 @@
 namespace packmoe {
 
 // dist/communicator.h's local communicator in the backend's memory, without call verification or
-// a watchdog: one rank cannot disagree with itself nor wait for another.
+// a watchdog: one rank cannot disagree with itself nor wait for another. Its split() returns
+// another such communicator (an expert-parallel group of one).
 std::unique_ptr<Communicator> make_single_rank_communicator(Backend& backend);
 
 }  // namespace packmoe

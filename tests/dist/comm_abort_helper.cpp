@@ -51,6 +51,15 @@ int main(int argc, char** argv) {
     // Never dereferenced: the size check fails before MPI sees the pointers.
     const auto far = reinterpret_cast<const void*>(uintptr_t{1} << 40);
     c.all_gather(far, reinterpret_cast<void*>(uintptr_t{1} << 44), int64_t{3} << 30);
+  } else if (scenario == "mismatched-all-to-all") {
+    // Rank 0 sends 5 bytes to rank 1, which expects 6.
+    const std::vector<int64_t> send = me == 0 ? std::vector<int64_t>{4, 5} : std::vector<int64_t>{6, 7};
+    const std::vector<int64_t> recv = me == 0 ? std::vector<int64_t>{4, 6} : std::vector<int64_t>{6, 7};
+    c.all_to_allv(in.data(), send, out.data(), recv);
+  } else if (scenario == "split-failure") {
+    // Rank 1's failure on its own one-rank split ends rank 0 too, which waits in the world.
+    std::unique_ptr<Communicator> alone = c.split(me);
+    if (me == 1) alone->broadcast(in.data(), 8, 3);
   } else if (scenario == "local-bad-root") {
     c.broadcast(in.data(), 8, 1);
   } else {

@@ -96,6 +96,17 @@ TEST(CommFailures, OverMpiIntLimitIsRefused) {
                  {"mpi all_gather (call #2) failed: size 3221225472 exceeds MPI's int limit 2147483647"});
 }
 
+TEST(CommFailures, MismatchedAllToAllNamesBothRanks) {
+  expect_aborted(run("mismatched-all-to-all", true),
+                 {"[rank 1/2] packmoe: mpi all_to_allv (call #2) failed: rank 1 expects 6 bytes "
+                  "from rank 0, which sends 5 bytes to rank 1; aborting the job"});
+}
+
+TEST(CommFailures, SplitCommunicatorFailureEndsTheJob) {
+  expect_aborted(run("split-failure", true),
+                 {"[rank 0/1, job rank 1] packmoe: mpi broadcast (call #1) failed: root 3 is not a rank of 1"});
+}
+
 TEST(CommFailures, LocalAbortsToo) {
   expect_aborted(run("local-bad-root", false),
                  {"[rank 0/1] packmoe: local broadcast (call #2) failed: root 1 is not a rank of 1"});

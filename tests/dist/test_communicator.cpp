@@ -1,10 +1,12 @@
 // Local and MPI communicators on host memory: the shared checks of
-// tests/common/communicator_checks.h, run alone (Local) and under mpirun -np 2 and -np 3 (MPI),
-// where every floating-point sum must equal the left-to-right rank-ordered sum bitwise.
+// tests/common/communicator_checks.h and tests/common/communicator_ep_checks.h (all_to_allv,
+// split), run alone (Local) and under mpirun -np 2, 3 and 4 (MPI), where every floating-point sum
+// must equal the left-to-right rank-ordered sum bitwise.
 #include <cstdlib>
 #include <string>
 
 #include "common/communicator_checks.h"
+#include "common/communicator_ep_checks.h"
 
 namespace packmoe::comm_checks {
 namespace {

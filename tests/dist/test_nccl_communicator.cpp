@@ -1,10 +1,12 @@
 // NCCL communicator on device memory, one GPU per rank: the shared checks of
 // tests/common/communicator_checks.h (sums bitwise with two ranks, within the order-free bound
-// beyond) plus collectives queued on a caller's stream. Run alone (one rank) and under
-// `mpirun -np 2` on a 2-GPU machine; exits 77 (skipped) when the host has fewer GPUs than ranks.
+// beyond) and tests/common/communicator_ep_checks.h (all_to_allv, split), plus collectives queued
+// on a caller's stream. Run alone (one rank) and under `mpirun -np 2` (3, 4) on a machine with as
+// many GPUs; exits 77 (skipped) when the host has fewer GPUs than ranks.
 #include <cuda_runtime.h>
 
 #include "common/communicator_checks.h"
+#include "common/communicator_ep_checks.h"
 #include "common/cuda_ranks.h"
 
 namespace packmoe::comm_checks {
