@@ -182,6 +182,11 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "        1, NVFP4 about 0.56 B/param)\n"
       "  reuse-grad-buffer: as bf16, through the gradient buffer's memory (no extra buffer)\n"
       "(default: bf16)");
+  add_train_flag(cmd, args, "--expert-parallel", &train::TrainConfig::expert_parallel,
+                 "expert parallelism EP: every MoE layer's experts are cut into EP ranges and\n"
+                 "each group of EP consecutive ranks (mpirun -np N) holds them, one range per\n"
+                 "rank; tokens reach their experts by all-to-all. EP divides N and the experts;\n"
+                 "dense weights stay data-parallel over all ranks");
   add_train_flag(cmd, args, "--steps", &train::TrainConfig::steps, "optimizer steps");
   add_train_flag(cmd, args, "--micro-batch", &train::TrainConfig::micro_batch_size,
                  "rows per micro-batch (B)");
@@ -575,6 +580,10 @@ Result<SetUp> set_up(const TrainArgs& args) {
     config.gather_mode = m.value();
   }
   PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
+  if (config.expert_parallel > 1 && (!args.save_dir.empty() || checkpoint))
+    return Status::error("--expert-parallel " + std::to_string(config.expert_parallel) +
+                         ": checkpoints (--save-dir, --resume) of expert-parallel runs are not "
+                         "implemented yet");
   // Sizes against the machine before anything large is allocated (weights, data, activations).
   PACKMOE_RETURN_IF_ERROR(train::check_run_fits(config, *model, host_memory_bytes()));
   if (checkpoint && checkpoint->step >= config.steps)

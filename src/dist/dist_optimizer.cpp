@@ -184,16 +184,47 @@ void DistOptimizer::grad_ready(int p) {
 }
 
 DistStepResult DistOptimizer::step(double max_norm) {
+  reduce_gradients();
+  return apply(comm_->size() == 1 ? single_rank_grad_norm() : shard_grad_norm(), max_norm);
+}
+
+void DistOptimizer::reduce_gradients() {
   for (const DistParam& d : params_)
     PACKMOE_CHECK(d.param->grad_state() == GradState::kSettled,
                   "optimizer step with a delayed wgrad pending: its gradient would never reach "
                   "the update; run backward_dw first");
   overlap_armed_ = false;
   grads_.reduce_scatter();
+}
+
+void DistOptimizer::shard_squares_into_norm() {
+  const FlatRange sh = shard();
+  double* norm = static_cast<double*>(norm_.get());
+  if (sh.size() > 0)
+    check_op(ops::sum_squares(*be_, one_segment<const float>(grads_.data() + sh.begin, sh.size()),
+                              norm),
+             "sum_squares");
+  else
+    be_->fill_zero(norm, sizeof(double));
+}
+
+double DistOptimizer::norm_value() const {
+  double sum = 0;
+  const std::vector<uint8_t> bytes = norm_.download();
+  std::memcpy(&sum, bytes.data(), sizeof(double));
+  return sum;
+}
+
+double DistOptimizer::shard_sum_squares() {
+  shard_squares_into_norm();
+  return norm_value();
+}
+
+DistStepResult DistOptimizer::apply(double grad_norm, double max_norm) {
   const FlatRange sh = shard();
   const float* grads = grads_.data();
   DistStepResult r;
-  r.grad_norm = comm_->size() == 1 ? single_rank_grad_norm() : shard_grad_norm();
+  r.grad_norm = grad_norm;
   if (!std::isfinite(r.grad_norm)) {
     grads_.fill_zero();
     grads_.advance(GradBufferState::kZeroed, "step skipped: non-finite grad norm");
@@ -232,18 +263,10 @@ DistStepResult DistOptimizer::step(double max_norm) {
 }
 
 double DistOptimizer::shard_grad_norm() {
-  const FlatRange sh = shard();
-  double* norm = static_cast<double*>(norm_.get());
-  if (sh.size() > 0)
-    check_op(ops::sum_squares(*be_, one_segment<const float>(grads_.data() + sh.begin, sh.size()), norm),
-             "sum_squares");
-  else
-    be_->fill_zero(norm, sizeof(double));
-  comm_->all_reduce(norm, norm, 1, ReduceOp::kSum);
-  double sum = 0;
-  const std::vector<uint8_t> bytes = norm_.download();
-  std::memcpy(&sum, bytes.data(), sizeof(double));
-  return std::sqrt(sum);
+  shard_squares_into_norm();
+  comm_->all_reduce(static_cast<double*>(norm_.get()), static_cast<double*>(norm_.get()), 1,
+                    ReduceOp::kSum);
+  return std::sqrt(norm_value());
 }
 
 double DistOptimizer::single_rank_grad_norm() const {

@@ -113,6 +113,15 @@ class DistOptimizer {
   // (max_norm <= 0: no clipping), AdamW on the shard, staging for the gather. A delayed wgrad
   // still pending on a param is a PACKMOE_CHECK error. Collective.
   DistStepResult step(double max_norm = 0.0);
+  // step() in parts, for optimizers that share one global norm (expert parallelism: the dense
+  // params' optimizer over all ranks and the experts' over the expert-data-parallel ranks):
+  // reduce_gradients (Accumulating -> Reduced: the reduce-scatter of the buckets not launched yet;
+  // collective), shard_sum_squares (this rank's shard's FP64 sum of squares of the reduced
+  // gradient, on the host; no communication), apply (clip by grad_norm, AdamW, staging: ->
+  // ParamsStaged, or -> Zeroed when grad_norm is not finite).
+  void reduce_gradients();
+  double shard_sum_squares();
+  DistStepResult apply(double grad_norm, double max_norm);
   void set_lr(float lr) { cfg_.adamw.lr = lr; }
   float lr() const { return cfg_.adamw.lr; }
   int64_t steps() const { return steps_; }
@@ -154,6 +163,8 @@ class DistOptimizer {
   // rounding differs).
   double shard_grad_norm();
   double single_rank_grad_norm() const;
+  void shard_squares_into_norm();  // norm_ = this rank's shard's FP64 sum of squares
+  double norm_value() const;        // norm_ on the host
   // masters -> the mode's gather source; params await the gather. image_written: AdamW already
   // wrote the BF16 image (the BF16 gather after a step).
   void stage(bool image_written = false);

@@ -212,7 +212,9 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
   if (!c.tie_word_embeddings) add_linear(*m.lm_head);
   PACKMOE_CHECK(order.size() == specs.size(), "Model: parameter list out of step with the specs");
   for (size_t i = 0; i < specs.size(); ++i) {
-    params_.push_back({specs[i].name, order[i].param, specs[i].weight_decay, order[i].reads_fp32});
+    const bool expert = specs[i].name.find(".mlp.experts.") != std::string::npos;
+    params_.push_back(
+        {specs[i].name, order[i].param, specs[i].weight_decay, order[i].reads_fp32, expert});
     if (order[i].linear) linears_.push_back(order[i].linear);
   }
 }

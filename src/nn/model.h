@@ -116,9 +116,10 @@ class RmsNorm;        // nn/rms_norm.h
 // must keep a full FP32 replica of it on every rank (dist/dist_optimizer.h WeightForm::kFp32).
 struct NamedParam {
   std::string name;
-  GroupedParam* param;  // (1, N, K) for dense weights (norms: (1, 1, D)), (E, N, K) for experts
+  GroupedParam* param;  // (1, N, K) for dense weights (norms: (1, 1, D)), (E_local, N, K) for experts
   bool weight_decay;
   bool reads_fp32 = false;
+  bool expert = false;  // an MoE layer's FC1 / FC2: sharded over ranks by expert parallelism
 };
 
 // Called by Model::backward with a params() index once that parameter's gradient of this backward

@@ -84,6 +84,9 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
                          " exceeds the model's max_position_embeddings = " +
                          std::to_string(model.max_position_embeddings));
   PACKMOE_RETURN_IF_ERROR(in_int_range("grad_accum_steps", c.grad_accum_steps, 1, kMaxAccumBits));
+  if (c.expert_parallel < 1 || c.expert_parallel > kMaxRanks)
+    return Status::error("expert_parallel = " + std::to_string(c.expert_parallel) +
+                         " must be in [1, " + std::to_string(kMaxRanks) + "]");
   // Token counts are exact: a micro-batch, a step and the whole run (the data position) in int64.
   const std::optional<int64_t> rows_tokens = checked_mul(c.micro_batch_size, c.seq_len);
   if (!rows_tokens || *rows_tokens > (int64_t{1} << kMaxRowsBits))
@@ -202,6 +205,7 @@ json train_config_to_json(const TrainConfig& c) {
   j["layout"] = layout_name(c.precision.layout);
   j["primary"] = primary_name(c.precision.primary);
   j["gather_mode"] = gather_mode_name(c.gather_mode);
+  j["expert_parallel"] = c.expert_parallel;
   if (!c.tokenizer.empty()) j["tokenizer"] = c.tokenizer;
   return j;
 }
@@ -218,6 +222,8 @@ Status apply_train_json(const json& j, TrainConfig* c) {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->seq_len));
     } else if (key == "grad_accum_steps") {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->grad_accum_steps));
+    } else if (key == "expert_parallel") {
+      PACKMOE_RETURN_IF_ERROR(read(key, v, &c->expert_parallel));
     } else if (key == "lr") {
       PACKMOE_RETURN_IF_ERROR(read(key, v, &c->lr));
     } else if (key == "min_lr") {

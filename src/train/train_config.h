@@ -45,6 +45,10 @@ struct TrainConfig {
   // How data parallelism (mpirun) all-gathers updated parameters; no effect on one rank. All modes
   // give bitwise the same weights (docs/dist.md); they differ in bytes moved and memory.
   GatherMode gather_mode = GatherMode::kBf16;
+  // Expert parallelism (EP): each MoE layer's experts are cut into EP contiguous ranges, each rank
+  // holds one (dist/expert_layout.h); tokens reach their experts by all-to-all. 1: every rank
+  // holds every expert. EP must divide the ranks and the experts (checked by Trainer::create).
+  int64_t expert_parallel = 1;
   // The tokenizer the data was tokenized with (`--tokenizer`), as an absolute path; empty: byte
   // tokens or pre-tokenized files without one. Stored in checkpoints so that export-hf copies
   // its files beside the weights (docs/tokenizers.md).

@@ -10,7 +10,11 @@
 #include <optional>
 #include <sstream>
 
+#include "dist/ep_token_dispatcher.h"
+#include "dist/expert_layout.h"
 #include "dist/single_rank_communicator.h"
+#include "nn/decoder_layer.h"
+#include "nn/moe_block.h"
 #include "nn/recipe.h"
 #include "train/rank_agreement.h"
 
@@ -80,6 +84,17 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
                          std::to_string(config.grad_accum_steps * world) +
                          " micro-batches per step; its stochastic rounding numbers at most " +
                          std::to_string(int64_t{1} << kSrIndexBits));
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < model.num_hidden_layers; ++i) moe_layers += model.is_moe_layer(i);
+  Result<ExpertLayout> layout =
+      make_expert_layout(static_cast<int>(world), static_cast<int>(config.expert_parallel),
+                         model.num_experts, moe_layers);
+  if (!layout) return layout.status();
+  ExpertSlice experts;
+  if (config.expert_parallel > 1) {
+    experts.first = layout.value().first_expert(parallel.comm->rank());
+    experts.count = layout.value().local_experts();
+  }
   for (StreamOptions* stream : {&data.train_stream, &data.validation_stream}) {
     stream->shuffle = config.shuffle;
     stream->seed = config.seed;
@@ -108,13 +123,13 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
   };
   std::unique_ptr<Model> m;
   if (init) {
-    m = std::make_unique<Model>(backend, model, precision, *init);
+    m = std::make_unique<Model>(backend, model, precision, *init, experts);
   } else {
     // The random init is made where the model lives (on CUDA: on the device, no host copy) and
     // freed once the layers hold their copies.
     const ModelWeights random = random_model_weights(backend, model, config.seed);
     phase_done(times.weights);
-    m = std::make_unique<Model>(backend, model, precision, random);
+    m = std::make_unique<Model>(backend, model, precision, random, experts);
   }
   phase_done(times.model);
   std::unique_ptr<Trainer> t(new Trainer(std::move(m), config, std::move(sampler.value()),
@@ -152,14 +167,36 @@ Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
   dc.adamw = adamw_config(config_);
   dc.gather = config_.gather_mode;
   dc.bucket_elems = parallel.bucket_elems;
-  optimizer_ = std::make_unique<DistOptimizer>(*comm_, optimizer_params(*model_), dc);
+  std::vector<bool> expert;
+  for (const NamedParam& p : model_->params()) expert.push_back(p.expert);
+  if (config_.expert_parallel > 1) {
+    // Checked by create(): EP divides the ranks and the experts.
+    const ExpertLayout layout = make_expert_layout(comm_->size(),
+                                                   static_cast<int>(config_.expert_parallel),
+                                                   model_->config().num_experts, 1)
+                                    .value();
+    ep_comm_ = comm_->split(layout.ep_group(comm_->rank()));
+    edp_comm_ = comm_->split(layout.ep_rank(comm_->rank()));
+    for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i)
+      if (MoEBlock* moe = model_->layer(i).moe())
+        moe->set_token_dispatcher(
+            std::make_unique<EpTokenDispatcher>(*ep_comm_, model_->config().num_experts));
+  }
+  optimizer_ = std::make_unique<ParallelOptimizer>(*comm_, edp_comm_.get(),
+                                                   optimizer_params(*model_), expert, dc);
   // params() order is the optimizer's: each bucket's reduce-scatter starts in the step's last
   // backward as soon as the bucket's gradients are final.
   model_->set_grad_ready_hook(
       [opt = optimizer_.get()](size_t p) { opt->grad_ready(static_cast<int>(p)); });
 }
 
+namespace {
+constexpr const char* kNoEpCheckpoints =
+    "checkpoints of an expert-parallel run (--expert-parallel > 1) are not implemented yet";
+}  // namespace
+
 TrainerCheckpoint Trainer::snapshot() const {
+  PACKMOE_CHECK(!optimizer_->expert_parallel(), kNoEpCheckpoints);
   TrainerCheckpoint c;
   c.step = step_;
   c.model = model_->config();
@@ -167,7 +204,7 @@ TrainerCheckpoint Trainer::snapshot() const {
   c.sampler = train_sampler_.state();
   c.train_sources = train_sampler_.shapes();
   const std::vector<NamedParam>& params = model_->params();
-  const FullOptimizerState full = optimizer_->gather_state();
+  const FullOptimizerState full = optimizer_->all_ranks().gather_state();
   PACKMOE_CHECK(full.master.size() == params.size(), "optimizer out of step with the model");
   const std::vector<ParamSpec> specs = model_param_specs(c.model);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -180,12 +217,13 @@ TrainerCheckpoint Trainer::snapshot() const {
   c.optimizer_steps = full.steps;
   c.world_size = comm_->size();
   // One rank keeps the single-process format (the moments in optimizer.safetensors).
-  if (comm_->size() > 1) c.shard_plan = saved_shard_plan(optimizer_->plan());
+  if (comm_->size() > 1) c.shard_plan = saved_shard_plan(optimizer().plan());
   return c;
 }
 
 Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::string& root,
                                                                  int keep_last, bool save_primary) {
+  if (optimizer_->expert_parallel()) return Status::error(kNoEpCheckpoints);
   Communicator& comm = *comm_;
   const bool rank0 = comm.rank() == 0;
   // Every failure is agreed before the next collective, so no rank waits for one that gave up;
@@ -202,7 +240,7 @@ Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::stri
   }
   PACKMOE_RETURN_IF_ERROR(agree_on_status(comm, status));
   const std::string dir = broadcast_string(comm, rank0 ? writer->dir() : std::string(), 0);
-  if (comm.size() > 1) status = write_optimizer_shard(dir, optimizer_->shard_state());
+  if (comm.size() > 1) status = write_optimizer_shard(dir, optimizer().shard_state());
   const TrainerCheckpoint c = snapshot();
   if (save_primary) optimizer_->prepare_forward();  // the primaries of the current masters
   if (rank0 && status.is_ok()) status = write_trainer_checkpoint(dir, c);
@@ -244,13 +282,13 @@ void Trainer::restore_state(const TrainerCheckpoint& c) {
   // part and stages the masters for the next forward's gather.
   FullOptimizerState full;
   full.steps = c.optimizer_steps;
-  full.params = optimizer_->plan().geometries();
+  full.params = optimizer().plan().geometries();
   for (const NamedParam& p : model_->params()) {
     full.master.push_back(host_floats(c.masters.at(p.name)));
     full.exp_avg.push_back(host_floats(c.moments.at(exp_avg_name(p.name))));
     full.exp_avg_sq.push_back(host_floats(c.moments.at(exp_avg_sq_name(p.name))));
   }
-  const Status loaded = optimizer_->load_state(full);
+  const Status loaded = optimizer().load_state(full);
   PACKMOE_CHECK(loaded.is_ok(), "restore_state after check_resumable: " << loaded.message());
   const Status position = train_sampler_.set_state(c.sampler);
   PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
@@ -264,6 +302,7 @@ Status Trainer::load_checkpoint(const std::string& dir) {
 }
 
 Status Trainer::load_checkpoint(const TrainerCheckpoint& c) {
+  if (optimizer_->expert_parallel()) return Status::error(kNoEpCheckpoints);
   PACKMOE_RETURN_IF_ERROR(agree_on_status(*comm_, check_resumable(c)));
   restore_state(c);  // every check passed, nothing here can fail
   return Status::ok();

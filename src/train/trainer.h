@@ -16,6 +16,7 @@
 #include "backend/device_buffer.h"
 #include "dist/communicator.h"
 #include "dist/dist_optimizer.h"
+#include "dist/parallel_optimizer.h"
 #include "io/checkpoint_dir.h"
 #include "io/token_data.h"
 #include "nn/model.h"
@@ -138,8 +139,11 @@ class Trainer {
   Result<EvalResult> evaluate();
 
   int world_size() const { return comm_->size(); }  // GPUs (or CPU ranks) training
-  DistOptimizer& optimizer() { return *optimizer_; }
-  const DistOptimizer& optimizer() const { return *optimizer_; }
+  // Every parameter's optimizer, or under expert parallelism the dense parameters' (the experts'
+  // is parallel_optimizer().experts()).
+  DistOptimizer& optimizer() { return optimizer_->all_ranks(); }
+  const DistOptimizer& optimizer() const { return optimizer_->all_ranks(); }
+  ParallelOptimizer& parallel_optimizer() { return *optimizer_; }
 
   int64_t step() const { return step_; }
   const TrainConfig& config() const { return config_; }
@@ -169,7 +173,10 @@ class Trainer {
   LrSchedule schedule_;
   BatchSampler train_sampler_;
   std::vector<Batch> validation_;  // (eval_batches) fixed micro-batches
-  std::unique_ptr<DistOptimizer> optimizer_;
+  // Expert parallelism (config.expert_parallel > 1): the EP group's and the expert-data-parallel
+  // group's communicators (split from comm_), null otherwise.
+  std::unique_ptr<Communicator> ep_comm_, edp_comm_;
+  std::unique_ptr<ParallelOptimizer> optimizer_;
   DeviceBuffer loss_sums_;  // (2) F64 in comm_'s memory: the loss all-reduce
   int64_t step_ = 0;
   StartupTimes startup_;

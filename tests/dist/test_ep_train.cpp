@@ -1,0 +1,171 @@
+// Expert-parallel training through the Trainer (--expert-parallel, docs/dist.md) against the
+// data-parallel run of the same micro-batches on the same ranks: a tiny Qwen3-MoE with 12
+// experts, top-k 2, uneven routing (some experts get no token in some micro-batches), 3 steps,
+// no clipping. For every EP > 1 dividing the world size:
+//   - EP = world with one micro-batch per step (each expert's gradient sums every rank's part in
+//     rank order, as the data-parallel reduce-scatter does): every loss bitwise, the grad norm
+//     within 1e-12 relative (FP64 sums of squares over other shards), every master bitwise (the
+//     dense ones in the world's optimizer, each rank's experts in the expert optimizer).
+//   - EP < world, or two micro-batches per step: the first step's loss bitwise (the forward of
+//     the same weights is the same), later losses within kLossBound (the expert gradients' FP32
+//     sums run in another order).
+// BF16 and MXFP8; NVFP4's first loss bitwise (its gradient stochastic rounding is numbered per
+// quantizing rank, so the expert backward differs from data parallelism by design).
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/dist_main.h"
+#include "dist/expert_layout.h"
+#include "nn/model.h"
+#include "train/model_config.h"
+#include "train/trainer.h"
+
+namespace packmoe::dist_test {
+namespace {
+
+constexpr double kNormBound = 1e-12;  // relative
+constexpr double kLossBound = 1e-4;   // relative, steps 2 and 3 when not bitwise
+
+ModelConfig model_with_12_experts() {
+  ModelConfig m = train::model_config_preset("tiny").value();
+  m.num_experts = 12;
+  m.num_experts_per_tok = 2;
+  return m;
+}
+
+train::TrainData corpus() {
+  train::TrainData d;
+  std::string text;
+  for (int i = 0; i < 400; ++i)
+    text += "line " + std::to_string(i * 7919 % 1013) + " of the packmoe expert-parallel corpus\n";
+  io::TokenDataset tokens;
+  for (unsigned char c : text) tokens.tokens.push_back(c);
+  d.train = train::single_source(std::move(tokens));
+  return d;
+}
+
+train::TrainConfig config(int64_t accum, Recipe recipe, int64_t ep, uint64_t seed) {
+  train::TrainConfig c;
+  c.steps = 3;
+  c.micro_batch_size = 2;
+  c.seq_len = 16;
+  c.grad_accum_steps = accum;
+  c.warmup_steps = 1;
+  c.eval_interval = 0;
+  c.grad_clip = 0;
+  c.seed = seed;
+  c.precision.recipe.recipe = recipe;
+  c.expert_parallel = ep;
+  return c;
+}
+
+std::vector<float> floats_of(const Tensor& t) {
+  std::vector<float> f(static_cast<size_t>(t.numel()));
+  std::memcpy(f.data(), t.data(), t.nbytes());
+  return f;
+}
+
+struct Case {
+  Recipe recipe;
+  int64_t accum;
+};
+
+class EpTrain : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EpTrain, MatchesDataParallelOnTheSameMicroBatches) {
+  const Case tc = GetParam();
+  Communicator& world = comm();
+  if (world.size() == 1) GTEST_SKIP() << "expert parallelism needs 2+ ranks";
+  Backend& b = world.backend();
+  const ModelConfig model = model_with_12_experts();
+  const uint64_t seed = g_seed % 100000;
+  for (int ep = 2; ep <= world.size(); ++ep) {
+    if (world.size() % ep != 0 || model.num_experts % ep != 0) continue;
+    SCOPED_TRACE(::testing::Message() << "EP " << ep << " of " << world.size() << " ranks, "
+                                      << tc.accum << " micro-batch(es)");
+    const bool bitwise = ep == world.size() && tc.accum == 1 && tc.recipe != Recipe::kNvfp4;
+    auto dp = train::Trainer::create(b, model, config(tc.accum, tc.recipe, 1, seed), corpus(),
+                                     nullptr, {&world})
+                  .value();
+    auto ept = train::Trainer::create(b, model, config(tc.accum, tc.recipe, ep, seed), corpus(),
+                                      nullptr, {&world})
+                   .value();
+    ASSERT_TRUE(ept->parallel_optimizer().expert_parallel());
+    for (int s = 0; s < 3; ++s) {
+      SCOPED_TRACE("step " + std::to_string(s + 1));
+      const train::StepResult d = dp->train_step().value();
+      const train::StepResult e = ept->train_step().value();
+      if (s == 0 || bitwise) {
+        EXPECT_EQ(e.loss, d.loss);
+        EXPECT_EQ(e.aux_loss, d.aux_loss);
+      } else if (tc.recipe != Recipe::kNvfp4) {
+        EXPECT_LE(std::fabs(e.loss - d.loss), kLossBound * d.loss);
+      }
+      EXPECT_TRUE(std::isfinite(e.loss));
+      if (bitwise) EXPECT_LE(std::fabs(e.grad_norm - d.grad_norm) / d.grad_norm, kNormBound);
+      if (world.rank() == 0)
+        std::printf("[ep train] EP %d of %d, %s: step %d loss %.17g (data parallel %.17g)\n", ep,
+                    world.size(), recipe_name(tc.recipe), s + 1, e.loss, d.loss);
+    }
+    if (!bitwise) continue;
+    // Masters: the data-parallel run's full state against the EP run's dense params and this
+    // rank's experts.
+    const FullOptimizerState full = dp->optimizer().gather_state();
+    const FullOptimizerState dense = ept->optimizer().gather_state();
+    const FullOptimizerState experts = ept->parallel_optimizer().experts()->gather_state();
+    const ExpertLayout layout = make_expert_layout(world.size(), ep, model.num_experts, 1).value();
+    const int64_t first = layout.first_expert(world.rank()), el = layout.local_experts();
+    const std::vector<NamedParam>& params = dp->model().params();
+    size_t di = 0, ei = 0;
+    for (size_t p = 0; p < params.size(); ++p) {
+      if (!params[p].expert) {
+        EXPECT_EQ(dense.master[di++], full.master[p]) << params[p].name;
+        continue;
+      }
+      const std::vector<float>& all = full.master[p];
+      const size_t per_expert = all.size() / static_cast<size_t>(model.num_experts);
+      const std::vector<float> slice(all.begin() + first * per_expert,
+                                     all.begin() + (first + el) * per_expert);
+      EXPECT_EQ(experts.master[ei++], slice) << params[p].name;
+    }
+    EXPECT_EQ(di, dense.master.size());
+    EXPECT_EQ(ei, experts.master.size());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, EpTrain,
+                         ::testing::Values(Case{Recipe::kBF16, 1}, Case{Recipe::kMxfp8, 1},
+                                           Case{Recipe::kBF16, 2}, Case{Recipe::kNvfp4, 1}));
+
+TEST(EpTrain, BadLayoutsFailBeforeAnythingStarts) {
+  Communicator& world = comm();
+  Backend& b = world.backend();
+  const ModelConfig model = model_with_12_experts();
+  auto fails = [&](const ModelConfig& m, int64_t ep, const std::string& part) {
+    auto t = train::Trainer::create(b, m, config(1, Recipe::kBF16, ep, 1), corpus(), nullptr,
+                                    {&world});
+    ASSERT_FALSE(t.is_ok()) << "EP " << ep;
+    EXPECT_NE(t.status().message().find(part), std::string::npos) << t.status().message();
+  };
+  fails(model, world.size() + 1, "does not divide the " + std::to_string(world.size()) + " ranks");
+  if (world.size() >= 2) {
+    ModelConfig odd = model;
+    odd.num_experts = 2 * world.size() + 1;  // EP = world does not divide it
+    if (odd.num_experts_per_tok > odd.num_experts) odd.num_experts_per_tok = 2;
+    fails(odd, world.size(), "experts per layer");
+    ModelConfig dense = model;
+    dense.mlp_only_layers.clear();
+    for (int64_t i = 0; i < dense.num_hidden_layers; ++i) dense.mlp_only_layers.push_back(i);
+    fails(dense, world.size(), "without MoE layers");
+  }
+}
+
+}  // namespace
+}  // namespace packmoe::dist_test
+
+int main(int argc, char** argv) {
+  return packmoe::dist_test::run_all(argc, argv, packmoe::Device::kCPU);
+}
