@@ -580,10 +580,11 @@ Result<SetUp> set_up(const TrainArgs& args) {
     config.gather_mode = m.value();
   }
   PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
-  if (config.expert_parallel > 1 && (!args.save_dir.empty() || checkpoint))
-    return Status::error("--expert-parallel " + std::to_string(config.expert_parallel) +
-                         ": checkpoints (--save-dir, --resume) of expert-parallel runs are not "
-                         "implemented yet");
+  if (config.expert_parallel > 1 && args.save_primary)
+    return Status::error("--save-primary with --expert-parallel " +
+                         std::to_string(config.expert_parallel) +
+                         ": each rank holds only its experts' primary weights; the checkpoint's "
+                         "masters hold every expert (quantize them with packmoe quantize)");
   // Sizes against the machine before anything large is allocated (weights, data, activations).
   PACKMOE_RETURN_IF_ERROR(train::check_run_fits(config, *model, host_memory_bytes()));
   if (checkpoint && checkpoint->step >= config.steps)

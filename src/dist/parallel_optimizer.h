@@ -17,16 +17,18 @@
 
 #include "backend/device_buffer.h"
 #include "dist/dist_optimizer.h"
+#include "dist/optimizer_state.h"
 
 namespace packmoe {
 
 class ParallelOptimizer {
  public:
   // params in the model's order; expert[p]: param p is an expert weight (FC1 / FC2 of an MoE
-  // layer). edp: the expert-data-parallel communicator, or null (no expert parallelism: expert[]
-  // is ignored). Collective over world (and edp).
-  ParallelOptimizer(Communicator& world, Communicator* edp, const std::vector<DistParam>& params,
-                    const std::vector<bool>& expert, const DistOptimizerConfig& cfg);
+  // layer). ep / edp: this rank's expert-parallel and expert-data-parallel communicators, both or
+  // neither (no expert parallelism: expert[] is ignored). Collective over world (and edp).
+  ParallelOptimizer(Communicator& world, Communicator* ep, Communicator* edp,
+                    const std::vector<DistParam>& params, const std::vector<bool>& expert,
+                    const DistOptimizerConfig& cfg);
 
   // DistOptimizer's calls, on both (dist/dist_optimizer.h); p indexes the model's params.
   void prepare_forward();
@@ -35,6 +37,16 @@ class ParallelOptimizer {
   float loss_scale(int64_t micro_batches) const { return dense_->loss_scale(micro_batches); }
   void set_lr(float lr);
   DistStepResult step(double max_norm = 0.0);
+
+  // The whole state per parameter in the model's order, experts of all EP ranks included (their
+  // E = EP x E_local, in expert order): the same as a run without expert parallelism holds.
+  // Collective (world, and ep). Only between steps.
+  FullOptimizerState gather_state();
+  // Each optimizer's part of a whole state (saved by any layout): the dense params, and of each
+  // expert param the E_local experts this rank holds. Errors as DistOptimizer::load_state.
+  Status load_state(const FullOptimizerState& state);
+  // The whole state's parameter geometries (experts with all E).
+  std::vector<ParamGeometry> geometries() const;
 
   // Every parameter's optimizer, or with expert parallelism the dense parameters'.
   DistOptimizer& all_ranks() { return *dense_; }
@@ -45,6 +57,7 @@ class ParallelOptimizer {
 
  private:
   Communicator* world_;
+  Communicator* ep_ = nullptr;
   std::unique_ptr<DistOptimizer> dense_;
   std::unique_ptr<DistOptimizer> experts_;
   std::vector<std::pair<bool, int>> where_;  // (P) model param -> (expert?, index there)

@@ -182,7 +182,7 @@ Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
         moe->set_token_dispatcher(
             std::make_unique<EpTokenDispatcher>(*ep_comm_, model_->config().num_experts));
   }
-  optimizer_ = std::make_unique<ParallelOptimizer>(*comm_, edp_comm_.get(),
+  optimizer_ = std::make_unique<ParallelOptimizer>(*comm_, ep_comm_.get(), edp_comm_.get(),
                                                    optimizer_params(*model_), expert, dc);
   // params() order is the optimizer's: each bucket's reduce-scatter starts in the step's last
   // backward as soon as the bucket's gradients are final.
@@ -190,13 +190,7 @@ Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
       [opt = optimizer_.get()](size_t p) { opt->grad_ready(static_cast<int>(p)); });
 }
 
-namespace {
-constexpr const char* kNoEpCheckpoints =
-    "checkpoints of an expert-parallel run (--expert-parallel > 1) are not implemented yet";
-}  // namespace
-
 TrainerCheckpoint Trainer::snapshot() const {
-  PACKMOE_CHECK(!optimizer_->expert_parallel(), kNoEpCheckpoints);
   TrainerCheckpoint c;
   c.step = step_;
   c.model = model_->config();
@@ -204,7 +198,7 @@ TrainerCheckpoint Trainer::snapshot() const {
   c.sampler = train_sampler_.state();
   c.train_sources = train_sampler_.shapes();
   const std::vector<NamedParam>& params = model_->params();
-  const FullOptimizerState full = optimizer_->all_ranks().gather_state();
+  const FullOptimizerState full = optimizer_->gather_state();
   PACKMOE_CHECK(full.master.size() == params.size(), "optimizer out of step with the model");
   const std::vector<ParamSpec> specs = model_param_specs(c.model);
   for (size_t i = 0; i < params.size(); ++i) {
@@ -215,15 +209,19 @@ TrainerCheckpoint Trainer::snapshot() const {
                       host_tensor(full.exp_avg_sq[i], specs[i].shape));
   }
   c.optimizer_steps = full.steps;
-  c.world_size = comm_->size();
-  // One rank keeps the single-process format (the moments in optimizer.safetensors).
-  if (comm_->size() > 1) c.shard_plan = saved_shard_plan(optimizer().plan());
+  // One rank keeps the single-process format (the moments in optimizer.safetensors); so does
+  // expert parallelism, whose state is gathered whole (per-expert names, every layout resumes
+  // it): rank 0 writes it all.
+  c.world_size = sharded_save() ? comm_->size() : 1;
+  if (sharded_save()) c.shard_plan = saved_shard_plan(optimizer().plan());
   return c;
 }
 
 Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::string& root,
                                                                  int keep_last, bool save_primary) {
-  if (optimizer_->expert_parallel()) return Status::error(kNoEpCheckpoints);
+  if (save_primary && optimizer_->expert_parallel())
+    return Status::error("primary weights of an expert-parallel run: each rank holds only its "
+                         "experts'");
   Communicator& comm = *comm_;
   const bool rank0 = comm.rank() == 0;
   // Every failure is agreed before the next collective, so no rank waits for one that gave up;
@@ -240,7 +238,7 @@ Result<io::CheckpointWriter::Committed> Trainer::save_checkpoint(const std::stri
   }
   PACKMOE_RETURN_IF_ERROR(agree_on_status(comm, status));
   const std::string dir = broadcast_string(comm, rank0 ? writer->dir() : std::string(), 0);
-  if (comm.size() > 1) status = write_optimizer_shard(dir, optimizer().shard_state());
+  if (sharded_save()) status = write_optimizer_shard(dir, optimizer().shard_state());
   const TrainerCheckpoint c = snapshot();
   if (save_primary) optimizer_->prepare_forward();  // the primaries of the current masters
   if (rank0 && status.is_ok()) status = write_trainer_checkpoint(dir, c);
@@ -282,13 +280,13 @@ void Trainer::restore_state(const TrainerCheckpoint& c) {
   // part and stages the masters for the next forward's gather.
   FullOptimizerState full;
   full.steps = c.optimizer_steps;
-  full.params = optimizer().plan().geometries();
+  full.params = optimizer_->geometries();
   for (const NamedParam& p : model_->params()) {
     full.master.push_back(host_floats(c.masters.at(p.name)));
     full.exp_avg.push_back(host_floats(c.moments.at(exp_avg_name(p.name))));
     full.exp_avg_sq.push_back(host_floats(c.moments.at(exp_avg_sq_name(p.name))));
   }
-  const Status loaded = optimizer().load_state(full);
+  const Status loaded = optimizer_->load_state(full);
   PACKMOE_CHECK(loaded.is_ok(), "restore_state after check_resumable: " << loaded.message());
   const Status position = train_sampler_.set_state(c.sampler);
   PACKMOE_CHECK(position.is_ok(), "restore_state after check_resumable: " << position.message());
@@ -302,7 +300,6 @@ Status Trainer::load_checkpoint(const std::string& dir) {
 }
 
 Status Trainer::load_checkpoint(const TrainerCheckpoint& c) {
-  if (optimizer_->expert_parallel()) return Status::error(kNoEpCheckpoints);
   PACKMOE_RETURN_IF_ERROR(agree_on_status(*comm_, check_resumable(c)));
   restore_state(c);  // every check passed, nothing here can fail
   return Status::ok();

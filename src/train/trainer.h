@@ -165,6 +165,9 @@ class Trainer {
   Status check_resumable(const TrainerCheckpoint& c) const;
   // Masters, moments, optimizer step count, sampler position and step from a checked checkpoint.
   void restore_state(const TrainerCheckpoint& c);
+  // Each rank writes its optimizer shard file (data parallelism over 2+ ranks); otherwise rank 0
+  // writes the whole state in the single-process format.
+  bool sharded_save() const { return comm_->size() > 1 && !optimizer_->expert_parallel(); }
 
   std::unique_ptr<Communicator> own_comm_;  // one process: its one-rank communicator
   Communicator* comm_;

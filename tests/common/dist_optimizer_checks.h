@@ -246,7 +246,8 @@ TEST(DistOptimizer, MegatronEvalThenTrainZeroesTheBufferAndShowsTheNormItWouldHa
         "[megatron replay] %d rank(s): grad norm of the step after eval %.6g with the "
         "zeroing; %.6g had the buffer kept the gathered parameters\n",
         comm().size(), fixed.grad_norm, would_have);
-  EXPECT_GT(would_have, 2 * fixed.grad_norm);
+  // The stale bytes' energy depends on the random init: 1.97x to 3.8x over 40 seeds (one rank).
+  EXPECT_GT(would_have, 1.5 * fixed.grad_norm);
   run.opt().prepare_forward();
 }
 

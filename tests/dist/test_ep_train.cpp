@@ -14,12 +14,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "common/dist_main.h"
 #include "dist/expert_layout.h"
 #include "nn/model.h"
+#include "train/checkpoint.h"
 #include "train/model_config.h"
 #include "train/trainer.h"
 
@@ -33,6 +35,7 @@ ModelConfig model_with_12_experts() {
   ModelConfig m = train::model_config_preset("tiny").value();
   m.num_experts = 12;
   m.num_experts_per_tok = 2;
+  m.tie_word_embeddings = false;  // one process then reproduces N ranks bitwise (docs/dist.md)
   return m;
 }
 
@@ -139,6 +142,52 @@ TEST_P(EpTrain, MatchesDataParallelOnTheSameMicroBatches) {
 INSTANTIATE_TEST_SUITE_P(Recipes, EpTrain,
                          ::testing::Values(Case{Recipe::kBF16, 1}, Case{Recipe::kMxfp8, 1},
                                            Case{Recipe::kBF16, 2}, Case{Recipe::kNvfp4, 1}));
+
+// A checkpoint saved by EP = world after 2 steps, resumed by data parallelism on the same ranks,
+// by EP = world again, by every other EP dividing the world, and by one process (grad-accum =
+// world): the third step's loss equals the uninterrupted run's bitwise (EP = world and data
+// parallelism are bitwise the same run; others within kLossBound).
+TEST(EpTrain, CheckpointResumesUnderEveryLayout) {
+  Communicator& world = comm();
+  if (world.size() == 1) GTEST_SKIP() << "expert parallelism needs 2+ ranks";
+  Backend& b = world.backend();
+  const ModelConfig model = model_with_12_experts();
+  if (model.num_experts % world.size() != 0) GTEST_SKIP() << "EP = world must divide 12";
+  const uint64_t seed = g_seed % 100000;
+  const std::filesystem::path root =
+      std::filesystem::temp_directory_path() / ("packmoe_ep_ckpt_" + std::to_string(g_seed));
+  auto saving = train::Trainer::create(b, model, config(1, Recipe::kBF16, world.size(), seed),
+                                       corpus(), nullptr, {&world})
+                    .value();
+  saving->train_step().value();
+  saving->train_step().value();
+  const auto committed = saving->save_checkpoint(root.string(), 1);
+  ASSERT_TRUE(committed.is_ok()) << committed.status().message();
+  const double want = saving->train_step().value().loss;
+  Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(committed.value().info.dir);
+  ASSERT_TRUE(c.is_ok()) << c.status().message();
+  for (int ep = 1; ep <= world.size(); ++ep) {
+    if (world.size() % ep != 0) continue;
+    SCOPED_TRACE(::testing::Message() << "resumed with EP " << ep);
+    auto t = train::Trainer::resume(b, c.value(), config(1, Recipe::kBF16, ep, seed), corpus(),
+                                    {&world});
+    ASSERT_TRUE(t.is_ok()) << t.status().message();
+    const double got = t.value()->train_step().value().loss;
+    if (ep == 1 || ep == world.size())
+      EXPECT_EQ(got, want);
+    else
+      EXPECT_LE(std::fabs(got - want), kLossBound * want);
+  }
+  {
+    SCOPED_TRACE("resumed by one process");
+    auto one = train::Trainer::resume(b, c.value(), config(world.size(), Recipe::kBF16, 1, seed),
+                                      corpus());
+    ASSERT_TRUE(one.is_ok()) << one.status().message();
+    EXPECT_EQ(one.value()->train_step().value().loss, want);
+  }
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove_all(root);
+}
 
 TEST(EpTrain, BadLayoutsFailBeforeAnythingStarts) {
   Communicator& world = comm();
