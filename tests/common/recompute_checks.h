@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/trainer_trace.h"
@@ -25,6 +26,14 @@ struct RecomputeCase {
   bool dense_layer;   // layer 1 a dense MLP (else both layers MoE)
   bool document_mask;  // rows of several documents (doc_start in the attention core)
 };
+
+// A readable test name, e.g. mxfp8_accum2_tied_dense_docmask.
+inline std::string recompute_case_name(const ::testing::TestParamInfo<RecomputeCase>& info) {
+  const RecomputeCase& p = info.param;
+  return std::string(recipe_name(p.recipe)) + "_accum" + std::to_string(p.grad_accum) +
+         (p.tied ? "_tied" : "_untied") + (p.dense_layer ? "_dense" : "_moe") +
+         (p.document_mask ? "_docmask" : "");
+}
 
 // 2 layers, 4 experts top-2, GQA, the aux loss on (shared router statistics).
 inline ModelConfig recompute_model(const RecomputeCase& p) {

@@ -31,7 +31,8 @@ INSTANTIATE_TEST_SUITE_P(
                       RecomputeCase{Recipe::kMxfp8, 2, false, true, false},
                       RecomputeCase{Recipe::kMxfp8, 1, true, false, false},
                       RecomputeCase{Recipe::kNvfp4, 2, true, true, false},
-                      RecomputeCase{Recipe::kNvfp4, 1, false, false, true}));
+                      RecomputeCase{Recipe::kNvfp4, 1, false, false, true}),
+    testing::recompute_case_name);
 
 // The CPU backend, counting the bytes it holds and the most it held.
 class CountingBackend final : public Backend {
