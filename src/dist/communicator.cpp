@@ -15,7 +15,21 @@
 namespace packmoe {
 namespace {
 
-enum class CallOp : int32_t { kAllReduce = 1, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+enum class CallOp : int32_t {
+  kAllReduce = 1,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kBarrier,
+  kAllToAll,
+  kSplit
+};
+
+// all_to_allv's sizes and split's color differ per rank: their signature is the operation and
+// the call number (all_to_allv's rows are checked pairwise after it).
+bool sizes_per_rank(int32_t op) {
+  return op == static_cast<int32_t>(CallOp::kAllToAll) || op == static_cast<int32_t>(CallOp::kSplit);
+}
 
 std::string_view call_op_name(int32_t op) {
   switch (static_cast<CallOp>(op)) {
@@ -24,6 +38,8 @@ std::string_view call_op_name(int32_t op) {
     case CallOp::kAllGather: return "all_gather";
     case CallOp::kBroadcast: return "broadcast";
     case CallOp::kBarrier: return "barrier";
+    case CallOp::kAllToAll: return "all_to_allv";
+    case CallOp::kSplit: return "split";
   }
   return "unknown call";
 }
@@ -84,7 +100,7 @@ struct Communicator::Call {
     std::ostringstream os;
     os << call_op_name(op) << "(";
     if (type >= 0) os << reduce_type_name(type) << (reduce == 1 ? " max" : " sum") << ", ";
-    os << total << (type >= 0 ? " elements" : " bytes");
+    if (!sizes_per_rank(op)) os << total << (type >= 0 ? " elements" : " bytes");
     if (sizes_hash != 0) os << ", per-rank sizes #" << std::hex << (sizes_hash & 0xffffffff);
     if (root >= 0) os << ", root " << std::dec << root;
     os << ") as call #" << std::dec << seq;
@@ -127,10 +143,11 @@ CommKind comm_kind_for(Device device) {
 
 // ---- front end --------------------------------------------------------------------------------
 
-Communicator::Communicator(CommKind kind, int rank, int size, Backend& backend, CommOptions options)
+Communicator::Communicator(CommKind kind, int rank, int size, Backend& backend, CommOptions options,
+                           bool whole_job)
     : kind_(kind), rank_(rank), size_(size), backend_(&backend), options_(options) {
   PACKMOE_CHECK(size >= 1 && rank >= 0 && rank < size, "rank " << rank << " of " << size);
-  if (size > 1) set_check_rank(rank);
+  if (whole_job && size > 1) set_check_rank(rank);
 }
 
 Communicator::~Communicator() { stop_watchdog(); }
@@ -172,6 +189,23 @@ void Communicator::verify(const Call& call) {
   if (!differ.empty())
     fail_at(call.seq, call_op_name(call.op),
             "the ranks made different calls: rank 0: " + all[0].describe() + differ);
+}
+
+// After verify(): every rank is in this all_to_allv, so the rows exchange pairs up. Rank q checks
+// its recv_bytes against column q of the send rows; a mismatch is reported by the receiver.
+void Communicator::verify_all_to_all(const Call& call, std::span<const int64_t> send_bytes,
+                                     std::span<const int64_t> recv_bytes) {
+  std::vector<int64_t> rows(static_cast<size_t>(size_) * size_);  // (N senders, N receivers)
+  exchange_host(send_bytes.data(), rows.data(), size_ * static_cast<int64_t>(sizeof(int64_t)));
+  std::ostringstream why;
+  for (int p = 0; p < size_; ++p) {
+    const int64_t sent = rows[static_cast<size_t>(p) * size_ + rank_];
+    if (sent != recv_bytes[p]) {
+      why << (why.tellp() > 0 ? "; " : "") << "rank " << rank_ << " expects " << recv_bytes[p]
+          << " bytes from rank " << p << ", which sends " << sent << " bytes to rank " << rank_;
+    }
+  }
+  if (why.tellp() > 0) fail_at(call.seq, call_op_name(call.op), why.str());
 }
 
 void Communicator::start_watchdog() {
@@ -336,6 +370,49 @@ void Communicator::broadcast(void* buf, int64_t bytes, int root, StreamHandle st
   leave();
 }
 
+void Communicator::all_to_allv(const void* in, std::span<const int64_t> send_bytes, void* out,
+                               std::span<const int64_t> recv_bytes, StreamHandle stream) {
+  Call call;
+  call.seq = ++calls_;
+  call.op = static_cast<int32_t>(CallOp::kAllToAll);
+  PACKMOE_COMM_REQUIRE(call, static_cast<int64_t>(send_bytes.size()) == size_,
+                       send_bytes.size() << " send sizes for " << size_ << " ranks");
+  PACKMOE_COMM_REQUIRE(call, static_cast<int64_t>(recv_bytes.size()) == size_,
+                       recv_bytes.size() << " receive sizes for " << size_ << " ranks");
+  int64_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < size_; ++r) {
+    PACKMOE_COMM_REQUIRE(call, send_bytes[r] >= 0, "send size to rank " << r << " is " << send_bytes[r]);
+    PACKMOE_COMM_REQUIRE(call, recv_bytes[r] >= 0,
+                         "receive size from rank " << r << " is " << recv_bytes[r]);
+    send_total += send_bytes[r];
+    recv_total += recv_bytes[r];
+  }
+  PACKMOE_COMM_REQUIRE(call, recv_bytes[rank_] == send_bytes[rank_],
+                       "rank " << rank_ << " sends " << send_bytes[rank_] << " bytes to itself but expects "
+                               << recv_bytes[rank_]);
+  PACKMOE_COMM_REQUIRE(call, stream == kBackendStream || kind_ == CommKind::kNccl,
+                       "a host communicator is blocking and takes no stream");
+  PACKMOE_COMM_REQUIRE(call, send_total == 0 || in != nullptr, "in is null for " << send_total << " bytes");
+  PACKMOE_COMM_REQUIRE(call, recv_total == 0 || out != nullptr, "out is null for " << recv_total << " bytes");
+  PACKMOE_COMM_REQUIRE(call, !overlaps(in, send_total, out, recv_total),
+                       "in and out overlap (all_to_allv has no in-place form)");
+  enter(call);
+  if (options_.verify_calls && size_ > 1) verify_all_to_all(call, send_bytes, recv_bytes);
+  do_all_to_allv(in, send_bytes, out, recv_bytes, stream);
+  leave();
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color) {
+  Call call;
+  call.seq = ++calls_;
+  call.op = static_cast<int32_t>(CallOp::kSplit);
+  PACKMOE_COMM_REQUIRE(call, color >= 0, "color " << color << " < 0");
+  enter(call);
+  std::unique_ptr<Communicator> part = do_split(color);
+  leave();
+  return part;
+}
+
 void Communicator::barrier() {
   Call call;
   call.seq = ++calls_;
@@ -376,6 +453,13 @@ class LocalCommunicator final : public Communicator {
     copy(out, in, bytes[0]);
   }
   void do_broadcast(void*, int64_t, int, StreamHandle) override {}
+  void do_all_to_allv(const void* in, std::span<const int64_t> send_bytes, void* out,
+                      std::span<const int64_t>, StreamHandle) override {
+    copy(out, in, send_bytes[0]);
+  }
+  std::unique_ptr<Communicator> do_split(int) override {
+    return std::make_unique<LocalCommunicator>(backend(), options());
+  }
   void do_barrier() override { backend().synchronize(); }
   void exchange_host(const void* mine, void* all, int64_t bytes) override {
     std::memcpy(all, mine, static_cast<size_t>(bytes));

@@ -1,5 +1,6 @@
-// Communicator: the collectives of data parallelism over Local (1 rank, host), MPI (host memory)
-// and NCCL (device memory). Invariants: every rank makes the same calls in the same order; any
+// Communicator: the collectives of data and expert parallelism over Local (1 rank, host), MPI
+// (host memory) and NCCL (device memory), and sub-communicators (split). Invariants: every rank
+// makes the same calls in the same order; any
 // failure (bad arguments, calls that differ across ranks, an MPI/NCCL error, a call that does not
 // complete in time) prints one line naming the rank and the operation and terminates the WHOLE
 // job instead of hanging it. Local and MPI reduce in increasing rank order (docs/dist.md).
@@ -50,8 +51,10 @@ struct CommOptions {
 Result<CommOptions> comm_options_from_env();
 
 // Collectives over buffers in backend() memory. Every call is collective: all ranks call it with
-// the same sizes (counts vectors included) and root. Sizes are elements for typed calls and bytes
-// for all_gather / broadcast; zero sizes are legal everywhere (a zero-length contribution).
+// the same sizes (counts vectors included) and root, except all_to_allv (per-rank rows that must
+// match pairwise) and split (a per-rank color). Sizes are elements for typed calls and bytes
+// for all_gather / broadcast / all_to_allv; zero sizes are legal everywhere (a zero-length
+// contribution).
 // In-place forms are the ones named per call; any other overlap of in and out aborts.
 // One host thread issues the calls of a communicator. NCCL calls are queued on `stream` and
 // return before they complete (stream order is the completion); host calls return complete.
@@ -101,6 +104,24 @@ class Communicator {
   // buf (bytes) of rank `root` is copied into buf of every rank.
   void broadcast(void* buf, int64_t bytes, int root, StreamHandle stream = kBackendStream);
 
+  // Each rank sends send_bytes[p] bytes to rank p, from `in` at the prefix offsets of send_bytes
+  // (rank order), and receives recv_bytes[p] bytes from rank p into `out` at the prefix offsets of
+  // recv_bytes. Collective; recv_bytes[p] on rank q must equal send_bytes[q] on rank p (checked
+  // when verify_calls is on: the ranks exchange their send-size rows and abort, naming both ranks
+  // and the sizes, on a mismatch; recv_bytes[rank()] == send_bytes[rank()] is checked always).
+  // in and out must not overlap. Zero sizes legal (a rank that sends or receives nothing). Both
+  // spans have size() entries. NCCL: a group of ncclSend / ncclRecv, one per peer with bytes.
+  void all_to_allv(const void* in, std::span<const int64_t> send_bytes, void* out,
+                   std::span<const int64_t> recv_bytes, StreamHandle stream = kBackendStream);
+
+  // A communicator over the ranks of this one that pass the same `color` (>= 0), ranked in this
+  // communicator's rank order; same kind, backend and options. Collective over this communicator.
+  // Its failures abort the whole job like any other. Parent and split are independently
+  // destructible, in any order (MPI is finalised with the last MPI communicator, split or not);
+  // on NCCL every rank destroys its communicators in the same order (ncclCommFinalize waits for
+  // the peers).
+  std::unique_ptr<Communicator> split(int color);
+
   // Returns once every rank has entered it; NCCL first waits for this rank's work queued on the
   // backend stream.
   void barrier();
@@ -125,7 +146,10 @@ class Communicator {
   [[noreturn]] virtual void abort_job() = 0;
 
  protected:
-  Communicator(CommKind kind, int rank, int size, Backend& backend, CommOptions options);
+  // `whole_job`: the communicator over every rank of the job, whose rank PACKMOE_CHECK's line
+  // prints; false for split()'s communicators (their rank is not the job's).
+  Communicator(CommKind kind, int rank, int size, Backend& backend, CommOptions options,
+               bool whole_job = true);
 
   // The collectives after validation and verification, with per-rank sizes (size() entries).
   virtual void do_all_reduce(ReduceType type, const void* in, void* out, int64_t count,
@@ -135,6 +159,10 @@ class Communicator {
   virtual void do_all_gatherv(const void* in, void* out, std::span<const int64_t> bytes,
                               StreamHandle stream) = 0;
   virtual void do_broadcast(void* buf, int64_t bytes, int root, StreamHandle stream) = 0;
+  virtual void do_all_to_allv(const void* in, std::span<const int64_t> send_bytes, void* out,
+                              std::span<const int64_t> recv_bytes, StreamHandle stream) = 0;
+  // The new communicator of this rank's color, made with whole_job = false.
+  virtual std::unique_ptr<Communicator> do_split(int color) = 0;
   virtual void do_barrier() = 0;
   // Host-memory all-gather of `bytes` per rank, for the call signatures.
   virtual void exchange_host(const void* mine, void* all, int64_t bytes) = 0;
@@ -158,6 +186,8 @@ class Communicator {
   void enter(const Call& call);
   void leave();
   void verify(const Call& call);
+  void verify_all_to_all(const Call& call, std::span<const int64_t> send_bytes,
+                         std::span<const int64_t> recv_bytes);
   void watchdog_loop();
 
   CommKind kind_;
@@ -181,13 +211,14 @@ class Communicator {
 // ---- implementations and factory ------------------------------------------------------------
 
 // One rank, in the backend's memory (host or device): every collective is a copy (or nothing, in
-// place).
+// place); split() returns another one-rank communicator.
 std::unique_ptr<Communicator> make_local_communicator(Backend& backend,
                                                       const CommOptions& options);
 
 // All ranks of the MPI job (MPI_COMM_WORLD, duplicated), host memory. MPI is initialised at the
-// first MPI communicator and finalised when the last one is destroyed; a second initialisation
-// after that is an error (MPI forbids it), so a job keeps one communicator alive throughout.
+// first MPI communicator and finalised when the last one (split ones included) is destroyed; a
+// second initialisation after that is an error (MPI forbids it), so a job keeps one communicator
+// alive throughout.
 Result<std::unique_ptr<Communicator>> make_mpi_communicator(Backend& host_backend,
                                                             const CommOptions& options);
 

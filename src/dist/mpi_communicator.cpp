@@ -2,6 +2,7 @@
 // floating-point numbers for us (MPI_SUM's order is implementation-defined); each element is
 // reduced by the rank that owns it as in_0 + in_1 + ... + in_{N-1}, left to right, after an
 // all-to-all, so results are bitwise reproducible for any N. Integer reductions use MPI's own.
+// Every communicator, split ones included, holds the MpiSession: MPI is finalised with the last.
 #include <mpi.h>
 
 #include <cmath>
@@ -20,7 +21,8 @@ namespace packmoe {
 namespace {
 
 // MPI's lifetime in this process: initialised by the first MPI communicator (unless the program
-// did it), finalised with the last one. The thread that initialised MPI makes every MPI call.
+// did it), finalised with the last one (each communicator, split ones included, holds a
+// shared_ptr). The thread that initialised MPI makes every MPI call.
 class MpiSession {
  public:
   static Result<std::shared_ptr<MpiSession>> acquire();
@@ -69,8 +71,8 @@ MPI_Datatype mpi_type<double>() { return MPI_DOUBLE; }
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(std::shared_ptr<MpiSession> session, MPI_Comm comm, int rank, int size,
-                  Backend& backend, const CommOptions& options)
-      : Communicator(CommKind::kMpi, rank, size, backend, options),
+                  Backend& backend, const CommOptions& options, bool whole_job)
+      : Communicator(CommKind::kMpi, rank, size, backend, options, whole_job),
         session_(std::move(session)),
         comm_(comm) {
     start_watchdog();
@@ -80,10 +82,11 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_free(&comm_);
   }
 
-  // MPI_Abort from the MPI thread; from the watchdog thread (where MPI may not be called) a plain
-  // non-zero exit, on which mpirun terminates the other ranks just the same.
+  // MPI_Abort on the world (a split communicator's failure ends the whole job too) from the MPI
+  // thread; from the watchdog thread (where MPI may not be called) a plain non-zero exit, on
+  // which mpirun terminates the other ranks just the same.
   [[noreturn]] void abort_job() override {
-    if (session_->on_mpi_thread()) MPI_Abort(comm_, 1);
+    if (session_->on_mpi_thread()) MPI_Abort(MPI_COMM_WORLD, 1);
     std::_Exit(1);
   }
 
@@ -131,6 +134,37 @@ class MpiCommunicator final : public Communicator {
   void do_broadcast(void* buf, int64_t bytes, int root, StreamHandle) override {
     check("broadcast",
           MPI_Bcast(buf, to_int("broadcast", bytes, "size"), MPI_BYTE, root, comm_), "MPI_Bcast");
+  }
+
+  void do_all_to_allv(const void* in, std::span<const int64_t> send_bytes, void* out,
+                      std::span<const int64_t> recv_bytes, StreamHandle) override {
+    const std::string_view op = "all_to_allv";
+    const int n = size();
+    std::vector<int> send_counts(n), send_displs(n), recv_counts(n), recv_displs(n);
+    int64_t send_offset = 0, recv_offset = 0;
+    for (int r = 0; r < n; ++r) {
+      send_counts[r] = to_int(op, send_bytes[r], "send size");
+      send_displs[r] = to_int(op, send_offset, "send offset");
+      recv_counts[r] = to_int(op, recv_bytes[r], "receive size");
+      recv_displs[r] = to_int(op, recv_offset, "receive offset");
+      send_offset += send_bytes[r];
+      recv_offset += recv_bytes[r];
+    }
+    check(op,
+          MPI_Alltoallv(in, send_counts.data(), send_displs.data(), MPI_BYTE, out,
+                        recv_counts.data(), recv_displs.data(), MPI_BYTE, comm_),
+          "MPI_Alltoallv");
+  }
+
+  std::unique_ptr<Communicator> do_split(int color) override {
+    MPI_Comm part = MPI_COMM_NULL;
+    check("split", MPI_Comm_split(comm_, color, rank(), &part), "MPI_Comm_split");
+    MPI_Comm_set_errhandler(part, MPI_ERRORS_RETURN);
+    int rank = 0, size = 0;
+    MPI_Comm_rank(part, &rank);
+    MPI_Comm_size(part, &size);
+    return std::make_unique<MpiCommunicator>(session_, part, rank, size, backend(), options(),
+                                             /*whole_job=*/false);
   }
 
   void do_barrier() override { check("barrier", MPI_Barrier(comm_), "MPI_Barrier"); }
@@ -234,7 +268,7 @@ Result<std::unique_ptr<Communicator>> make_mpi_communicator(Backend& host_backen
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(
-      std::move(session).value(), comm, rank, size, host_backend, options));
+      std::move(session).value(), comm, rank, size, host_backend, options, /*whole_job=*/true));
 }
 
 }  // namespace packmoe

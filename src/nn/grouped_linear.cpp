@@ -24,11 +24,13 @@ void check_forward_input(const Tensor& x, int64_t k, const Backend& b, LinearSta
   PACKMOE_CHECK(x.device() == b.device(), "forward: x is not in the backend's memory");
 }
 
-// Counts of E experts, each a multiple of align, summing to at most `rows` (exactly, if `exact`).
+// Counts of S x E groups (S >= 1 sources of E experts), each a multiple of align, summing to at
+// most `rows` (exactly, if `exact`).
 void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64_t rows,
                   bool exact) {
-  PACKMOE_CHECK(static_cast<int64_t>(m.size()) == e, "forward: " << m.size() << " token counts for "
-                                                                   << e << " experts");
+  PACKMOE_CHECK(!m.empty() && static_cast<int64_t>(m.size()) % e == 0,
+                "forward: " << m.size() << " token counts for " << e
+                            << " experts (a multiple of the experts needed)");
   for (int64_t mg : m)
     PACKMOE_CHECK(mg >= 0 && mg % align == 0,
                   "forward: " << mg << " tokens is not a multiple of " << align);
@@ -45,6 +47,7 @@ Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m) {
   m_ = m;
   m_device_ = Tensor{};
   rows_ = x.dim(0);
+  sources_ = static_cast<int64_t>(m.size()) / param_.experts();
   return run_forward(x);
 }
 
@@ -55,6 +58,7 @@ Tensor GroupedLinear::forward(const Tensor& x, const Tensor& m_device) {
                     m_device.device() == backend_->device(),
                 "forward: device token counts must be (" << e << ",) i64 in the backend's memory");
   rows_ = x.dim(0);
+  sources_ = 1;
   if (param_.recipe_ops().quantized()) {
     m_.assign(e, 0);
     backend_->copy(m_.data(), m_device.data(), m_device.nbytes(), Backend::CopyKind::kDeviceToHost);
@@ -81,6 +85,29 @@ void GroupedLinear::set_counts(GroupedGemmArgs& a) const {
   }
 }
 
+GemmOperand GroupedLinear::weight_for_groups(GemmOperand w) {
+  if (sources_ == 1) return w;
+  const size_t e = static_cast<size_t>(param_.experts());
+  GemmOperand r = w;
+  r.data.clear();
+  r.scale.clear();
+  for (int64_t s = 0; s < sources_; ++s) {
+    r.data.insert(r.data.end(), w.data.begin(), w.data.end());
+    r.scale.insert(r.scale.end(), w.scale.begin(), w.scale.end());
+  }
+  if (w.decode_scale != nullptr) {  // (E) F32 -> (S * E)
+    const size_t bytes = e * sizeof(float);
+    const size_t total = static_cast<size_t>(sources_) * bytes;
+    if (!repeated_decode_ || repeated_decode_->size() != total)
+      repeated_decode_.emplace(*backend_, total);
+    for (int64_t s = 0; s < sources_; ++s)
+      backend_->copy(static_cast<uint8_t*>(repeated_decode_->get()) + s * bytes, w.decode_scale,
+                     bytes, Backend::CopyKind::kDeviceToDevice);
+    r.decode_scale = repeated_decode_->get();
+  }
+  return r;
+}
+
 Tensor GroupedLinear::run_forward(const Tensor& x) {
   const int64_t n = param_.n(), k = param_.k();
   const std::vector<int64_t> groups = token_groups();
@@ -93,7 +120,7 @@ Tensor GroupedLinear::run_forward(const Tensor& x) {
   a.k = k;
   set_counts(a);
   a.lhs = x_.rowwise;
-  a.rhs = param_.fprop_weight();
+  a.rhs = weight_for_groups(param_.fprop_weight());
   a.out_dtype = cfg_.out_dtype;
   a.out = carve_rows(y.data(), groups, dtype_bytes_for(cfg_.out_dtype, n));
   check_op(ops::grouped_gemm(*backend_, a), "fprop");
@@ -150,7 +177,7 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   a.k = k;
   set_counts(a);
   a.lhs = dy_.rowwise;
-  a.rhs = param_.dgrad_weight();
+  a.rhs = weight_for_groups(param_.dgrad_weight());
   a.out_dtype = cfg_.out_dtype;
   a.out = carve_rows(dx.data(), groups, dtype_bytes_for(cfg_.out_dtype, k));
   check_op(ops::grouped_gemm(*backend_, a), "dgrad");
@@ -178,29 +205,59 @@ void GroupedLinear::backward_dw() {
   state_ = LinearState::kIdle;
 }
 
+namespace {
+
+// Groups [first, first + count) of a token-side operand with host counts (G pointers each).
+GemmOperand slice_groups(const GemmOperand& o, size_t first, size_t count) {
+  GemmOperand r = o;
+  auto cut = [&](std::vector<const void*>& v) {
+    if (!v.empty()) v = std::vector<const void*>(v.begin() + first, v.begin() + first + count);
+  };
+  cut(r.data);
+  cut(r.scale);
+  cut(r.bf16);
+  if (o.decode_scale != nullptr) r.decode_scale = static_cast<const float*>(o.decode_scale) + first;
+  return r;
+}
+
+}  // namespace
+
 void GroupedLinear::run_wgrad(GradAccum accum) {
   GroupedStorage& main_grad = param_.main_grad_;  // (E, N, K) F32
-  GroupedGemmArgs a;
-  a.op = GemmOp::kWgrad;
-  a.n = param_.n();
-  a.k = param_.k();
-  set_counts(a);
-  a.lhs = dy_.columnwise;
-  a.rhs = x_.columnwise;
-  a.out_dtype = DType::kF32;
-  if (cfg_.grad_accum_fusion) {
-    a.out = main_grad.ptrs();
-    a.accumulate = accum == GradAccum::kAccumulate;
-    check_op(ops::grouped_gemm(*backend_, a), "wgrad into main_grad");
-  } else {
-    // The unfused path's separate gradient, in the param's layout (E buffers when discrete).
-    GroupedStorage grad(*backend_, param_.layout(), param_.experts(), main_grad.bytes_per_group());
-    a.out = grad.ptrs();
-    check_op(ops::grouped_gemm(*backend_, a), "wgrad");
-    if (accum == GradAccum::kAccumulate)
-      add_f32(main_grad, grad);
-    else
-      main_grad.copy_from(grad);
+  const size_t e = static_cast<size_t>(param_.experts());
+  // One wgrad per source (their outputs are the same E experts): source 0 as `accum` says, the
+  // others add to it in order.
+  for (int64_t s = 0; s < sources_; ++s) {
+    const GradAccum source_accum = s == 0 ? accum : GradAccum::kAccumulate;
+    GroupedGemmArgs a;
+    a.op = GemmOp::kWgrad;
+    a.n = param_.n();
+    a.k = param_.k();
+    if (sources_ == 1) {
+      set_counts(a);
+      a.lhs = dy_.columnwise;
+      a.rhs = x_.columnwise;
+    } else {
+      a.m.assign(m_.begin() + s * e, m_.begin() + (s + 1) * e);
+      a.lhs = slice_groups(dy_.columnwise, s * e, e);
+      a.rhs = slice_groups(x_.columnwise, s * e, e);
+    }
+    a.out_dtype = DType::kF32;
+    if (cfg_.grad_accum_fusion) {
+      a.out = main_grad.ptrs();
+      a.accumulate = source_accum == GradAccum::kAccumulate;
+      check_op(ops::grouped_gemm(*backend_, a), "wgrad into main_grad");
+    } else {
+      // The unfused path's separate gradient, in the param's layout (E buffers when discrete).
+      GroupedStorage grad(*backend_, param_.layout(), param_.experts(),
+                          main_grad.bytes_per_group());
+      a.out = grad.ptrs();
+      check_op(ops::grouped_gemm(*backend_, a), "wgrad");
+      if (source_accum == GradAccum::kAccumulate)
+        add_f32(main_grad, grad);
+      else
+        main_grad.copy_from(grad);
+    }
   }
   x_ = ActivationCopies{};
   dy_ = ActivationCopies{};

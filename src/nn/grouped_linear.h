@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "backend/backend.h"
@@ -56,7 +57,12 @@ class GroupedLinear {
 
   // x: (M, K) BF16 in the backend's memory, expert g's m[g] rows after expert g-1's; m: (E,) host
   // token counts, each a multiple of token_alignment(recipe), summing to M. Returns y (M, N) in
-  // out_dtype. Allowed from kIdle and kForwardDone (a forward never followed by backward, e.g. an
+  // out_dtype. m may also hold S x E counts (S >= 1 sources, source-major: group s * E + e is
+  // source s's rows for expert e, e.g. the tokens expert parallelism received from S ranks): each
+  // group is its own GEMM group and quantization group, so a source's rows get the bytes they get
+  // in a call of that source's alone, and the wgrad sums the sources in order s = 0, 1, ... into
+  // main_grad (one wgrad per source: source 0 as `accum` says, the others accumulating), the order
+  // of a rank-ordered sum of S per-source gradients. Allowed from kIdle and kForwardDone (a forward never followed by backward, e.g. an
   // eval step, is dropped); with a wgrad pending it would be lost: PACKMOE_CHECK error.
   // BF16 recipe: an x that owns its memory is saved for the wgrad by reference, not copied, so
   // the caller must not write into it until the wgrad has run (backward, or backward_dw).
@@ -88,15 +94,19 @@ class GroupedLinear {
   // The token groups the activation copies and token-side pointers are carved by: m_, or one
   // group of all rows_ rows when the counts stay on the device.
   std::vector<int64_t> token_groups() const;
+  // The weight operand for every group: the param's E experts, repeated S times (S > 1).
+  GemmOperand weight_for_groups(GemmOperand w);
 
   Backend* backend_;
   GroupedLinearConfig cfg_;
   GroupedParam param_;
   LinearState state_ = LinearState::kIdle;
   uint64_t grad_sr_offset_ = 0;
-  std::vector<int64_t> m_;  // (E,) token counts of the saved forward, on the host, or
+  std::vector<int64_t> m_;  // (S * E,) token counts of the saved forward, on the host, or
   Tensor m_device_;         // (E,) I64 the same in the backend's memory (m_ empty)
   int64_t rows_ = 0;        // x's rows (>= the counts' sum)
+  int64_t sources_ = 1;     // S: the counts' groups over the param's experts
+  std::optional<DeviceBuffer> repeated_decode_;  // (S * E) F32: NVFP4 weight decode scales per group (S > 1)
   ActivationCopies x_;      // X (M, K): columnwise kept for wgrad
   bool input_released_ = false;  // release_input ran, restore_input not yet
   ActivationCopies dy_;     // dY (M, N): columnwise kept while the wgrad is queued

@@ -102,10 +102,22 @@ Status check_layout(const Batch& batch, int64_t max_positions) {
 }  // namespace
 
 Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
-             const ModelWeights& init)
+             const ModelWeights& init, ExpertSlice experts)
     : backend_(&backend), config_(config), precision_(precision), impl_(std::make_unique<Impl>()) {
   const Status valid = validate_model_weights(config, init, backend.device());
   PACKMOE_CHECK(valid.is_ok(), "Model: " << valid.message());
+  if (experts.count == 0) experts.count = config.num_experts;
+  PACKMOE_CHECK(experts.first >= 0 && experts.count >= 1 &&
+                    experts.first + experts.count <= config.num_experts,
+                "Model: experts [" << experts.first << ", " << experts.first + experts.count
+                                   << ") of " << config.num_experts);
+  expert_slice_ = experts;
+  // Experts [first, first + count) of an (E, N, K) init: a view, which the params copy.
+  auto slice = [&](const Tensor& all) {
+    const int64_t per_expert = all.dim(1) * all.dim(2);
+    return Tensor::view(static_cast<float*>(all.data()) + experts.first * per_expert, DType::kF32,
+                        {experts.count, all.dim(1), all.dim(2)}, all.device());
+  };
   const ModelConfig& c = config_;
   const Layout layout = precision.layout;
   const bool fusion = precision.grad_accum_fusion;
@@ -145,8 +157,8 @@ Model::Model(Backend& backend, const ModelConfig& config, const ModelPrecision& 
     if (is_moe) {
       mc = moe_config(c, precision, i);
       li.moe.router = weight(init, layer_name(i, "mlp.gate.weight"));
-      li.moe.fc1 = weight(init, layer_name(i, "mlp.experts.gate_up_proj"));
-      li.moe.fc2 = weight(init, layer_name(i, "mlp.experts.down_proj"));
+      li.moe.fc1 = slice(weight(init, layer_name(i, "mlp.experts.gate_up_proj")));
+      li.moe.fc2 = slice(weight(init, layer_name(i, "mlp.experts.down_proj")));
     } else {
       li.mlp_gate_up = weight(init, layer_name(i, "mlp.gate_up_proj"));
       li.mlp_down = weight(init, layer_name(i, "mlp.down_proj.weight"));

@@ -132,18 +132,30 @@ enum class ModelState {
   kForwardDone,  // a training forward's activations are saved; its backward must run next
 };
 
+// The experts of every MoE layer this model holds: [first, first + count) of the E (expert
+// parallelism: dist/expert_layout.h); count 0 = all E. The init map always holds all E (names and
+// shapes as above); the model keeps only the slice.
+struct ExpertSlice {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
 class Model {
  public:
   // Builds every layer from `init` (validated: a bad map is a PACKMOE_CHECK error, callers check
   // validate_model_weights first for user data); each param keeps its FP32 init for the optimizer.
+  // With a slice of the experts, each MoE layer's FC1 / FC2 hold E_local = slice.count experts and
+  // need a dispatcher that brings them their rows (MoEBlock::set_token_dispatcher).
   Model(Backend& backend, const ModelConfig& config, const ModelPrecision& precision,
-        const ModelWeights& init);
+        const ModelWeights& init, ExpertSlice experts = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return config_; }
   const ModelPrecision& precision() const { return precision_; }
+  // The experts each MoE layer holds (count = E when not expert-parallel).
+  ExpertSlice expert_slice() const { return expert_slice_; }
   Backend& backend() const { return *backend_; }
   ModelState state() const { return state_; }
 
@@ -199,6 +211,7 @@ class Model {
   Backend* backend_;
   ModelConfig config_;
   ModelPrecision precision_;
+  ExpertSlice expert_slice_;
   ModelState state_ = ModelState::kIdle;
   Recompute recompute_ = Recompute::kNone;
   std::vector<NamedParam> params_;

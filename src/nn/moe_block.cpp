@@ -66,12 +66,12 @@ MoEBlock::MoEBlock(Backend& backend, const MoEBlockConfig& cfg, const MoEBlockIn
       fc1_(backend, expert_config(cfg, 2 * cfg.recipe.sr_seed), init.fc1),
       fc2_(backend, expert_config(cfg, 2 * cfg.recipe.sr_seed + 1), init.fc2) {
   const int64_t e = init.router.dim(0), h = init.router.dim(1);
-  const int64_t f = fc2_.param().k();
-  PACKMOE_CHECK(
-      fc1_.param().experts() == e && fc1_.param().n() == 2 * f && fc1_.param().k() == h,
-      "MoEBlock fc1 init must be (E, 2F, H) = (" << e << ", " << 2 * f << ", " << h << ")");
-  PACKMOE_CHECK(fc2_.param().experts() == e && fc2_.param().n() == h,
-                "MoEBlock fc2 init must be (E, H, F) with E = " << e << ", H = " << h);
+  const int64_t el = fc1_.param().experts(), f = fc2_.param().k();
+  PACKMOE_CHECK(el >= 1 && e % el == 0 && fc1_.param().n() == 2 * f && fc1_.param().k() == h,
+                "MoEBlock fc1 init must be (E_local, 2F, H) with E_local dividing E = "
+                    << e << ", 2F = " << 2 * f << ", H = " << h);
+  PACKMOE_CHECK(fc2_.param().experts() == el && fc2_.param().n() == h,
+                "MoEBlock fc2 init must be (E_local, H, F) with E_local = " << el << ", H = " << h);
   PACKMOE_CHECK(cfg.top_k >= 1 && cfg.top_k <= e,
                 "MoEBlock top_k " << cfg.top_k << " for " << e << " experts");
   PACKMOE_CHECK(cfg.out_dtype == DType::kBF16 || cfg.out_dtype == DType::kF32,
@@ -175,8 +175,12 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
 
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
   const ExpertRows local = dispatcher_->dispatch(all);
-  h_ = fc1_.forward(local.rows, local.counts);                          // (CL, 2F)
-  yp_ = dispatcher_->combine(fc2_.forward(swiglu(local), local.counts));  // (C, H)
+  h_ = local.host_counts.empty() ? fc1_.forward(local.rows, local.counts)
+                                 : fc1_.forward(local.rows, local.host_counts);  // (CL, 2F)
+  const Tensor a = swiglu(local);                                                // (CL, F)
+  yp_ = dispatcher_->combine(local.host_counts.empty()
+                                 ? fc2_.forward(a, local.counts)
+                                 : fc2_.forward(a, local.host_counts));  // (C, H)
   if (recompute_swiglu_) fc2_.release_input();
 
   Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});

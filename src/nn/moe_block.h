@@ -47,8 +47,9 @@ struct MoEBlockConfig {
 // an optimizer takes it).
 struct MoEBlockInit {
   Tensor router;  // (E, H)   Hugging Face mlp.gate.weight
-  Tensor fc1;     // (E, 2F, H) gate rows [0, F), up rows [F, 2F) (mlp.experts.gate_up_proj)
-  Tensor fc2;     // (E, H, F)  mlp.experts.down_proj
+  // The experts this block holds: all E, or (expert parallelism) a contiguous E_local of them.
+  Tensor fc1;     // (E_local, 2F, H) gate rows [0, F), up rows [F, 2F) (mlp.experts.gate_up_proj)
+  Tensor fc2;     // (E_local, H, F)  mlp.experts.down_proj
 };
 
 // The statistics the load-balancing aux loss is formed from (backend/ops/moe.h: counts C and
@@ -80,7 +81,9 @@ class MoEBlock {
 
   const MoEBlockConfig& config() const { return cfg_; }
   BlockState state() const { return state_; }
-  int64_t experts() const { return fc1_.param().experts(); }  // E
+  int64_t experts() const { return router_.param().n(); }  // E (the router's)
+  // E_local: the experts this block holds (E, or E / EP under expert parallelism).
+  int64_t local_experts() const { return fc1_.param().experts(); }
   int64_t hidden() const { return fc1_.param().k(); }         // H
   int64_t ffn() const { return fc2_.param().k(); }            // F
 
@@ -111,7 +114,8 @@ class MoEBlock {
   void release();
 
   // Where the expert MLP's rows come from and go back to (default LocalTokenDispatcher: every
-  // expert here). Only in state Idle.
+  // expert here; with E_local < E a dispatcher that brings each rank its experts' rows, e.g.
+  // dist/ep_token_dispatcher.h). Only in state Idle.
   void set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher);
 
   // The routing plan of the last forward (tokens per expert, rows), for metrics and tests: its

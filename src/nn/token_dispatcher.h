@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -19,10 +20,13 @@ namespace packmoe {
 // Rows grouped by expert: (capacity, C), expert g's counts[g] rows after g-1's. The counts live in
 // the backend's memory (nothing waits on the host for them) and sum to `used` <= capacity: the
 // rows past it are unused.
+// A dispatcher that brought the rows from S ranks (expert parallelism) gives S x G counts,
+// source-major, and knows them on the host too (host_counts; empty otherwise).
 struct ExpertRows {
   Tensor rows;
-  Tensor counts;  // (G,) I64, each a multiple of the recipe's token alignment
-  Tensor used;    // (1,) I64, the sum of counts
+  Tensor counts;                     // (G,) or (S * G,) I64, multiples of the token alignment
+  Tensor used;                       // (1,) I64, the sum of counts
+  std::vector<int64_t> host_counts;  // counts on the host, when the dispatcher has them
 };
 
 class TokenDispatcher {

@@ -2,7 +2,8 @@
 // stream (the CUDA backend's by default, or its own side stream, fenced by events, to overlap).
 // Invariants: even sizes use NCCL's collective, uneven ones a group of rooted calls, chosen from
 // the sizes alone (so every rank takes the same path and repeated calls give the same bits);
-// floating-point sums follow NCCL's order, not rank order.
+// floating-point sums follow NCCL's order, not rank order. A split communicator pairs an
+// ncclCommSplit of this one with a split of the host channel, so both rank alike.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -45,8 +46,8 @@ int64_t steady_ns() {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(CudaBackend& cuda, std::unique_ptr<Communicator> host, ncclComm_t comm,
-                   const CommOptions& options)
-      : Communicator(CommKind::kNccl, host->rank(), host->size(), cuda, options),
+                   const CommOptions& options, bool whole_job)
+      : Communicator(CommKind::kNccl, host->rank(), host->size(), cuda, options, whole_job),
         cuda_(cuda),
         host_(std::move(host)),
         comm_(comm) {
@@ -150,6 +151,51 @@ class NcclCommunicator final : public Communicator {
          ncclBroadcast(buf, buf, static_cast<size_t>(bytes), ncclUint8, root, comm_, s),
          "ncclBroadcast");
     track("broadcast", s);
+  }
+
+  // One group of point-to-point calls; a pair with zero bytes is skipped on both sides alike
+  // (the sizes match pairwise), and a rank with nothing to move queues nothing.
+  void do_all_to_allv(const void* in, std::span<const int64_t> send_bytes, void* out,
+                      std::span<const int64_t> recv_bytes, StreamHandle stream) override {
+    bool any = false;
+    for (int p = 0; p < size(); ++p) any = any || send_bytes[p] > 0 || recv_bytes[p] > 0;
+    if (!any) return;
+    const cudaStream_t s = stream_of(stream);
+    nccl("all_to_allv", ncclGroupStart(), "ncclGroupStart");
+    int64_t send_offset = 0, recv_offset = 0;
+    for (int p = 0; p < size(); ++p) {
+      if (send_bytes[p] > 0)
+        nccl("all_to_allv",
+             ncclSend(static_cast<const char*>(in) + send_offset, static_cast<size_t>(send_bytes[p]),
+                      ncclUint8, p, comm_, s),
+             "ncclSend");
+      if (recv_bytes[p] > 0)
+        nccl("all_to_allv",
+             ncclRecv(static_cast<char*>(out) + recv_offset, static_cast<size_t>(recv_bytes[p]),
+                      ncclUint8, p, comm_, s),
+             "ncclRecv");
+      send_offset += send_bytes[p];
+      recv_offset += recv_bytes[p];
+    }
+    nccl("all_to_allv", ncclGroupEnd(), "ncclGroupEnd");
+    track("all_to_allv", s);
+  }
+
+  // The host channel first (MPI_Comm_split, or a new Local one), then NCCL's split (blocking, with
+  // the parent's configuration and no shared resources, so either may be destroyed first); both
+  // order the ranks of a color by this communicator's rank.
+  std::unique_ptr<Communicator> do_split(int color) override {
+    std::unique_ptr<Communicator> host = host_->split(color);
+    ncclComm_t part = nullptr;
+    nccl("split", ncclCommSplit(comm_, color, rank(), &part, nullptr), "ncclCommSplit");
+    int nccl_rank = -1, nccl_size = -1;
+    nccl("split", ncclCommUserRank(part, &nccl_rank), "ncclCommUserRank");
+    nccl("split", ncclCommCount(part, &nccl_size), "ncclCommCount");
+    PACKMOE_CHECK(nccl_rank == host->rank() && nccl_size == host->size(),
+                  "NCCL split rank " << nccl_rank << " of " << nccl_size << ", host channel "
+                                     << host->rank() << " of " << host->size());
+    return std::make_unique<NcclCommunicator>(cuda_, std::move(host), part, options(),
+                                              /*whole_job=*/false);
   }
 
   void do_barrier() override {
@@ -299,7 +345,7 @@ Result<std::unique_ptr<Communicator>> make_nccl_communicator(std::unique_ptr<Com
     return bootstrap_error(*host, std::string("ncclCommInitRank: ") + ncclGetErrorString(r) + " (" +
                                       ncclGetLastError(nullptr) + ")");
   return std::unique_ptr<Communicator>(
-      std::make_unique<NcclCommunicator>(cuda, std::move(host), comm, options));
+      std::make_unique<NcclCommunicator>(cuda, std::move(host), comm, options, /*whole_job=*/true));
 }
 
 }  // namespace packmoe

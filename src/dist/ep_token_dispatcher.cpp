@@ -1,0 +1,86 @@
+// EpTokenDispatcher: the count exchange and the two row all-to-alls of expert parallelism
+// (dist/ep_token_dispatcher.h).
+#include "dist/ep_token_dispatcher.h"
+
+#include <numeric>
+
+#include "core/check.h"
+
+namespace packmoe {
+namespace {
+
+std::vector<int64_t> scaled(const std::vector<int64_t>& rows, int64_t row_bytes) {
+  std::vector<int64_t> out(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out[i] = rows[i] * row_bytes;
+  return out;
+}
+
+int64_t row_bytes_of(const Tensor& t) {
+  PACKMOE_CHECK(t.rank() == 2, "EpTokenDispatcher: rows must be (M, W), got "
+                                   << shape_string(t.shape()));
+  return static_cast<int64_t>(dtype_bytes_for(t.dtype(), static_cast<size_t>(t.dim(1))));
+}
+
+}  // namespace
+
+EpTokenDispatcher::EpTokenDispatcher(Communicator& ep_comm, int64_t experts)
+    : comm_(&ep_comm), experts_(experts), local_(experts / ep_comm.size()) {
+  PACKMOE_CHECK(experts > 0 && experts % ep_comm.size() == 0,
+                "EpTokenDispatcher: " << experts << " experts over " << ep_comm.size()
+                                      << " EP ranks");
+}
+
+ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
+  Backend& b = comm_->backend();
+  const int ep = comm_->size();
+  PACKMOE_CHECK(all.counts.dtype() == DType::kI64 && all.counts.numel() == experts_,
+                "EpTokenDispatcher: dispatch needs (" << experts_ << ",) i64 counts");
+  const int64_t row_bytes = row_bytes_of(all.rows);
+  std::vector<int64_t> counts(static_cast<size_t>(experts_));  // (E) this rank's, padded
+  b.copy(counts.data(), all.counts.data(), all.counts.nbytes(), Backend::CopyKind::kDeviceToHost);
+
+  // Every peer's counts of this rank's experts: (EP, E_local), source-major.
+  ExpertRows local;
+  local.counts = Tensor::empty(b, DType::kI64, {ep * local_});
+  const std::vector<int64_t> count_bytes(static_cast<size_t>(ep),
+                                         local_ * static_cast<int64_t>(sizeof(int64_t)));
+  comm_->all_to_allv(all.counts.data(), count_bytes, local.counts.data(), count_bytes);
+  local.host_counts.assign(static_cast<size_t>(ep * local_), 0);
+  b.copy(local.host_counts.data(), local.counts.data(), local.counts.nbytes(),
+         Backend::CopyKind::kDeviceToHost);
+
+  send_rows_.assign(static_cast<size_t>(ep), 0);
+  recv_rows_.assign(static_cast<size_t>(ep), 0);
+  for (int p = 0; p < ep; ++p)
+    for (int64_t e = 0; e < local_; ++e) {
+      send_rows_[p] += counts[static_cast<size_t>(p * local_ + e)];
+      recv_rows_[p] += local.host_counts[static_cast<size_t>(p * local_ + e)];
+    }
+  const int64_t sent = std::accumulate(send_rows_.begin(), send_rows_.end(), int64_t{0});
+  PACKMOE_CHECK(sent <= all.rows.dim(0), "EpTokenDispatcher: counts sum to " << sent << ", rows "
+                                                                             << all.rows.dim(0));
+  capacity_ = all.rows.dim(0);
+  const int64_t received = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
+  local.rows = Tensor::empty(b, all.rows.dtype(), {received, all.rows.dim(1)});
+  comm_->all_to_allv(all.rows.data(), scaled(send_rows_, row_bytes), local.rows.data(),
+                     scaled(recv_rows_, row_bytes));
+  local.used = Tensor::empty(b, DType::kI64, {1});
+  b.copy(local.used.data(), &received, sizeof received, Backend::CopyKind::kHostToDevice);
+  return local;
+}
+
+Tensor EpTokenDispatcher::combine(const Tensor& rows) {
+  PACKMOE_CHECK(!send_rows_.empty(), "EpTokenDispatcher: combine before dispatch");
+  const int64_t received = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
+  PACKMOE_CHECK(rows.rank() == 2 && rows.dim(0) == received,
+                "EpTokenDispatcher: combine needs the " << received << " rows of the dispatch, got "
+                                                        << shape_string(rows.shape()));
+  const int64_t row_bytes = row_bytes_of(rows);
+  Backend& b = comm_->backend();
+  Tensor out = Tensor::empty(b, rows.dtype(), {capacity_, rows.dim(1)});
+  comm_->all_to_allv(rows.data(), scaled(recv_rows_, row_bytes), out.data(),
+                     scaled(send_rows_, row_bytes));
+  return out;
+}
+
+}  // namespace packmoe

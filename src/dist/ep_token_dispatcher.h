@@ -1,0 +1,43 @@
+// EpTokenDispatcher: expert parallelism's TokenDispatcher (nn/token_dispatcher.h) over the EP
+// communicator of one expert-parallel group (dist/expert_layout.h). dispatch sends each EP peer
+// the rows of its experts (contiguous: the block's rows are grouped by expert in expert order) and
+// receives every peer's rows of this rank's E_local experts, source-major (source 0's rows of
+// local experts 0, 1, ..., then source 1's, ...), with their S x E_local counts on the host: the
+// expert MLP runs them as S x E_local groups (nn/grouped_linear.h), so a source's rows get the
+// bytes they would get on that source alone and each expert's wgrad sums the sources in rank
+// order. combine sends every row back to the position it left. Invariant: one count exchange per
+// dispatch, whose result the row all-to-all needs on the host (one wait per dispatch: forward and
+// backward each pass every MoE layer's dispatch once).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "nn/token_dispatcher.h"
+
+namespace packmoe {
+
+class EpTokenDispatcher final : public TokenDispatcher {
+ public:
+  // ep_comm: the EP ranks of this rank's group, in EP-rank order; experts: E of the layer (a
+  // multiple of ep_comm.size()).
+  EpTokenDispatcher(Communicator& ep_comm, int64_t experts);
+
+  // all: (C, W) rows of the layer's E experts, counts (E,) I64. Returns (sum received, W) rows of
+  // this rank's experts from every EP rank, counts (S * E_local,) on the host and in the backend.
+  ExpertRows dispatch(const ExpertRows& all) override;
+  // rows: (sum received, W') in the last dispatch's order. Returns (C, W'): each row back at the
+  // position it was sent from; rows no expert used stay unwritten.
+  Tensor combine(const Tensor& rows) override;
+
+ private:
+  Communicator* comm_;
+  int64_t experts_;
+  int64_t local_;                   // E_local = E / EP
+  std::vector<int64_t> send_rows_;  // (EP) rows the last dispatch sent to each peer
+  std::vector<int64_t> recv_rows_;  // (EP) rows it received from each
+  int64_t capacity_ = 0;            // C: the last dispatch's input rows
+};
+
+}  // namespace packmoe
