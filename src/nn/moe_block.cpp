@@ -328,11 +328,6 @@ Tensor MoEBlock::swiglu(const ExpertRows& local) const {
   return a;
 }
 
-void MoEBlock::set_recompute_swiglu(bool on) {
-  PACKMOE_CHECK(state_ == BlockState::kIdle, "set_recompute_swiglu only in state Idle");
-  recompute_swiglu_ = on;
-}
-
 void MoEBlock::release() {
   PACKMOE_CHECK(state_ == BlockState::kForwardDone, "MoEBlock release needs a forward first");
   for (GroupedLinear* l : {&router_, &fc1_, &fc2_}) l->release_input();

@@ -108,9 +108,10 @@ class MoEBlock {
   // Runs FC2's and FC1's queued wgrads (-> kIdle). Only from kWgradPending.
   void backward_dw();
   // Recomputation (nn/recompute.h). Selective: forward keeps FC1's output h but not the SwiGLU's
-  // (FC2's input), which backward re-runs before FC2's backward; set only in state Idle.
-  // release: frees what the last forward kept (-> kIdle), a recomputed forward comes next.
-  void set_recompute_swiglu(bool on);
+  // (FC2's input), which backward re-runs before FC2's backward; set only between a backward and
+  // the next forward. release: frees what the last forward kept (-> kIdle), a recomputed forward
+  // comes next.
+  void set_recompute_swiglu(bool on) { recompute_swiglu_ = on; }
   void release();
 
   // Where the expert MLP's rows come from and go back to (default LocalTokenDispatcher: every
