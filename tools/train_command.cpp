@@ -151,7 +151,7 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "options below (steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr,\n"
       "warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval,\n"
       "eval_batches, log_interval, seed, shuffle, valid_fraction, recipe, layout, primary,\n"
-      "gather_mode).\n"
+      "gather_mode, recompute).\n"
       "Checkpoints: --save-dir ROOT writes ROOT/step-XXXXXXXX (FP32 masters as Hugging Face\n"
       "safetensors, config.json, AdamW moments, trainer_state.json) every --save-interval steps\n"
       "and after the last, keeping the newest --keep-last (under mpirun the AdamW state is one\n"
@@ -187,6 +187,11 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                  "each group of EP consecutive ranks (mpirun -np N) holds them, one range per\n"
                  "rank; tokens reach their experts by all-to-all. EP divides N and the experts;\n"
                  "dense weights stay data-parallel over all ranks");
+  cmd->add_option("--recompute", args.recompute,
+                  "activations recomputed in backward instead of kept, the same bytes either way:\n"
+                  "  none: all kept; selective: the attention core and the SwiGLUs re-run (as\n"
+                  "  Megatron's); full: each layer keeps only its input and re-runs its forward\n"
+                  "(default: none)");
   add_train_flag(cmd, args, "--steps", &train::TrainConfig::steps, "optimizer steps");
   add_train_flag(cmd, args, "--micro-batch", &train::TrainConfig::micro_batch_size,
                  "rows per micro-batch (B)");
@@ -574,6 +579,11 @@ Result<SetUp> set_up(const TrainArgs& args) {
     if (!p) return p.status();
     config.precision.primary = p.value();
   }
+  if (args.cmd->count("--recompute")) {
+    Result<Recompute> r = train::parse_recompute(args.recompute);
+    if (!r) return r.status();
+    config.recompute = r.value();
+  }
   if (args.cmd->count("--gather-mode")) {
     Result<GatherMode> m = parse_gather_mode(args.gather_mode);
     if (!m) return Status::error("--gather-mode: " + m.status().message());
@@ -718,10 +728,11 @@ Status run_train(const TrainArgs& args) {
   std::printf("packmoe train: %lld parameters (%lld active per token) on %s\n",
               static_cast<long long>(params.total), static_cast<long long>(params.active),
               backend->name().c_str());
-  std::printf("  experts: recipe %s, primary %s, layout %s | data: %s, %s, %lld train / %lld "
-              "validation tokens\n",
+  std::printf("  experts: recipe %s, primary %s, layout %s | recompute %s | data: %s, %s, %lld "
+              "train / %lld validation tokens\n",
               recipe_name(config.precision.recipe.recipe), train::primary_name(config.precision.primary),
-              train::layout_name(config.precision.layout), set.description.c_str(),
+              train::layout_name(config.precision.layout), train::recompute_name(config.recompute),
+              set.description.c_str(),
               config.shuffle ? "shuffled" : "in file order", static_cast<long long>(train_tokens),
               static_cast<long long>(valid_tokens));
   if (config.eval_interval > 0 && trainer.value()->eval_batches() < config.eval_batches)

@@ -36,9 +36,7 @@ Attention::Attention(Backend& backend, const AttentionShape& shape, Layout layou
       k_norm_(backend, layout, shape.eps, init.k_norm) {}
 
 Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope) {
-  Backend& b = *backend_;
-  const int64_t T = batch * seq, H = shape_.hidden, D = shape_.head_dim;
-  const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
+  const int64_t T = batch * seq, H = shape_.hidden;
   PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(0) == T && x.dim(1) == H,
                 "Attention forward: x must be (" << T << ", " << H << ") bf16, got "
                                                  << shape_string(x.shape()));
@@ -46,12 +44,24 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Pos
   seq_ = seq;
   rope_ = rope;
   project(x, rope, q_, k_, v_);
+  run_core();
+  Tensor y = o_proj_.forward(attn_, {T});  // (T, H)
+  if (recompute_core_) {
+    o_proj_.release_input();
+    attn_ = lse_ = Tensor{};
+  }
+  return y;
+}
 
+void Attention::run_core() {
+  Backend& b = *backend_;
+  const int64_t T = batch_ * seq_, D = shape_.head_dim;
+  const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
   attn_ = Tensor::empty(b, DType::kBF16, {T, Hq * D});
-  lse_ = Tensor::empty(b, DType::kF32, {batch, Hq, seq});
+  lse_ = Tensor::empty(b, DType::kF32, {batch_, Hq, seq_});
   AttentionArgs a;
-  a.batch = batch;
-  a.seq = seq;
+  a.batch = batch_;
+  a.seq = seq_;
   a.q_heads = Hq;
   a.kv_heads = Hkv;
   a.head_dim = D;
@@ -59,18 +69,29 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, const Pos
   a.q = q_.data_as<const uint16_t>();
   a.k = k_.data_as<const uint16_t>();
   a.v = v_.data_as<const uint16_t>();
-  a.doc_start = rope.doc_start.data_as<const int32_t>();  // null: causal
+  a.doc_start = rope_.doc_start.data_as<const int32_t>();  // null: causal
   a.o = attn_.data_as<uint16_t>();
   a.lse = lse_.data_as<float>();
   check_op(ops::attention(b, a), "attention");
-  return o_proj_.forward(attn_, {T});  // (T, H)
+}
+
+void Attention::release() {
+  for (GroupedLinear* l : {&q_proj_, &k_proj_, &v_proj_, &o_proj_}) l->release_input();
+  q_norm_.release();
+  k_norm_.release();
+  q_ = k_ = v_ = attn_ = lse_ = Tensor{};
+  rope_ = PositionTables{};
 }
 
 Tensor Attention::backward(const Tensor& dy) {
   Backend& b = *backend_;
   const int64_t T = batch_ * seq_, D = shape_.head_dim;
   const int64_t Hq = shape_.q_heads, Hkv = shape_.kv_heads;
-  PACKMOE_CHECK(attn_.data() != nullptr, "Attention backward without a forward");
+  PACKMOE_CHECK(q_.data() != nullptr, "Attention backward without a forward");
+  if (recompute_core_) {
+    run_core();
+    o_proj_.restore_input(attn_);
+  }
   const Tensor dattn = o_proj_.backward(to_bf16(b, dy), GradAccum::kAccumulate);  // (T, Hq*D) F32
   const Tensor dattn_bf16 = to_bf16(b, dattn);
 

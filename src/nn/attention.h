@@ -2,7 +2,9 @@
 // causal (or document-masked) GQA attention, o projection; explicit forward / backward over ops.
 // Invariant: projections are BF16 GEMMs with FP32 masters and FP32 outputs; norms and RoPE run in
 // FP32; the attention core reads q, k, v as BF16 and writes its output in BF16 (o_proj's operand);
-// backward ADDS every weight gradient into its main_grad.
+// backward ADDS every weight gradient into its main_grad. With the core recomputed
+// (set_recompute_core) forward keeps q, k, v but not the core's output and lse (nor o_proj's copy
+// of it): backward re-runs the core on the same q, k, v first.
 #pragma once
 
 #include <cstdint>
@@ -53,6 +55,10 @@ class Attention {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope);
   // dy: (T, H) F32. Returns dx (T, H) F32 (the sum over the q, k and v paths).
   Tensor backward(const Tensor& dy);
+  // Selective recomputation (nn/recompute.h); only between a backward and the next forward.
+  void set_recompute_core(bool on) { recompute_core_ = on; }
+  // Frees everything forward kept (full recomputation: a forward runs again before backward).
+  void release();
   // Inference (nn/kv_cache.cpp): x (T, H) BF16, T new tokens of one sequence at positions
   // [past, past + T) (`rope` is their table), after the `past` tokens `kv` holds. Writes their
   // K / V into rows [past, past + T) of `kv` and returns (T, H) F32, what forward gives these rows
@@ -63,11 +69,14 @@ class Attention {
   // The q, k, v of x (T, H) BF16 as the attention core reads them: (T, Hq*D), (T, Hkv*D) after
   // the norms and RoPE at the table's positions, (T, Hkv*D) as projected; BF16.
   void project(const Tensor& x, const PositionTables& rope, Tensor& q, Tensor& k, Tensor& v);
+  // attn_ and lse_ from the saved q_, k_, v_ (ops::attention).
+  void run_core();
 
   Backend* backend_;
   AttentionShape shape_;
   GroupedLinear q_proj_, k_proj_, v_proj_, o_proj_;
   RmsNorm q_norm_, k_norm_;
+  bool recompute_core_ = false;
 
   // Saved by forward.
   int64_t batch_ = 0, seq_ = 0;
@@ -75,8 +84,8 @@ class Attention {
   Tensor q_;     // (T, Hq*D) BF16 after q_norm and RoPE
   Tensor k_;     // (T, Hkv*D) BF16 after k_norm and RoPE
   Tensor v_;     // (T, Hkv*D) BF16 as projected
-  Tensor attn_;  // (T, Hq*D) BF16 attention output (o_proj's input)
-  Tensor lse_;   // (B, Hq, S) F32
+  Tensor attn_;  // (T, Hq*D) BF16 attention output (o_proj's input); recomputed: backward only
+  Tensor lse_;   // (B, Hq, S) F32; likewise
 };
 
 }  // namespace packmoe

@@ -1,6 +1,8 @@
 // DecoderLayer of Qwen3-MoE: h = x + Attention(RMSNorm(x)); out = h + MLP(RMSNorm(h)) with the MLP
 // a MoEBlock or, on mlp_only_layers, a DenseMlp. Invariant: the residual stream is FP32 and never
 // modified in place (the norms keep their inputs for backward); backward ADDS into main_grads.
+// Recomputation (nn/recompute.h): full keeps only the layer's input x and re-runs the forward at
+// the start of backward; selective is the attention's and the MLP's own (set_recompute_*).
 #pragma once
 
 #include <memory>
@@ -8,6 +10,7 @@
 #include "nn/attention.h"
 #include "nn/dense_mlp.h"
 #include "nn/moe_block.h"
+#include "nn/recompute.h"
 #include "nn/rms_norm.h"
 
 namespace packmoe {
@@ -38,6 +41,8 @@ class DecoderLayer {
   // Inference (nn/kv_cache.cpp): forward on T new tokens of one sequence after the `past` ones
   // `kv` caches (Attention::forward_cached); x (T, H) F32, returns (T, H) F32.
   Tensor forward_cached(const Tensor& x, const PositionTables& rope, LayerKv& kv, int64_t past);
+  // What forward keeps for backward; only between a backward and the next forward.
+  void set_recompute(Recompute mode);
 
  private:
   Backend* backend_;
@@ -46,8 +51,17 @@ class DecoderLayer {
   RmsNorm post_norm_;
   std::unique_ptr<MoEBlock> moe_;
   std::unique_ptr<DenseMlp> mlp_;
+  Recompute recompute_ = Recompute::kNone;
+  // Saved by forward under full recomputation: the input and what the attention reads with it.
+  Tensor x_;  // (T, H) F32
+  int64_t batch_ = 0, seq_ = 0;
+  PositionTables rope_;
+
+  // Both residual blocks; `recomputed`: the second forward of full recomputation.
+  Tensor run_forward(const Tensor& x, int64_t batch, int64_t seq, const PositionTables& rope,
+                     bool recomputed);
   // The second residual block: h + MLP(post_norm(h)), h (T, H) F32 the first block's output.
-  Tensor mlp_residual(const Tensor& h);
+  Tensor mlp_residual(const Tensor& h, bool recomputed = false);
 };
 
 }  // namespace packmoe

@@ -12,10 +12,16 @@ DenseMlp::DenseMlp(Backend& backend, Layout layout, bool grad_accum_fusion, cons
       down_(backend, dense_linear_config(layout, grad_accum_fusion), as_single_group(down)) {}
 
 Tensor DenseMlp::forward(const Tensor& x) {
-  Backend& b = *backend_;
-  const int64_t T = x.dim(0), I = down_.param().k();
+  const int64_t T = x.dim(0);
   h_ = gate_up_.forward(x, {T});  // (T, 2I)
-  const Tensor a = Tensor::empty(b, DType::kBF16, {T, I});
+  Tensor y = down_.forward(swiglu(), {T});  // (T, H)
+  if (recompute_swiglu_) down_.release_input();
+  return y;
+}
+
+Tensor DenseMlp::swiglu() const {
+  const int64_t T = h_.dim(0), I = down_.param().k();
+  Tensor a = Tensor::empty(*backend_, DType::kBF16, {T, I});
   SwigluArgs s;
   s.rows = T;
   s.ffn = I;
@@ -23,14 +29,21 @@ Tensor DenseMlp::forward(const Tensor& x) {
   s.in = h_.data();
   s.out_dtype = DType::kBF16;
   s.out = a.data();
-  check_op(ops::swiglu(b, s), "swiglu");
-  return down_.forward(a, {T});  // (T, H)
+  check_op(ops::swiglu(*backend_, s), "swiglu");
+  return a;
+}
+
+void DenseMlp::release() {
+  gate_up_.release_input();
+  down_.release_input();
+  h_ = Tensor{};
 }
 
 Tensor DenseMlp::backward(const Tensor& dy) {
   Backend& b = *backend_;
   PACKMOE_CHECK(h_.data() != nullptr, "DenseMlp backward without a forward");
   const int64_t T = h_.dim(0), I = down_.param().k();
+  if (recompute_swiglu_) down_.restore_input(swiglu());
   const Tensor da = down_.backward(to_bf16(b, dy), GradAccum::kAccumulate);  // (T, I) F32
   const Tensor dh = Tensor::empty(b, DType::kBF16, {T, 2 * I});
   SwigluBackwardArgs s;

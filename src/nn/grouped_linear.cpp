@@ -125,13 +125,34 @@ Tensor GroupedLinear::run_forward(const Tensor& x) {
   a.out = carve_rows(y.data(), groups, dtype_bytes_for(cfg_.out_dtype, n));
   check_op(ops::grouped_gemm(*backend_, a), "fprop");
   x_.release_rowwise();
+  input_released_ = false;
   state_ = LinearState::kForwardDone;
   return y;
+}
+
+void GroupedLinear::release_input() {
+  PACKMOE_CHECK(state_ == LinearState::kForwardDone, "release_input needs a forward first");
+  x_ = ActivationCopies{};
+  input_released_ = true;
+}
+
+void GroupedLinear::restore_input(const Tensor& x) {
+  PACKMOE_CHECK(state_ == LinearState::kForwardDone && input_released_,
+                "restore_input needs a forward whose input was released");
+  PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(0) == rows_ &&
+                    x.dim(1) == param_.k() && x.device() == backend_->device(),
+                "restore_input: x must be the forward's (" << rows_ << ", " << param_.k()
+                                                           << ") bf16, got "
+                                                           << shape_string(x.shape()));
+  x_ = param_.recipe_ops().activation_copies(TensorRole::kInput, x, token_groups(), 0);
+  x_.release_rowwise();
+  input_released_ = false;
 }
 
 Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   PACKMOE_CHECK(state_ == LinearState::kForwardDone,
                 "backward needs a forward first (and runs once per forward)");
+  PACKMOE_CHECK(!input_released_, "backward: the forward's input was released (restore_input)");
   const int64_t n = param_.n(), k = param_.k();
   PACKMOE_CHECK(dy.dtype() == DType::kBF16 && dy.rank() == 2 && dy.dim(0) == rows_ && dy.dim(1) == n,
                 "backward: dy must be (" << rows_ << ", " << n << ") bf16, got "

@@ -80,6 +80,11 @@ class GroupedLinear {
   Tensor backward(const Tensor& dy, GradAccum accum);
   // Runs the queued wgrad (-> kIdle). Only from kWgradPending: a second call is a doubled wgrad.
   void backward_dw();
+  // Activation recomputation (nn/recompute.h), only in kForwardDone: release_input frees the
+  // forward's saved copy of x; restore_input(x), x the same bytes recomputed, makes that copy
+  // again (the same quantize call) before backward, which refuses to run without it.
+  void release_input();
+  void restore_input(const Tensor& x);
 
  private:
   Tensor run_forward(const Tensor& x);  // with m_ / m_device_ and rows_ set
@@ -103,6 +108,7 @@ class GroupedLinear {
   int64_t sources_ = 1;     // S: the counts' groups over the param's experts
   std::optional<DeviceBuffer> repeated_decode_;  // (S * E) F32: NVFP4 weight decode scales per group (S > 1)
   ActivationCopies x_;      // X (M, K): columnwise kept for wgrad
+  bool input_released_ = false;  // release_input ran, restore_input not yet
   ActivationCopies dy_;     // dY (M, N): columnwise kept while the wgrad is queued
   GradAccum pending_accum_ = GradAccum::kAccumulate;
 };

@@ -225,6 +225,12 @@ void Model::set_grad_sr_offset(uint64_t offset) {
   for (GroupedLinear* l : linears_) l->set_grad_sr_offset(offset);
 }
 
+void Model::set_recompute(Recompute mode) {
+  PACKMOE_CHECK(state_ == ModelState::kIdle, "set_recompute with a backward owed");
+  recompute_ = mode;
+  for (auto& layer : impl_->layers) layer->set_recompute(mode);
+}
+
 Result<ForwardLosses> Model::forward(const Batch& batch) {
   Result<QueuedLosses> queued = queue_forward(batch, std::nullopt);
   if (!queued) return queued.status();

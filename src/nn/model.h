@@ -19,6 +19,7 @@
 #include "nn/grouped_param.h"
 #include "nn/model_config.h"
 #include "nn/recipe.h"
+#include "nn/recompute.h"
 
 namespace packmoe {
 
@@ -165,6 +166,9 @@ class Model {
   // the trainer's nvfp4_grad_sr_offset of the coming micro-batch. With the seed, that is the
   // whole random state of a run, so a checkpoint needs none.
   void set_grad_sr_offset(uint64_t offset);
+  // What a training forward keeps for backward (nn/recompute.h; default kNone). Only in kIdle.
+  void set_recompute(Recompute mode);
+  Recompute recompute() const { return recompute_; }
 
   // Evaluation forward of one micro-batch: its losses (one host sync), no gradient; kIdle stays
   // kIdle. Bad ids / targets are a Status error before anything is computed.
@@ -210,6 +214,7 @@ class Model {
   ModelPrecision precision_;
   ExpertSlice expert_slice_;
   ModelState state_ = ModelState::kIdle;
+  Recompute recompute_ = Recompute::kNone;
   std::vector<NamedParam> params_;
   std::vector<GroupedLinear*> linears_;  // every GroupedLinear (set_grad_sr_offset)
   GradReadyHook grad_ready_;

@@ -89,11 +89,11 @@ void MoEBlock::zero_grad() {
   for (GroupedParam* p : params()) p->zero_grad();
 }
 
-Tensor MoEBlock::forward(const Tensor& x) {
+Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
   PACKMOE_CHECK(state_ != BlockState::kWgradPending,
                 "MoEBlock forward with delayed wgrads pending: run backward_dw first, or their "
                 "gradients are lost");
-  const int64_t E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
+  const int64_t E = experts(), H = hidden(), k = cfg_.top_k;
   PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(1) == H && x.dim(0) > 0,
                 "MoEBlock forward: x must be (T, " << H << ") bf16 with T > 0, got "
                                                    << shape_string(x.shape()));
@@ -118,7 +118,7 @@ Tensor MoEBlock::forward(const Tensor& x) {
   ra.w = w_.data_as<float>();
   check_op(ops::router_topk(b, ra), "router_topk");
 
-  if (cfg_.aux_loss_coef != 0.0f) {
+  if (cfg_.aux_loss_coef != 0.0f && !recomputed) {
     if (!aux_stats_shared_) aux_stats_->reset(b);
     AuxLossStatsArgs aa;
     aa.tokens = T;
@@ -175,22 +175,13 @@ Tensor MoEBlock::forward(const Tensor& x) {
 
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
   const ExpertRows local = dispatcher_->dispatch(all);
-  const int64_t CL = local.rows.dim(0);
   h_ = local.host_counts.empty() ? fc1_.forward(local.rows, local.counts)
                                  : fc1_.forward(local.rows, local.host_counts);  // (CL, 2F)
-  const Tensor a = Tensor::empty(b, DType::kBF16, {CL, F});  // FC2's GEMM operand
-  SwigluArgs sa;
-  sa.rows = CL;
-  sa.rows_device = local.used.data_as<const int64_t>();
-  sa.ffn = F;
-  sa.in_dtype = cfg_.activation_dtype;
-  sa.in = h_.data();
-  sa.out_dtype = DType::kBF16;
-  sa.out = a.data();
-  check_op(ops::swiglu(b, sa), "swiglu");
+  const Tensor a = swiglu(local);                                                // (CL, F)
   yp_ = dispatcher_->combine(local.host_counts.empty()
                                  ? fc2_.forward(a, local.counts)
                                  : fc2_.forward(a, local.host_counts));  // (C, H)
+  if (recompute_swiglu_) fc2_.release_input();
 
   Tensor y = Tensor::empty(b, cfg_.out_dtype, {T, H});
   UnpermuteArgs ua;
@@ -247,6 +238,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   // dY rows travel to the experts as the inputs did, dX rows come back as the outputs did.
   const ExpertRows local = dispatcher_->dispatch(all);
   const int64_t CL = local.rows.dim(0);
+  if (recompute_swiglu_) fc2_.restore_input(swiglu(local));
   const Tensor da = fc2_.backward(local.rows, accum);             // (CL, F)
   const Tensor dh = Tensor::empty(b, DType::kBF16, {CL, 2 * F});  // FC1's dY operand
   SwigluBackwardArgs sb;
@@ -318,6 +310,29 @@ void MoEBlock::backward_dw() {
                 "only queued with delay_wgrad)");
   fc2_.backward_dw();
   fc1_.backward_dw();
+  state_ = BlockState::kIdle;
+}
+
+Tensor MoEBlock::swiglu(const ExpertRows& local) const {
+  const int64_t CL = local.rows.dim(0), F = ffn();
+  Tensor a = Tensor::empty(*backend_, DType::kBF16, {CL, F});
+  SwigluArgs sa;
+  sa.rows = CL;
+  sa.rows_device = local.used.data_as<const int64_t>();
+  sa.ffn = F;
+  sa.in_dtype = cfg_.activation_dtype;
+  sa.in = h_.data();
+  sa.out_dtype = DType::kBF16;
+  sa.out = a.data();
+  check_op(ops::swiglu(*backend_, sa), "swiglu");
+  return a;
+}
+
+void MoEBlock::release() {
+  PACKMOE_CHECK(state_ == BlockState::kForwardDone, "MoEBlock release needs a forward first");
+  for (GroupedLinear* l : {&router_, &fc1_, &fc2_}) l->release_input();
+  probs_ = idx_ = w_ = h_ = yp_ = dest_ = row_slot_ = Tensor{};
+  plan_rows_ = ExpertRows{};
   state_ = BlockState::kIdle;
 }
 

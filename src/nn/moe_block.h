@@ -96,8 +96,9 @@ class MoEBlock {
 
   // x: (T, H) BF16 in the backend's memory, T > 0. Returns y (T, H) in out_dtype. Allowed from
   // kIdle and kForwardDone (a forward never followed by backward, e.g. eval, is dropped); with
-  // wgrads pending it would lose them: PACKMOE_CHECK error.
-  Tensor forward(const Tensor& x);
+  // wgrads pending it would lose them: PACKMOE_CHECK error. `recomputed`: the same x again for
+  // backward after release (nn/recompute.h): the router statistics are not added a second time.
+  Tensor forward(const Tensor& x, bool recomputed = false);
   // dy: (T, H) BF16 or F32, the gradient of the loss w.r.t. y; the loss also holds
   // loss_scale * aux_loss_coef * aux when the aux loss is on (loss_scale: the factor the caller's
   // loss carries, e.g. 1 / micro-batches, already inside dy). Returns dx (T, H) F32: the expert
@@ -106,6 +107,12 @@ class MoEBlock {
   Tensor backward(const Tensor& dy, GradAccum accum, float loss_scale = 1.0f);
   // Runs FC2's and FC1's queued wgrads (-> kIdle). Only from kWgradPending.
   void backward_dw();
+  // Recomputation (nn/recompute.h). Selective: forward keeps FC1's output h but not the SwiGLU's
+  // (FC2's input), which backward re-runs before FC2's backward; set only between a backward and
+  // the next forward. release: frees what the last forward kept (-> kIdle), a recomputed forward
+  // comes next.
+  void set_recompute_swiglu(bool on) { recompute_swiglu_ = on; }
+  void release();
 
   // Where the expert MLP's rows come from and go back to (default LocalTokenDispatcher: every
   // expert here; with E_local < E a dispatcher that brings each rank its experts' rows, e.g.
@@ -135,6 +142,7 @@ class MoEBlock {
   bool has_plan_ = false;
   std::shared_ptr<AuxLossStats> aux_stats_;  // with aux_loss_coef != 0: own or shared
   bool aux_stats_shared_ = false;            // shared: reset by their owner, not by forward
+  bool recompute_swiglu_ = false;
   Tensor counts_;  // (E + 1) I64 of the last forward's plan (plan())
 
   // Saved by forward for backward (backend memory unless noted). Row buffers hold C =
@@ -149,6 +157,9 @@ class MoEBlock {
   Tensor w_;              // (T, k) F32
   Tensor h_;              // (CL, 2F) activation_dtype, FC1's output (SwiGLU's input), expert side
   Tensor yp_;             // (C, H) activation_dtype, FC2's output (the combine's input)
+
+  // a (CL, F) BF16 = swiglu(h_) over the rows `local` uses: FC2's input.
+  Tensor swiglu(const ExpertRows& local) const;
 };
 
 }  // namespace packmoe

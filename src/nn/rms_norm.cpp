@@ -52,7 +52,10 @@ Tensor RmsNorm::backward(const Tensor& dy) {
   check_op(ops::rms_norm_backward(*backend_, a), "rms_norm_backward");
   add_into(*backend_, Tensor::view(f32_grad(param_), DType::kF32, {D}, backend_->device()),
            dweight);
+  release();
   return dx;
 }
+
+void RmsNorm::release() { x_ = rstd_ = Tensor{}; }
 
 }  // namespace packmoe

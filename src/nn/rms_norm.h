@@ -1,6 +1,6 @@
 // RmsNorm layer: y = x / rms(x) * weight over the last dim D, with its weight (1, 1, D) as a
 // GroupedParam whose FP32 weight is what the op reads. Invariant: backward ADDS dweight into
-// main_grad; the forward's input and rstd are kept until the next forward.
+// main_grad; the forward's input and rstd are kept until its backward (or release).
 #pragma once
 
 #include "backend/backend.h"
@@ -21,6 +21,9 @@ class RmsNorm {
   Tensor forward(const Tensor& x);
   // dy: like y. Returns dx F32; adds dweight into main_grad.
   Tensor backward(const Tensor& dy);
+  // Frees what forward kept (activation recomputation, nn/recompute.h: a forward runs again
+  // before backward).
+  void release();
 
  private:
   Backend* backend_;

@@ -180,6 +180,21 @@ Result<PrimaryWeight> parse_primary(const std::string& name) {
   return Status::error("primary must be low or high (got '" + name + "')");
 }
 
+const char* recompute_name(Recompute recompute) {
+  switch (recompute) {
+    case Recompute::kNone: return "none";
+    case Recompute::kSelective: return "selective";
+    case Recompute::kFull: return "full";
+  }
+  return "?";
+}
+
+Result<Recompute> parse_recompute(const std::string& name) {
+  for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+    if (name == recompute_name(r)) return r;
+  return Status::error("recompute must be none, selective or full (got '" + name + "')");
+}
+
 json train_config_to_json(const TrainConfig& c) {
   json j;
   j["steps"] = c.steps;
@@ -206,6 +221,7 @@ json train_config_to_json(const TrainConfig& c) {
   j["primary"] = primary_name(c.precision.primary);
   j["gather_mode"] = gather_mode_name(c.gather_mode);
   j["expert_parallel"] = c.expert_parallel;
+  j["recompute"] = recompute_name(c.recompute);
   if (!c.tokenizer.empty()) j["tokenizer"] = c.tokenizer;
   return j;
 }
@@ -265,6 +281,12 @@ Status apply_train_json(const json& j, TrainConfig* c) {
       Result<GatherMode> m = parse_gather_mode(name);
       if (!m) return m.status();
       c->gather_mode = m.value();
+    } else if (key == "recompute") {
+      std::string name;
+      PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));
+      Result<Recompute> r = parse_recompute(name);
+      if (!r) return r.status();
+      c->recompute = r.value();
     } else if (key == "recipe" || key == "layout" || key == "primary") {
       std::string name;
       PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));

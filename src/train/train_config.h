@@ -49,6 +49,10 @@ struct TrainConfig {
   // holds one (dist/expert_layout.h); tokens reach their experts by all-to-all. 1: every rank
   // holds every expert. EP must divide the ranks and the experts (checked by Trainer::create).
   int64_t expert_parallel = 1;
+  // What each micro-batch's forward keeps for backward (nn/recompute.h): none, selective (the
+  // attention core and the SwiGLUs re-run in backward) or full (each layer's forward re-run).
+  // Every mode gives the same bytes; they trade memory for compute.
+  Recompute recompute = Recompute::kNone;
   // The tokenizer the data was tokenized with (`--tokenizer`), as an absolute path; empty: byte
   // tokens or pre-tokenized files without one. Stored in checkpoints so that export-hf copies
   // its files beside the weights (docs/tokenizers.md).
@@ -78,19 +82,22 @@ Status check_run_fits(const TrainConfig& config, const ModelConfig& model,
                       int64_t bytes_available);
 LrSchedule lr_schedule(const TrainConfig& config);
 
-// Names used by flags and JSON: recipe bf16|mxfp8|nvfp4, layout single|discrete, primary low|high.
+// Names used by flags and JSON: recipe bf16|mxfp8|nvfp4, layout single|discrete, primary low|high,
+// recompute none|selective|full.
 Result<Recipe> parse_recipe(const std::string& name);
 Result<Layout> parse_layout(const std::string& name);
 Result<PrimaryWeight> parse_primary(const std::string& name);
+Result<Recompute> parse_recompute(const std::string& name);
 const char* layout_name(Layout layout);
 const char* primary_name(PrimaryWeight primary);
+const char* recompute_name(Recompute recompute);
 
 // Every field under its JSON key (decay_steps only when set): apply_train_json of the result onto
 // any TrainConfig gives back `config` exactly (doubles round-trip).
 nlohmann::json train_config_to_json(const TrainConfig& config);
 
 // Overwrites the fields present in `json` (an object whose keys are the field names above plus
-// "recipe", "layout", "primary", "tokenizer" (a path); gather_mode by name: bf16, lowp,
+// "recipe", "layout", "primary", "recompute", "tokenizer" (a path); gather_mode by name: bf16, lowp,
 // reuse-grad-buffer); an unknown key or a wrong type is an error naming the key.
 Status apply_train_json(const nlohmann::json& json, TrainConfig* config);
 

@@ -131,6 +131,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
     phase_done(times.weights);
     m = std::make_unique<Model>(backend, model, precision, random, experts);
   }
+  m->set_recompute(config.recompute);
   phase_done(times.model);
   std::unique_ptr<Trainer> t(new Trainer(std::move(m), config, std::move(sampler.value()),
                                          std::move(validation), parallel));

@@ -185,6 +185,7 @@ TEST(TrainCli, BadInputIsOneErrorLineAndNoOutput) {
       {"train --recipe fp8", "recipe must be bf16, mxfp8 or nvfp4 (got 'fp8')"},
       {"train --layout packed", "layout must be single or discrete"},
       {"train --primary mid", "primary must be low or high"},
+      {"train --recompute some", "recompute must be none, selective or full (got 'some')"},
       {"train --preset huge", "unknown model preset 'huge'"},
       {"train --device tpu", "--device must be auto, cpu or cuda"},
       {"train --lr -1", "lr = -1"},
@@ -248,7 +249,8 @@ TEST(TrainCli, HelpExplainsEveryOption) {
         "--beta2",        "--eps",         "--grad-clip",     "--eval-interval", "--eval-batches",
         "--log-interval", "--seed",        "--device",        "--data",          "--valid-data",
         "--out",          "--save-dir",    "--save-interval", "--keep-last",     "--save-primary",
-        "--resume",       "--init-from-hf", "--shuffle",     "--no-shuffle",    "--valid-fraction"})
+        "--resume",       "--init-from-hf", "--shuffle",     "--no-shuffle",    "--valid-fraction",
+        "--recompute",    "selective:",    "full:"})
     EXPECT_NE(r.output.find(flag), std::string::npos) << flag;
   EXPECT_NE(r.output.find("(default: 1000)"), std::string::npos) << r.output;
   const RunResult e = run_cli("export-hf --help");
@@ -270,6 +272,27 @@ std::vector<MetricsKey> metrics_keys(const fs::path& path) {
   for (const train::MetricsRecord& r : records.value())
     keys.emplace_back(r.step, r.split, r.loss, r.lr, r.grad_norm);
   return keys;
+}
+
+// --recompute selective and full train the run of none: the same losses and grad norms in
+// metrics.jsonl (JSON keeps every double exactly); the start-up summary names the mode.
+TEST(TrainCli, RecomputeGivesTheSameRun) {
+  const fs::path dir = temp_dir();
+  const std::string common = "train --steps 3 --eval-interval 0 --log-interval 1 --grad-accum 2" +
+                             kSmall + corpus_flag(dir);
+  std::vector<std::vector<MetricsKey>> runs;
+  for (const char* mode : {"none", "selective", "full"}) {
+    const fs::path out = dir / mode;
+    const RunResult r = run_cli(common + " --recompute " + mode + " --out " + out.string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(std::string("| recompute ") + mode + " |"), std::string::npos)
+        << r.output;
+    runs.push_back(metrics_keys(out / "metrics.jsonl"));
+    ASSERT_EQ(runs.back().size(), 3u);
+  }
+  EXPECT_EQ(runs[1], runs[0]);
+  EXPECT_EQ(runs[2], runs[0]);
+  fs::remove_all(dir);
 }
 
 // NVFP4, so the resumed run also needs its stochastic-rounding offsets; the schedule does not

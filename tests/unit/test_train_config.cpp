@@ -85,7 +85,8 @@ TEST(TrainConfig, JsonOverwritesOnlyTheGivenKeys) {
   TrainConfig c;
   const auto j = nlohmann::json::parse(
       R"({"steps": 7, "lr": 0.5, "decay_steps": 5, "seed": 9, "recipe": "nvfp4",
-          "layout": "discrete", "primary": "high", "gather_mode": "lowp"})");
+          "layout": "discrete", "primary": "high", "gather_mode": "lowp",
+          "recompute": "selective"})");
   ASSERT_TRUE(apply_train_json(j, &c).is_ok());
   EXPECT_EQ(c.steps, 7);
   EXPECT_EQ(c.lr, 0.5);
@@ -95,6 +96,7 @@ TEST(TrainConfig, JsonOverwritesOnlyTheGivenKeys) {
   EXPECT_EQ(c.precision.layout, Layout::kDiscrete);
   EXPECT_EQ(c.precision.primary, PrimaryWeight::kHighPrecision);
   EXPECT_EQ(c.gather_mode, GatherMode::kLowp);
+  EXPECT_EQ(c.recompute, Recompute::kSelective);
   EXPECT_EQ(c.micro_batch_size, TrainConfig{}.micro_batch_size);
 
   auto error = [](const char* text) {
@@ -106,6 +108,8 @@ TEST(TrainConfig, JsonOverwritesOnlyTheGivenKeys) {
   EXPECT_EQ(error(R"({"lr": "fast"})"), "train.lr must be a number (got \"fast\")");
   EXPECT_EQ(error(R"({"seed": -1})"), "train.seed must be a non-negative integer (got -1)");
   EXPECT_EQ(error(R"({"recipe": "fp8"})"), "recipe must be bf16, mxfp8 or nvfp4 (got 'fp8')");
+  EXPECT_EQ(error(R"({"recompute": "all"})"),
+            "recompute must be none, selective or full (got 'all')");
   EXPECT_EQ(error(R"({"gather_mode": "fp8"})"),
             "unknown parameter gather mode 'fp8' (bf16, lowp, reuse-grad-buffer)");
   EXPECT_NE(error(R"([1, 2])").find("must be a JSON object"), std::string::npos);
