@@ -6,7 +6,8 @@
 // tokens, each held expert's FC1 / FC2 gradient bitwise the ordered sum. NVFP4: y and the router
 // gradient bitwise (its gradients' stochastic rounding is numbered per quantizing call, so the
 // expert side of the backward differs from EP = 1 by design: docs/dist.md). Uneven token counts
-// per rank, an expert that never gets a token, fresh random inputs per run.
+// per rank, an expert that never gets a token, a rank none of whose experts gets one (it receives
+// no row), fresh random inputs per run.
 #include <cstring>
 #include <memory>
 #include <random>
@@ -72,11 +73,18 @@ std::vector<std::vector<float>> gather_all(const std::vector<float>& mine) {
   return per;
 }
 
-class EpMoeBlock : public ::testing::TestWithParam<Recipe> {};
+struct Case {
+  Recipe recipe;
+  // The last EP rank's experts get no token from any rank (it receives and computes no row).
+  bool last_rank_idle;
+};
+
+class EpMoeBlock : public ::testing::TestWithParam<Case> {};
 
 TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
-  const Recipe recipe = GetParam();
+  const Recipe recipe = GetParam().recipe;
   Communicator& world = comm();
+  if (GetParam().last_rank_idle && world.size() == 1) GTEST_SKIP() << "needs 2+ ranks";
   Backend& b = world.backend();
   const int rank = world.rank();
   std::mt19937_64 shared(g_seed);  // the same init on every rank
@@ -84,6 +92,10 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
                     random_host({kE, 2 * kF, kH}, shared, 0.0f, 0.1f),
                     random_host({kE, kH, kF}, shared, 0.0f, 0.1f)};
   for (int64_t h = 0; h < kH; ++h) init.router.data_as<float>()[kStarved * kH + h] = -0.2f;
+  // With EP = world the last rank holds the last E / world experts.
+  if (GetParam().last_rank_idle)
+    for (int64_t e = kE - kE / world.size(); e < kE; ++e)
+      for (int64_t h = 0; h < kH; ++h) init.router.data_as<float>()[e * kH + h] = -0.2f;
   MoEBlockConfig cfg;
   cfg.top_k = kTopK;
   cfg.norm_topk_prob = true;
@@ -139,7 +151,9 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, EpMoeBlock,
-                         ::testing::Values(Recipe::kBF16, Recipe::kMxfp8, Recipe::kNvfp4));
+                         ::testing::Values(Case{Recipe::kBF16, false}, Case{Recipe::kMxfp8, false},
+                                           Case{Recipe::kNvfp4, false}, Case{Recipe::kBF16, true},
+                                           Case{Recipe::kMxfp8, true}));
 
 }  // namespace
 }  // namespace packmoe::dist_test
