@@ -755,6 +755,33 @@ Status run_train(const TrainArgs& args) {
                 static_cast<double>(t.all_gather_bytes) / 1e6, t.bytes_per_element(),
                 static_cast<double>(t.reduce_scatter_bytes) / 1e6);
   }
+  if (DistOptimizer* experts = trainer.value()->parallel_optimizer().experts()) {
+    const GatherTraffic& t = experts->traffic();
+    std::printf("  expert parallel: EP %lld (groups of %lld consecutive ranks), %lld of %lld "
+                "experts per rank; the experts' optimizer over %d ranks: %.2f MB all-gathered, "
+                "%.2f MB reduce-scattered per step\n",
+                static_cast<long long>(config.expert_parallel),
+                static_cast<long long>(config.expert_parallel),
+                static_cast<long long>(model->num_experts / config.expert_parallel),
+                static_cast<long long>(model->num_experts), comm->size() /
+                static_cast<int>(config.expert_parallel),
+                static_cast<double>(t.all_gather_bytes) / 1e6,
+                static_cast<double>(t.reduce_scatter_bytes) / 1e6);
+  }
+  if (comm) {
+    // This rank's optimizer memory (both optimizers under expert parallelism).
+    int64_t grads = 0, shard = 0;
+    const DistOptimizer* both[2] = {&trainer.value()->optimizer(),
+                                    trainer.value()->parallel_optimizer().experts()};
+    for (const DistOptimizer* o : both) {
+      if (o == nullptr) continue;
+      grads += o->plan().total();
+      shard += o->shard().size();
+    }
+    std::printf("  per rank: FP32 gradients %.2f MB, masters %.2f MB, AdamW moments %.2f MB\n",
+                4.0 * static_cast<double>(grads) / 1e6, 4.0 * static_cast<double>(shard) / 1e6,
+                8.0 * static_cast<double>(shard) / 1e6);
+  }
   for (const std::string& note : start.notes) std::printf("  %s\n", note.c_str());
   if (start.read.bytes > 0) {
     const double rate = start.read.seconds > 0 ? start.read.bytes / start.read.seconds : 0.0;

@@ -1,7 +1,8 @@
 // `mpirun -np 2 packmoe train --device cpu` end to end: the CLI's data-parallel job (MPI, the
 // gather mode flag, rank 0 alone printing and writing) against the same command as one process
 // with --grad-accum 2: the losses in metrics.jsonl are bitwise equal (JSON keeps every double
-// exactly), the grad norms within 1e-12 relative. Runs the binaries CTest names in
+// exactly), the grad norms within 1e-12 relative; with --expert-parallel 2 the same bits again.
+// Runs the binaries CTest names in
 // PACKMOE_MPIEXEC and PACKMOE_CLI.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -60,18 +61,38 @@ TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
   EXPECT_NE(dp.output.find("gather mode lowp"), std::string::npos) << dp.output;
   const RunResult one = run_shell(cli + common + " --grad-accum 2 --out " + (dir / "one").string());
   ASSERT_EQ(one.exit_code, 0) << one.output;
+  // Expert parallelism over the 2 ranks: bitwise the data-parallel run (docs/dist.md).
+  const RunResult ep = run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
+                                 common + " --expert-parallel 2 --out " + (dir / "ep").string());
+  ASSERT_EQ(ep.exit_code, 0) << ep.output;
+  EXPECT_NE(ep.output.find("expert parallel: EP 2"), std::string::npos) << ep.output;
 
   const std::vector<nlohmann::json> a = read_metrics((dir / "dp" / "metrics.jsonl").string());
   const std::vector<nlohmann::json> b = read_metrics((dir / "one" / "metrics.jsonl").string());
+  const std::vector<nlohmann::json> e = read_metrics((dir / "ep" / "metrics.jsonl").string());
   ASSERT_EQ(a.size(), 3u);
   ASSERT_EQ(b.size(), 3u);
+  ASSERT_EQ(e.size(), 3u);
   for (size_t s = 0; s < a.size(); ++s) {
     SCOPED_TRACE("step " + std::to_string(s + 1));
     EXPECT_EQ(a[s]["loss"].get<double>(), b[s]["loss"].get<double>());
+    EXPECT_EQ(e[s]["loss"].get<double>(), a[s]["loss"].get<double>());
     const double na = a[s]["grad_norm"].get<double>(), nb = b[s]["grad_norm"].get<double>();
     EXPECT_LE(std::fabs(na - nb) / nb, 1e-12);
+    EXPECT_LE(std::fabs(e[s]["grad_norm"].get<double>() - na) / na, 1e-12);
   }
   remove_test_dir(dir);
+}
+
+TEST(DistTrainCli, ExpertParallelThatDoesNotDivideIsOneErrorLine) {
+  const std::string cli = ctest_env("PACKMOE_CLI");
+  const RunResult r = run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
+                                " train --device cpu --steps 1 --expert-parallel 3 --out " +
+                                (std::filesystem::temp_directory_path() / "packmoe_ep_bad").string());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(count(r.output, "packmoe: error:"), 1u) << r.output;
+  EXPECT_NE(r.output.find("--expert-parallel 3 does not divide the 2 ranks"), std::string::npos)
+      << r.output;
 }
 
 TEST(DistTrainCli, BadGatherModeIsOneErrorLine) {
