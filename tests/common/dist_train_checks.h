@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/dist_main.h"
+#include "common/dist_train_setup.h"
 #include "nn/model.h"
 #include "train/model_config.h"
 #include "train/trainer.h"
@@ -46,31 +47,6 @@ inline const TrainCase kTrainCases[] = {
     {"bf16, reuse-grad-buffer, small buckets", Recipe::kBF16, GatherMode::kReuseGradBuffer, 4096},
     {"mxfp8, lowp, small buckets", Recipe::kMxfp8, GatherMode::kLowp, 4096},
 };
-
-inline train::TrainData corpus() {
-  train::TrainData d;
-  std::string text;
-  for (int i = 0; i < 400; ++i)
-    text += "line " + std::to_string(i * 7919 % 1013) + " of the packmoe dist corpus\n";
-  io::TokenDataset tokens;
-  for (unsigned char c : text) tokens.tokens.push_back(c);
-  d.train = train::single_source(std::move(tokens));
-  return d;
-}
-
-inline train::TrainConfig train_config(int64_t accum, Recipe recipe, uint64_t seed) {
-  train::TrainConfig c;
-  c.steps = 3;
-  c.micro_batch_size = 2;
-  c.seq_len = 16;
-  c.grad_accum_steps = accum;
-  c.warmup_steps = 1;
-  c.eval_interval = 0;
-  c.grad_clip = 0;  // bitwise needs an unclipped step (docs/dist.md)
-  c.seed = seed;
-  c.precision.recipe.recipe = recipe;
-  return c;
-}
 
 TEST(DistTrain, NRanksEqualOneProcessWithNMicroBatches) {
   const int world = comm().size();

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/dist_main.h"
+#include "common/dist_train_setup.h"
 #include "dist/expert_layout.h"
 #include "nn/model.h"
 #include "train/checkpoint.h"
@@ -39,28 +40,8 @@ ModelConfig model_with_12_experts() {
   return m;
 }
 
-train::TrainData corpus() {
-  train::TrainData d;
-  std::string text;
-  for (int i = 0; i < 400; ++i)
-    text += "line " + std::to_string(i * 7919 % 1013) + " of the packmoe expert-parallel corpus\n";
-  io::TokenDataset tokens;
-  for (unsigned char c : text) tokens.tokens.push_back(c);
-  d.train = train::single_source(std::move(tokens));
-  return d;
-}
-
 train::TrainConfig config(int64_t accum, Recipe recipe, int64_t ep, uint64_t seed) {
-  train::TrainConfig c;
-  c.steps = 3;
-  c.micro_batch_size = 2;
-  c.seq_len = 16;
-  c.grad_accum_steps = accum;
-  c.warmup_steps = 1;
-  c.eval_interval = 0;
-  c.grad_clip = 0;
-  c.seed = seed;
-  c.precision.recipe.recipe = recipe;
+  train::TrainConfig c = dist_checks::train_config(accum, recipe, seed);
   c.expert_parallel = ep;
   return c;
 }
@@ -90,10 +71,10 @@ TEST_P(EpTrain, MatchesDataParallelOnTheSameMicroBatches) {
     SCOPED_TRACE(::testing::Message() << "EP " << ep << " of " << world.size() << " ranks, "
                                       << tc.accum << " micro-batch(es)");
     const bool bitwise = ep == world.size() && tc.accum == 1 && tc.recipe != Recipe::kNvfp4;
-    auto dp = train::Trainer::create(b, model, config(tc.accum, tc.recipe, 1, seed), corpus(),
+    auto dp = train::Trainer::create(b, model, config(tc.accum, tc.recipe, 1, seed), dist_checks::corpus(),
                                      nullptr, {&world})
                   .value();
-    auto ept = train::Trainer::create(b, model, config(tc.accum, tc.recipe, ep, seed), corpus(),
+    auto ept = train::Trainer::create(b, model, config(tc.accum, tc.recipe, ep, seed), dist_checks::corpus(),
                                       nullptr, {&world})
                    .value();
     ASSERT_TRUE(ept->parallel_optimizer().expert_parallel());
@@ -157,7 +138,7 @@ TEST(EpTrain, CheckpointResumesUnderEveryLayout) {
   const std::filesystem::path root =
       std::filesystem::temp_directory_path() / ("packmoe_ep_ckpt_" + std::to_string(g_seed));
   auto saving = train::Trainer::create(b, model, config(1, Recipe::kBF16, world.size(), seed),
-                                       corpus(), nullptr, {&world})
+                                       dist_checks::corpus(), nullptr, {&world})
                     .value();
   saving->train_step().value();
   saving->train_step().value();
@@ -169,7 +150,7 @@ TEST(EpTrain, CheckpointResumesUnderEveryLayout) {
   for (int ep = 1; ep <= world.size(); ++ep) {
     if (world.size() % ep != 0) continue;
     SCOPED_TRACE(::testing::Message() << "resumed with EP " << ep);
-    auto t = train::Trainer::resume(b, c.value(), config(1, Recipe::kBF16, ep, seed), corpus(),
+    auto t = train::Trainer::resume(b, c.value(), config(1, Recipe::kBF16, ep, seed), dist_checks::corpus(),
                                     {&world});
     ASSERT_TRUE(t.is_ok()) << t.status().message();
     const double got = t.value()->train_step().value().loss;
@@ -181,7 +162,7 @@ TEST(EpTrain, CheckpointResumesUnderEveryLayout) {
   {
     SCOPED_TRACE("resumed by one process");
     auto one = train::Trainer::resume(b, c.value(), config(world.size(), Recipe::kBF16, 1, seed),
-                                      corpus());
+                                      dist_checks::corpus());
     ASSERT_TRUE(one.is_ok()) << one.status().message();
     EXPECT_EQ(one.value()->train_step().value().loss, want);
   }
@@ -194,7 +175,7 @@ TEST(EpTrain, BadLayoutsFailBeforeAnythingStarts) {
   Backend& b = world.backend();
   const ModelConfig model = model_with_12_experts();
   auto fails = [&](const ModelConfig& m, int64_t ep, const std::string& part) {
-    auto t = train::Trainer::create(b, m, config(1, Recipe::kBF16, ep, 1), corpus(), nullptr,
+    auto t = train::Trainer::create(b, m, config(1, Recipe::kBF16, ep, 1), dist_checks::corpus(), nullptr,
                                     {&world});
     ASSERT_FALSE(t.is_ok()) << "EP " << ep;
     EXPECT_NE(t.status().message().find(part), std::string::npos) << t.status().message();
