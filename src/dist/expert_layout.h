@@ -19,9 +19,9 @@ struct ExpertLayout {
 
   int64_t local_experts() const { return experts / ep; }  // E / EP
   int ep_rank(int rank) const { return rank % ep; }
-  int ep_group(int rank) const { return rank / ep; }  // the EP communicator's color
-  int edp_rank(int rank) const { return rank / ep; }
-  int edp_size() const { return world / ep; }
+  // The EP communicator's color; also the rank within the expert-data-parallel group (whose
+  // color is ep_rank).
+  int ep_group(int rank) const { return rank / ep; }
   int64_t first_expert(int rank) const { return ep_rank(rank) * local_experts(); }
 };
 

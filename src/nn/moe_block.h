@@ -82,8 +82,6 @@ class MoEBlock {
   const MoEBlockConfig& config() const { return cfg_; }
   BlockState state() const { return state_; }
   int64_t experts() const { return router_.param().n(); }  // E (the router's)
-  // E_local: the experts this block holds (E, or E / EP under expert parallelism).
-  int64_t local_experts() const { return fc1_.param().experts(); }
   int64_t hidden() const { return fc1_.param().k(); }         // H
   int64_t ffn() const { return fc2_.param().k(); }            // F
 

@@ -171,11 +171,9 @@ Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
   std::vector<bool> expert;
   for (const NamedParam& p : model_->params()) expert.push_back(p.expert);
   if (config_.expert_parallel > 1) {
-    // Checked by create(): EP divides the ranks and the experts.
-    const ExpertLayout layout = make_expert_layout(comm_->size(),
-                                                   static_cast<int>(config_.expert_parallel),
-                                                   model_->config().num_experts, 1)
-                                    .value();
+    // make_expert_layout checked it in create(): EP divides the ranks and the experts.
+    const ExpertLayout layout{comm_->size(), static_cast<int>(config_.expert_parallel),
+                              model_->config().num_experts};
     ep_comm_ = comm_->split(layout.ep_group(comm_->rank()));
     edp_comm_ = comm_->split(layout.ep_rank(comm_->rank()));
     for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i)
