@@ -85,10 +85,18 @@ TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
 }
 
 TEST(DistTrainCli, ExpertParallelThatDoesNotDivideIsOneErrorLine) {
+  // A corpus of its own: the default one (the fortunes package) may be absent on the machine.
+  const std::filesystem::path dir = make_test_dir("dist_train_cli_ep_bad_");
+  const std::string corpus = (dir / "corpus.txt").string();
+  {
+    std::ofstream out(corpus);
+    for (int line = 0; line < 400; ++line) out << "line " << line * 7919 % 1013 << " of text\n";
+  }
   const std::string cli = ctest_env("PACKMOE_CLI");
   const RunResult r = run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
-                                " train --device cpu --steps 1 --expert-parallel 3 --out " +
-                                (std::filesystem::temp_directory_path() / "packmoe_ep_bad").string());
+                                " train --device cpu --steps 1 --expert-parallel 3 --data text:" +
+                                corpus + " --out " + (dir / "out").string());
+  remove_test_dir(dir);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_EQ(count(r.output, "packmoe: error:"), 1u) << r.output;
   EXPECT_NE(r.output.find("--expert-parallel 3 does not divide the 2 ranks"), std::string::npos)
