@@ -71,6 +71,7 @@ struct TrainArgs {
   int64_t eod_token = -1;  // -1: documents from the data's document index
   bool reset_position_ids = false;
   bool shuffle = true;  // --shuffle / --no-shuffle, when given
+  int64_t dry_run_ranks = 0;  // --dry-run RANKS: print the memory plan of RANKS ranks, train nothing
   train::TrainConfig flags;
   std::vector<std::function<void(const CLI::App&, const train::TrainConfig&, train::TrainConfig&)>>
       apply_flags;

@@ -6,6 +6,7 @@
 // touched, so a bad input leaves no output behind.
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <filesystem>
@@ -33,6 +34,7 @@
 #include "tools/progress_line.h"
 #include "train/checkpoint.h"
 #include "train/data_sources.h"
+#include "train/memory_plan.h"
 #include "train/plot.h"
 #include "train/rank_agreement.h"
 #include "train/train_loop.h"
@@ -164,8 +166,9 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
   cmd->add_option("--config", args.config_file, "JSON config file (model keys and/or \"train\")");
   cmd->add_option("--preset", args.preset,
                   "model preset when the config file has no model keys: tiny (byte vocab, 2 "
-                  "layers, 4 experts), small (~100M parameters), qwen3_30b_a3b_layers (default: "
-                  "tiny)");
+                  "layers, 4 experts), small (~100M parameters), qwen3_30b_a3b_layers (its "
+                  "layer shapes, 4 layers), qwen3_30b_a3b (the whole Qwen3-30B-A3B, 48 layers) "
+                  "(default: tiny)");
   cmd->add_option("--recipe", args.recipe, "expert precision: bf16, mxfp8 or nvfp4 (default: bf16)");
   cmd->add_option("--layout", args.layout,
                   "parameter layout: single (one packed tensor per expert weight) or discrete "
@@ -187,6 +190,15 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                  "each group of EP consecutive ranks (mpirun -np N) holds them, one range per\n"
                  "rank; tokens reach their experts by all-to-all. EP divides N and the experts;\n"
                  "dense weights stay data-parallel over all ranks");
+  cmd->add_option("--dry-run", args.dry_run_ranks,
+                  "plan a job of RANKS ranks (mpirun -np RANKS) with these settings and exit:\n"
+                  "print, for its largest rank, the parameters it holds (dense + its experts),\n"
+                  "its primary weights, FP32 replicas, FP32 gradient buffer, FP32 master shard,\n"
+                  "AdamW moments and gather buffers, and the bytes all-gathered and\n"
+                  "reduce-scattered per step. Builds no model, reads no data, writes nothing and\n"
+                  "does not compare with this machine's memory, so a laptop sizes a GPU job;\n"
+                  "activations, workspace and the CUDA context are not counted")
+      ->check(exact_integer<int64_t>());
   cmd->add_option("--recompute", args.recompute,
                   "activations recomputed in backward instead of kept, the same bytes either way:\n"
                   "  none: all kept; selective: the attention core and the SwiGLUs re-run (as\n"
@@ -418,6 +430,135 @@ Result<Start> resolve_start(const TrainArgs& args) {
 }
 
 
+// The run's model and settings: the defaults (or the checkpoint's), then the --config file, then
+// the flags, checked (train::validate); the tokenizer when one is named. Reads the config file and
+// the tokenizer's, nothing else: no data, no output directory.
+struct Settings {
+  train::TrainConfig config;
+  ModelConfig model;
+  std::unique_ptr<tokenize::Tokenizer> tokenizer;  // --tokenizer (or the checkpoint's)
+};
+
+Result<Settings> resolve_settings(const TrainArgs& args, Start& start) {
+  Settings settings;
+  const std::optional<train::TrainerCheckpoint>& checkpoint = start.checkpoint;
+  train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
+  std::optional<ModelConfig> model;  // given explicitly: a config file's model keys or --preset
+  if (!args.config_file.empty()) {
+    Result<json> file = read_json_file(args.config_file);
+    if (!file) return file.status();
+    if (!file.value().is_object())
+      return Status::error(args.config_file + ": the config must be a JSON object");
+    json model_keys = file.value();
+    if (model_keys.contains("train")) {
+      Status s = train::apply_train_json(model_keys["train"], &config);
+      if (!s) return Status::error(args.config_file + ": " + s.message());
+      model_keys.erase("train");
+    }
+    if (!model_keys.empty()) {
+      if (args.cmd->count("--preset"))
+        return Status::error("--preset and the model keys of " + args.config_file +
+                             " both define the model; use one of them");
+      std::vector<std::string> unknown;
+      Result<ModelConfig> m = train::model_config_from_json(model_keys, &unknown);
+      if (!m) return Status::error(args.config_file + ": " + m.status().message());
+      model = m.value();
+      if (auto w = unknown_keys_warning(args.config_file, unknown))
+        start.warnings.push_back(*w);
+    }
+  }
+  // The tokenizer: --tokenizer, else the checkpoint's or the config file's train.tokenizer.
+  if (!args.tokenizer.empty()) config.tokenizer = fs::absolute(args.tokenizer).lexically_normal();
+  if (!config.tokenizer.empty()) {
+    Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(config.tokenizer);
+    if (!t) return Status::error("--tokenizer: " + t.status().message());
+    settings.tokenizer = std::move(t.value());
+  }
+  // A preset is a shape: with a tokenizer its vocab_size is the tokenizer's. A model from a
+  // file, a checkpoint or HF weights keeps its own, which must hold every token id.
+  const auto preset = [&](const std::string& name) -> Result<ModelConfig> {
+    Result<ModelConfig> m = train::model_config_preset(name);
+    if (m && settings.tokenizer) m.value().vocab_size = settings.tokenizer->vocab_size();
+    return m;
+  };
+  if (!model && args.cmd->count("--preset")) {
+    Result<ModelConfig> m = preset(args.preset);
+    if (!m) return m.status();
+    model = m.value();
+  }
+  // A checkpoint or HF directory brings its own model; one given explicitly must be the same.
+  const std::optional<ModelConfig> stored =
+      checkpoint ? std::optional<ModelConfig>(checkpoint->model) : start.hf_model;
+  if (stored) {
+    const std::string where =
+        (fs::path(checkpoint ? checkpoint->dir : args.init_from_hf) / train::kConfigFile).string();
+    if (model) PACKMOE_RETURN_IF_ERROR(train::check_same_model(*model, *stored, where));
+    model = stored;
+  }
+  if (!model) {
+    Result<ModelConfig> m = preset(args.preset);
+    if (!m) return m.status();
+    model = m.value();
+  }
+  if (settings.tokenizer &&
+      model->vocab_size < static_cast<int64_t>(settings.tokenizer->vocab_size()))
+    return Status::error("the model's vocab_size = " + std::to_string(model->vocab_size) +
+                         " is smaller than the tokenizer's " +
+                         std::to_string(settings.tokenizer->vocab_size()) + " (" +
+                         config.tokenizer + "): drop vocab_size from the config or raise it");
+  for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
+  if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
+  // Extending a run (--resume with another --steps) keeps the schedule it had: the cosine still
+  // ends where it did, so the LR never jumps; --decay-steps re-stretches it explicitly.
+  if (checkpoint && !config.decay_steps && config.steps != checkpoint->config.steps) {
+    config.decay_steps = checkpoint->config.steps;
+    char note[320];
+    std::snprintf(note, sizeof note,
+                  "schedule: --steps %lld continues a run of %lld steps on its own schedule (the "
+                  "cosine reaches --min-lr %g at step %lld, constant after); --decay-steps N "
+                  "re-stretches it",
+                  static_cast<long long>(config.steps),
+                  static_cast<long long>(checkpoint->config.steps), config.min_lr,
+                  static_cast<long long>(checkpoint->config.steps));
+    start.notes.push_back(note);
+  }
+  if (args.cmd->count("--shuffle")) config.shuffle = args.shuffle;
+  if (args.cmd->count("--recipe")) {
+    Result<Recipe> r = train::parse_recipe(args.recipe);
+    if (!r) return r.status();
+    config.precision.recipe.recipe = r.value();
+  }
+  if (args.cmd->count("--layout")) {
+    Result<Layout> l = train::parse_layout(args.layout);
+    if (!l) return l.status();
+    config.precision.layout = l.value();
+  }
+  if (args.cmd->count("--primary")) {
+    Result<PrimaryWeight> p = train::parse_primary(args.primary);
+    if (!p) return p.status();
+    config.precision.primary = p.value();
+  }
+  if (args.cmd->count("--recompute")) {
+    Result<Recompute> r = train::parse_recompute(args.recompute);
+    if (!r) return r.status();
+    config.recompute = r.value();
+  }
+  if (args.cmd->count("--gather-mode")) {
+    Result<GatherMode> m = parse_gather_mode(args.gather_mode);
+    if (!m) return Status::error("--gather-mode: " + m.status().message());
+    config.gather_mode = m.value();
+  }
+  PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
+  if (config.expert_parallel > 1 && args.save_primary)
+    return Status::error("--save-primary with --expert-parallel " +
+                         std::to_string(config.expert_parallel) +
+                         ": each rank holds only its experts' primary weights; the checkpoint's "
+                         "masters hold every expert (quantize them with packmoe quantize)");
+  settings.config = config;
+  settings.model = *model;
+  return settings;
+}
+
 // Everything one rank sets up before its first collective: flags, settings, checkpoint, output
 // directories and the data. No collective inside, so a rank that fails here reaches the agreement
 // right after it instead of leaving the others waiting.
@@ -484,117 +625,11 @@ Result<SetUp> set_up(const TrainArgs& args) {
         [&](const std::string& name) { return second_moments.count(name) > 0; }));
   }
 
-  train::TrainConfig config = checkpoint ? checkpoint->config : train::TrainConfig{};
-  std::optional<ModelConfig> model;  // given explicitly: a config file's model keys or --preset
-  if (!args.config_file.empty()) {
-    Result<json> file = read_json_file(args.config_file);
-    if (!file) return file.status();
-    if (!file.value().is_object())
-      return Status::error(args.config_file + ": the config must be a JSON object");
-    json model_keys = file.value();
-    if (model_keys.contains("train")) {
-      Status s = train::apply_train_json(model_keys["train"], &config);
-      if (!s) return Status::error(args.config_file + ": " + s.message());
-      model_keys.erase("train");
-    }
-    if (!model_keys.empty()) {
-      if (args.cmd->count("--preset"))
-        return Status::error("--preset and the model keys of " + args.config_file +
-                             " both define the model; use one of them");
-      std::vector<std::string> unknown;
-      Result<ModelConfig> m = train::model_config_from_json(model_keys, &unknown);
-      if (!m) return Status::error(args.config_file + ": " + m.status().message());
-      model = m.value();
-      if (auto w = unknown_keys_warning(args.config_file, unknown))
-        set.start.warnings.push_back(*w);
-    }
-  }
-  // The tokenizer: --tokenizer, else the checkpoint's or the config file's train.tokenizer.
-  if (!args.tokenizer.empty()) config.tokenizer = fs::absolute(args.tokenizer).lexically_normal();
-  if (!config.tokenizer.empty()) {
-    Result<std::unique_ptr<tokenize::Tokenizer>> t = tokenize::load_tokenizer(config.tokenizer);
-    if (!t) return Status::error("--tokenizer: " + t.status().message());
-    set.tokenizer = std::move(t.value());
-  }
-  // A preset is a shape: with a tokenizer its vocab_size is the tokenizer's. A model from a
-  // file, a checkpoint or HF weights keeps its own, which must hold every token id.
-  const auto preset = [&](const std::string& name) -> Result<ModelConfig> {
-    Result<ModelConfig> m = train::model_config_preset(name);
-    if (m && set.tokenizer) m.value().vocab_size = set.tokenizer->vocab_size();
-    return m;
-  };
-  if (!model && args.cmd->count("--preset")) {
-    Result<ModelConfig> m = preset(args.preset);
-    if (!m) return m.status();
-    model = m.value();
-  }
-  // A checkpoint or HF directory brings its own model; one given explicitly must be the same.
-  const std::optional<ModelConfig> stored =
-      checkpoint ? std::optional<ModelConfig>(checkpoint->model) : set.start.hf_model;
-  if (stored) {
-    const std::string where =
-        (fs::path(checkpoint ? checkpoint->dir : args.init_from_hf) / train::kConfigFile).string();
-    if (model) PACKMOE_RETURN_IF_ERROR(train::check_same_model(*model, *stored, where));
-    model = stored;
-  }
-  if (!model) {
-    Result<ModelConfig> m = preset(args.preset);
-    if (!m) return m.status();
-    model = m.value();
-  }
-  if (set.tokenizer && model->vocab_size < static_cast<int64_t>(set.tokenizer->vocab_size()))
-    return Status::error("the model's vocab_size = " + std::to_string(model->vocab_size) +
-                         " is smaller than the tokenizer's " +
-                         std::to_string(set.tokenizer->vocab_size()) + " (" + config.tokenizer +
-                         "): drop vocab_size from the config or raise it");
-  for (const auto& apply : args.apply_flags) apply(*args.cmd, args.flags, config);
-  if (args.cmd->count("--decay-steps")) config.decay_steps = args.decay_steps;
-  // Extending a run (--resume with another --steps) keeps the schedule it had: the cosine still
-  // ends where it did, so the LR never jumps; --decay-steps re-stretches it explicitly.
-  if (checkpoint && !config.decay_steps && config.steps != checkpoint->config.steps) {
-    config.decay_steps = checkpoint->config.steps;
-    char note[320];
-    std::snprintf(note, sizeof note,
-                  "schedule: --steps %lld continues a run of %lld steps on its own schedule (the "
-                  "cosine reaches --min-lr %g at step %lld, constant after); --decay-steps N "
-                  "re-stretches it",
-                  static_cast<long long>(config.steps),
-                  static_cast<long long>(checkpoint->config.steps), config.min_lr,
-                  static_cast<long long>(checkpoint->config.steps));
-    set.start.notes.push_back(note);
-  }
-  if (args.cmd->count("--shuffle")) config.shuffle = args.shuffle;
-  if (args.cmd->count("--recipe")) {
-    Result<Recipe> r = train::parse_recipe(args.recipe);
-    if (!r) return r.status();
-    config.precision.recipe.recipe = r.value();
-  }
-  if (args.cmd->count("--layout")) {
-    Result<Layout> l = train::parse_layout(args.layout);
-    if (!l) return l.status();
-    config.precision.layout = l.value();
-  }
-  if (args.cmd->count("--primary")) {
-    Result<PrimaryWeight> p = train::parse_primary(args.primary);
-    if (!p) return p.status();
-    config.precision.primary = p.value();
-  }
-  if (args.cmd->count("--recompute")) {
-    Result<Recompute> r = train::parse_recompute(args.recompute);
-    if (!r) return r.status();
-    config.recompute = r.value();
-  }
-  if (args.cmd->count("--gather-mode")) {
-    Result<GatherMode> m = parse_gather_mode(args.gather_mode);
-    if (!m) return Status::error("--gather-mode: " + m.status().message());
-    config.gather_mode = m.value();
-  }
-  PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
-  if (config.expert_parallel > 1 && args.save_primary)
-    return Status::error("--save-primary with --expert-parallel " +
-                         std::to_string(config.expert_parallel) +
-                         ": each rank holds only its experts' primary weights; the checkpoint's "
-                         "masters hold every expert (quantize them with packmoe quantize)");
+  Result<Settings> settings = resolve_settings(args, set.start);
+  if (!settings) return settings.status();
+  train::TrainConfig config = settings.value().config;
+  const std::optional<ModelConfig> model = settings.value().model;
+  set.tokenizer = std::move(settings.value().tokenizer);
   // Sizes against the machine before anything large is allocated (weights, data, activations).
   PACKMOE_RETURN_IF_ERROR(train::check_run_fits(config, *model, host_memory_bytes()));
   if (checkpoint && checkpoint->step >= config.steps)
@@ -656,9 +691,77 @@ Result<SetUp> set_up(const TrainArgs& args) {
   return set;
 }
 
+// --dry-run RANKS: the memory plan of a job of RANKS ranks (train/memory_plan.h), from the
+// settings alone: no model, no data, no output directory, no comparison with this machine.
+Status run_dry_run(const TrainArgs& args) {
+  const int64_t ranks = args.dry_run_ranks;
+  if (ranks < 1 || ranks > train::kMaxRanks)
+    return Status::error("--dry-run " + std::to_string(ranks) +
+                         ": the job's ranks must be in [1, " + std::to_string(train::kMaxRanks) +
+                         "]");
+  // Both would check the model against this machine's memory (load_model_config).
+  if (!args.resume.empty() || !args.init_from_hf.empty())
+    return Status::error("--dry-run plans a model from --preset or --config: give the config.json "
+                         "of the --resume checkpoint or the --init-from-hf directory as --config");
+  Start start;
+  Result<Settings> settings = resolve_settings(args, start);
+  if (!settings) return settings.status();
+  for (const std::string& w : start.warnings)
+    std::fprintf(stderr, "packmoe: warning: %s\n", w.c_str());
+  const train::TrainConfig& config = settings.value().config;
+  const ModelConfig& model = settings.value().model;
+  PACKMOE_RETURN_IF_ERROR(train::check_job_layout(model, config, ranks).status());
+  const int ep = static_cast<int>(config.expert_parallel);
+  Result<train::MemoryPlan> planned =
+      train::plan_memory(model, config.precision, config.gather_mode, static_cast<int>(ranks), ep,
+                         train::TrainerParallelism{}.bucket_elems);
+  if (!planned) return planned.status();
+  const train::MemoryPlan& plan = planned.value();
+  const train::ParameterCount count = train::parameter_count(model);
+  const train::RankMemory& top = plan.largest();
+  const train::RankMemory& least = *std::min_element(
+      plan.ranks.begin(), plan.ranks.end(),
+      [](const auto& a, const auto& b) { return a.total_bytes() < b.total_bytes(); });
+  auto gb = [](int64_t bytes) { return static_cast<double>(bytes) / 1e9; };
+  std::printf("packmoe train --dry-run: %lld ranks, expert parallel %d (%lld of %lld experts per "
+              "rank); experts: recipe %s, primary %s; gather mode %s\n",
+              static_cast<long long>(ranks), ep,
+              static_cast<long long>(ep > 1 ? model.num_experts / ep : model.num_experts),
+              static_cast<long long>(model.num_experts),
+              recipe_name(config.precision.recipe.recipe),
+              train::primary_name(config.precision.primary),
+              std::string(gather_mode_name(config.gather_mode)).c_str());
+  std::printf("  model: %lld parameters (%lld active per token); nothing allocated, no data read\n",
+              static_cast<long long>(count.total), static_cast<long long>(count.active));
+  std::printf("  largest rank: %d of %lld (smallest: rank %d, %.2f GB)\n", top.rank,
+              static_cast<long long>(ranks), least.rank, gb(least.total_bytes()));
+  std::printf("  rank %d holds %lld parameters (%lld dense + %lld of its experts)\n", top.rank,
+              static_cast<long long>(top.params()), static_cast<long long>(top.dense_params),
+              static_cast<long long>(top.expert_params));
+  const std::pair<const char*, int64_t> lines[] = {
+      {"primary weights", top.weight_bytes},       {"FP32 replicas", top.fp32_replica_bytes()},
+      {"FP32 gradients", top.grad_bytes()},        {"FP32 masters", top.master_bytes()},
+      {"AdamW moments", top.moment_bytes()},       {"gather buffers", top.gather_buffer_bytes()},
+      {"total", top.total_bytes()}};
+  for (const auto& [name, bytes] : lines)
+    std::printf("    %-16s %9.2f GB  (%lld bytes)\n", name, gb(bytes),
+                static_cast<long long>(bytes));
+  std::printf("  per step: all-gather %.2f GB, reduce-scatter %.2f GB over %d ranks (%s",
+              gb(top.dense.all_gather_bytes), gb(top.dense.reduce_scatter_bytes), top.dense.ranks,
+              top.experts.ranks > 0 ? "dense" : "every parameter");
+  if (top.experts.ranks > 0)
+    std::printf("); all-gather %.2f GB, reduce-scatter %.2f GB over %d ranks (experts",
+                gb(top.experts.all_gather_bytes), gb(top.experts.reduce_scatter_bytes),
+                top.experts.ranks);
+  std::printf(")\n  not counted: activations, GEMM and attention workspace, the CUDA context "
+              "(docs/dist.md)\n");
+  return Status::ok();
+}
+
 }  // namespace
 
 Status run_train(const TrainArgs& args) {
+  if (args.cmd->count("--dry-run")) return run_dry_run(args);
   Result<Placement> placed = place_job(args);
   if (!placed) return placed.status();
   Backend* const backend = placed.value().backend;

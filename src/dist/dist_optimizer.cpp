@@ -121,9 +121,11 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       any_fp32 = true;
     }
   if (any_fp32) {
-    fp32_.emplace(make_class(fp32_ratio, true, kImageAlign));
-    traffic_.fp32_bytes = fp32_->bytes;
-    traffic_.all_gather_bytes += fp32_->bytes;
+    // On one rank the master is the whole param: the replicas view it, and no buffer is needed.
+    GatherClass cls = make_class(fp32_ratio, comm.size() > 1, kImageAlign);
+    traffic_.fp32_bytes = cls.bytes;
+    traffic_.all_gather_bytes += cls.bytes;
+    if (comm.size() > 1) fp32_.emplace(std::move(cls));
   }
   stage();
   // With the BF16 gather, the image's slot of a BF16 param IS its primary: the gather lands in
@@ -133,12 +135,15 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       if (params_[p].form != WeightForm::kFp32 && params_[p].param->keeps_bf16())
         params_[p].param->bind_bf16_primary(slot_views(
             *bf16_class_, static_cast<const uint8_t*>(bf16_class_->buffer->get()), p, 2));
-  // Likewise a replica is its slot of the FP32 gather buffer.
-  if (fp32_)
-    for (int p = 0; p < plan_.params(); ++p)
-      if (fp32_->offset[p] >= 0)
-        params_[p].param->bind_fp32_replica(slot_views(
-            *fp32_, static_cast<const uint8_t*>(fp32_->buffer->get()), p, sizeof(float)));
+  // Likewise a replica is its slot of the FP32 gather buffer (one rank: of the master).
+  for (int p = 0; p < plan_.params(); ++p)
+    if (params_[p].form == WeightForm::kFp32) {
+      const GroupedParam& gp = *params_[p].param;
+      std::vector<void*> views;
+      for (int64_t e = 0; e < gp.experts(); ++e)
+        views.push_back(const_cast<float*>(replica_source(p)) + e * gp.n() * gp.k());
+      params_[p].param->bind_fp32_replica(views);
+    }
   // The moments last: by now every init and every own BF16 copy that a bound slot replaced is
   // freed, so start-up never holds them together with the moments.
   for (std::optional<DeviceBuffer>* b : {&exp_avg_, &exp_avg_sq_}) {
@@ -156,17 +161,25 @@ float DistOptimizer::loss_scale(int64_t micro_batches) const {
 void DistOptimizer::prepare_forward() {
   if (grads_.state() == GradBufferState::kParamsStaged) gather_params();
   if (grads_.state() == GradBufferState::kParamsGathered) {
-    grads_.fill_zero();
-    grads_.advance(GradBufferState::kZeroed, "prepare_forward: buffer zeroed after the gather");
+    if (cfg_.gather == GatherMode::kReuseGradBuffer) {  // the BF16 image was in the buffer
+      grads_.fill_zero();
+      grads_.advance(GradBufferState::kZeroed, "prepare_forward: buffer zeroed after the gather");
+    } else {
+      grads_.advance(GradBufferState::kStale, "prepare_forward: the gradients are written over");
+    }
   }
   PACKMOE_CHECK(grads_.state() == GradBufferState::kZeroed ||
+                    grads_.state() == GradBufferState::kStale ||
                     grads_.state() == GradBufferState::kAccumulating,
                 "prepare_forward in grad buffer state " << grad_buffer_state_name(grads_.state()));
 }
 
 void DistOptimizer::prepare_backward(bool last_of_step) {
+  const bool stale = grads_.state() == GradBufferState::kStale;
   grads_.advance(GradBufferState::kAccumulating,
                  "prepare_backward; a forward needs prepare_forward first");
+  if (stale)
+    for (DistParam& d : params_) d.param->expect_grad_overwrite();
   overlap_armed_ = last_of_step;
   if (last_of_step) {
     bucket_waiting_ = bucket_params_;
@@ -193,6 +206,10 @@ void DistOptimizer::reduce_gradients() {
     PACKMOE_CHECK(d.param->grad_state() == GradState::kSettled,
                   "optimizer step with a delayed wgrad pending: its gradient would never reach "
                   "the update; run backward_dw first");
+  for (size_t p = 0; p < params_.size(); ++p)
+    PACKMOE_CHECK(params_[p].param->grad_write() == GradWrite::kAdd,
+                  "optimizer step: the backward never wrote param " << p << "'s gradient, so its "
+                  "slot still holds the step before's");
   overlap_armed_ = false;
   grads_.reduce_scatter();
 }
@@ -362,13 +379,12 @@ void DistOptimizer::gather_params() {
   if (fp32_) {
     uint8_t* buf = static_cast<uint8_t*>(fp32_->buffer->get());
     comm_->all_gatherv(buf + class_position(*fp32_, sh.begin), buf, fp32_->counts);
-    for (int p = 0; p < plan_.params(); ++p)
-      if (fp32_->offset[p] >= 0) {
-        params_[p].param->write_fp32_replica(
-            reinterpret_cast<const float*>(buf + fp32_->offset[p]));
-        params_[p].param->write_primary_from_replica();
-      }
   }
+  for (int p = 0; p < plan_.params(); ++p)
+    if (params_[p].form == WeightForm::kFp32) {
+      params_[p].param->write_fp32_replica(replica_source(p));  // its own views: no copy
+      params_[p].param->write_primary_from_replica();
+    }
   if (cfg_.gather == GatherMode::kLowp) {
     for (GatherClass& cls : lowp_) {
       uint8_t* buf = static_cast<uint8_t*>(cls.buffer->get());
@@ -393,6 +409,12 @@ void DistOptimizer::gather_params() {
       if (params_[p].form != WeightForm::kFp32)
         params_[p].param->write_primary_from_bf16(bf16_views(image, p));
   }
+}
+
+const float* DistOptimizer::replica_source(int p) const {
+  if (fp32_) return reinterpret_cast<const float*>(
+      static_cast<const uint8_t*>(fp32_->buffer->get()) + fp32_->offset[p]);
+  return static_cast<const float*>(master_.get()) + plan_.slot(p).offset;  // one rank: shard = all
 }
 
 std::vector<void*> DistOptimizer::slot_views(const GatherClass& cls, const uint8_t* base, int p,
@@ -481,6 +503,7 @@ int64_t DistOptimizer::class_position(const GatherClass& cls, int64_t flat) cons
 
 void DistOptimizer::check_between_steps(const char* what) const {
   PACKMOE_CHECK(grads_.state() == GradBufferState::kZeroed ||
+                    grads_.state() == GradBufferState::kStale ||
                     grads_.state() == GradBufferState::kParamsStaged,
                 what << " in the middle of a step (grad buffer "
                      << grad_buffer_state_name(grads_.state())

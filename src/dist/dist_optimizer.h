@@ -183,6 +183,9 @@ class DistOptimizer {
   // layout.
   std::vector<void*> slot_views(const GatherClass& cls, const uint8_t* base, int p,
                                 size_t elem_bytes) const;
+  // Param p's full (E, N, K) FP32 after the gather (WeightForm::kFp32): its slot of fp32_, or on
+  // one rank its slot of the master (the shard is the whole buffer).
+  const float* replica_source(int p) const;
   // Param p's (E, N, K) BF16 in a class image (bf16_class_ layout).
   GroupedStorage bf16_views(const uint8_t* image, int p) const;
   // The shard's pieces of primary-form params, cast to BF16 at their class positions in `image`.
@@ -220,7 +223,8 @@ class DistOptimizer {
   std::vector<int64_t> amax_offset_;
   int64_t amax_count_ = 0;
   std::vector<GatherClass> lowp_;
-  // The FP32 replicas of WeightForm::kFp32 params (every mode), when there are any.
+  // The FP32 replicas of WeightForm::kFp32 params (every mode), when there are any and more than
+  // one rank.
   std::optional<GatherClass> fp32_;
 };
 

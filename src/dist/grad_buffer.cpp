@@ -10,6 +10,8 @@ std::string_view grad_buffer_state_name(GradBufferState s) {
   switch (s) {
     case GradBufferState::kZeroed:
       return "Zeroed";
+    case GradBufferState::kStale:
+      return "Stale";
     case GradBufferState::kAccumulating:
       return "Accumulating";
     case GradBufferState::kReduced:
@@ -27,6 +29,8 @@ bool grad_buffer_transition_legal(GradBufferState from, GradBufferState to) {
   switch (from) {
     case S::kZeroed:
       return to == S::kAccumulating || to == S::kParamsStaged;
+    case S::kStale:
+      return to == S::kAccumulating || to == S::kParamsStaged;
     case S::kAccumulating:
       return to == S::kAccumulating || to == S::kReduced;
     case S::kReduced:
@@ -34,7 +38,7 @@ bool grad_buffer_transition_legal(GradBufferState from, GradBufferState to) {
     case S::kParamsStaged:
       return to == S::kParamsStaged || to == S::kParamsGathered;
     case S::kParamsGathered:
-      return to == S::kZeroed;
+      return to == S::kZeroed || to == S::kStale;
   }
   return false;
 }

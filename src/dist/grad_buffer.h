@@ -2,7 +2,9 @@
 // ShardPlan) and the explicit state machine that governs its memory, which the reuse-grad-buffer
 // gather also uses to all-gather BF16 parameters. Invariants: every change of role is one checked
 // transition of the table below (an illegal one aborts naming both states); gradients accumulate
-// only into a buffer that was zeroed after its last other use; the reduce-scatter is a plain sum.
+// only into a buffer that was zeroed after its last other use, or are written over the gradients
+// of the step before (never over a parameter image); alignment gaps stay zero; the reduce-scatter
+// is a plain sum.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,8 @@ namespace packmoe {
 // The buffer's role. Legal transitions (event):
 //   Zeroed         -> Accumulating   (prepare_backward)
 //   Zeroed         -> ParamsStaged   (construction, load_state: masters staged for the gather)
+//   Stale          -> Accumulating   (prepare_backward: every param's first write overwrites)
+//   Stale          -> ParamsStaged   (load_state)
 //   Accumulating   -> Accumulating   (prepare_backward of a further micro-batch)
 //   Accumulating   -> Reduced        (step: reduce-scatter)
 //   Reduced        -> ParamsStaged   (step: update applied, shard staged for the gather)
@@ -25,10 +29,14 @@ namespace packmoe {
 //   ParamsStaged   -> ParamsStaged   (load_state)
 //   ParamsStaged   -> ParamsGathered (gather_params, or prepare_forward: the all-gather)
 //   ParamsGathered -> Zeroed         (prepare_forward: primaries written, buffer zeroed)
-// So the only way from a parameter gather back to gradients is through zeroing (Megatron's
-// reuse-grad-buffer bug skipped exactly that after an eval step).
+//   ParamsGathered -> Stale          (prepare_forward, when the gather did not use the buffer)
+// So the only way from a parameter image in the buffer back to gradients is through zeroing
+// (Megatron's reuse-grad-buffer bug skipped exactly that after an eval step); gradients of the
+// step before are not zeroed but written over, which saves one pass over the buffer per step.
+// The optimizer's step checks that the backward wrote every param (GradWrite, nn/grouped_param.h).
 enum class GradBufferState : uint8_t {
   kZeroed,          // all zeros; the primary weights match the masters
+  kStale,           // the step before's gradients (gaps zero); the primary weights match the masters
   kAccumulating,    // backward has added gradients of this step
   kReduced,         // this rank's shard holds the sum over ranks; the rest is stale
   kParamsStaged,    // the updated master shard is staged for the gather (reuse mode: in here)

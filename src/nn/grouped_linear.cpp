@@ -225,6 +225,9 @@ GemmOperand slice_groups(const GemmOperand& o, size_t first, size_t count) {
 void GroupedLinear::run_wgrad(GradAccum accum) {
   GroupedStorage& main_grad = param_.main_grad_;  // (E, N, K) F32
   const size_t e = static_cast<size_t>(param_.experts());
+  // Stale values left in a bound main_grad (GradWrite::kOverwrite) are overwritten, whatever
+  // `accum` says.
+  if (param_.take_grad_write() == GradWrite::kOverwrite) accum = GradAccum::kOverwrite;
   // One wgrad per source (their outputs are the same E experts): source 0 as `accum` says, the
   // others add to it in order.
   for (int64_t s = 0; s < sources_; ++s) {

@@ -45,6 +45,21 @@ void GroupedParam::zero_grad() {
   main_grad_.zero();
 }
 
+void GroupedParam::expect_grad_overwrite() {
+  PACKMOE_CHECK(grad_binding_ == GradBinding::kBound,
+                "expect_grad_overwrite on an owned main_grad: only a grad buffer's owner leaves "
+                "stale gradients in place");
+  PACKMOE_CHECK(grad_state_ == GradState::kSettled,
+                "expect_grad_overwrite with a delayed wgrad pending: it would add onto stale values");
+  grad_write_ = GradWrite::kOverwrite;
+}
+
+GradWrite GroupedParam::take_grad_write() {
+  const GradWrite w = grad_write_;
+  grad_write_ = GradWrite::kAdd;
+  return w;
+}
+
 void GroupedParam::prepare_compute() {
   check_primary_current("prepare_compute");
   if (!quantized() || primary_ == PrimaryWeight::kLowPrecision) return;

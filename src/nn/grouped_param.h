@@ -47,6 +47,14 @@ enum class GradState {
   kWgradPending,  // a delayed wgrad is queued (GroupedLinear::backward_dw pays it)
 };
 
+// What the next gradient write does to main_grad. Transitions: kAdd -> kOverwrite
+// (expect_grad_overwrite: the grad buffer's owner left the previous step's gradients there instead
+// of zeroing them) -> kAdd (take_grad_write: the first writer of the next backward writes).
+enum class GradWrite {
+  kAdd,        // writers add into main_grad
+  kOverwrite,  // main_grad holds stale values: the next writer writes every element
+};
+
 // Who owns main_grad's memory. Transition: kOwned -> kBound (bind_main_grad), once.
 enum class GradBinding {
   kOwned,  // the param's own storage; zero_grad() zeroes it
@@ -79,10 +87,17 @@ class GroupedParam {
   ComputeCopyState compute_state() const { return compute_state_; }
   PrimaryState primary_state() const { return primary_state_; }
   GradBinding grad_binding() const { return grad_binding_; }
+  GradWrite grad_write() const { return grad_write_; }
 
   // main_grad = 0. A pending delayed wgrad would be lost, and a bound main_grad is zeroed by its
   // buffer's owner only: PACKMOE_CHECK errors.
   void zero_grad();
+  // Bound main_grad only (the grad buffer's state machine, dist/dist_optimizer.h): its contents
+  // are stale, so the next backward's first write overwrites instead of adding. kAdd -> kOverwrite.
+  void expect_grad_overwrite();
+  // Every writer of main_grad calls this once before it writes: kOverwrite means write (every
+  // element, zeros where there is no gradient), kAdd means add. Leaves kAdd.
+  GradWrite take_grad_write();
   // Called by forward: a high-precision primary under a quantized recipe is quantized for compute
   // (one call over the pack); otherwise nothing to do.
   void prepare_compute();
@@ -191,6 +206,7 @@ class GroupedParam {
   ComputeCopyState compute_state_ = ComputeCopyState::kStale;
   PrimaryState primary_state_ = PrimaryState::kCurrent;
   GradBinding grad_binding_ = GradBinding::kOwned;
+  GradWrite grad_write_ = GradWrite::kAdd;
 
   GroupedStorage fp32_;       // (E, N, K) F32, the backend's memory: the init, then the replica
   GroupedStorage main_grad_;  // (E, N, K) F32

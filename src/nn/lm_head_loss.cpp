@@ -89,16 +89,21 @@ Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
   // The batch's weight gradient: its blocks summed in order from zero (the first block
   // overwrites), then one add into main_grad, as a single wgrad's epilogue adds its sum (so data
   // parallelism stays bitwise, docs/dist.md). One block: straight into main_grad, the same bytes.
+  // A main_grad of stale values (GradWrite::kOverwrite) is itself the sum: the first block
+  // overwrites it, and the values are those of 0 + sum (a -0 stays -0), with no (V, H) buffer.
   float* main_grad = nullptr;  // (V, H)
-  Tensor dw_sum;               // (V, H) F32, more than one block only
+  Tensor dw_sum;               // (V, H) F32, more than one block added onto a gradient only
   const int64_t blocks = (T + Q - 1) / Q;
+  bool overwrite = false;
   if (train) {
     dlogits = Tensor::empty(b, DType::kBF16, {C, V});
     out.dh = Tensor::empty(b, DType::kF32, {T, H});
     w_dgrad = head.dgrad_weight();
     main_grad = f32_grad(head);
-    if (blocks > 1) dw_sum = Tensor::empty(b, DType::kF32, {V, H});
+    overwrite = head.take_grad_write() == GradWrite::kOverwrite;
+    if (blocks > 1 && !overwrite) dw_sum = Tensor::empty(b, DType::kF32, {V, H});
   }
+  const bool into_sum = dw_sum.data() != nullptr;
 
   for (int64_t t0 = 0; t0 < T; t0 += C) {
     const int64_t rows = std::min(C, T - t0);
@@ -147,13 +152,13 @@ Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,
       w.lhs = bf16_rows(row(dlogits, r), {mb}, V);
       w.rhs = bf16_rows(row(h, t0 + r), {mb}, H);
       w.out_dtype = DType::kF32;
-      w.out = {blocks > 1 ? dw_sum.data() : static_cast<void*>(main_grad)};
-      w.accumulate = blocks == 1 || t0 + r > 0;
+      w.out = {into_sum ? dw_sum.data() : static_cast<void*>(main_grad)};
+      w.accumulate = t0 + r > 0 || (blocks == 1 && !overwrite);
       check_op(ops::grouped_gemm(b, w), "lm head wgrad");
       r += mb;
     }
   }
-  if (train && blocks > 1) {
+  if (into_sum) {
     Segments<float> dst;
     dst.ptr.push_back(main_grad);
     dst.n = V * H;

@@ -36,7 +36,8 @@ struct LmHeadLoss {
 // head: the (1, V, H) BF16 LM head (the tied embedding too). h: (T, H) BF16 in its backend's
 // memory. targets: (T) host labels, -100 ignored; any other outside [0, V) is a Status error before
 // anything is computed. loss_scale given (training): the gradient of loss_scale * loss, dh
-// returned and the weight gradient ADDED into head's main_grad; absent (evaluation): the loss only.
+// returned and the weight gradient ADDED into head's main_grad (written over it when the param says
+// GradWrite::kOverwrite); absent (evaluation): the loss only.
 // One host read (the loss), or none when device_loss is given: then the mean goes to that one
 // F32 in the backend's memory and LmHeadLoss::loss stays 0.
 Result<LmHeadLoss> lm_head_loss(GroupedParam& head, const Tensor& h,

@@ -31,6 +31,7 @@ struct Model::Impl {
   std::shared_ptr<AuxLossStats> aux_stats;
 
   const GroupedParam& embedding() const { return embed ? *embed : lm_head->param(); }
+  GroupedParam& embedding() { return embed ? *embed : lm_head->param(); }
 };
 
 namespace {
@@ -398,6 +399,9 @@ void Model::backward() {
   eb.ids = m.ids.data_as<const int32_t>();
   eb.dout = dx.data_as<const float>();
   eb.dtable = f32_grad(m.embedding());
+  // The op adds onto every row it touches: a table of stale values is zeroed first.
+  if (m.embedding().take_grad_write() == GradWrite::kOverwrite)
+    b.fill_zero(eb.dtable, static_cast<size_t>(V * H) * sizeof(float));
   check_op(ops::embedding_backward(b, eb), "embedding_backward");
   grad_ready(0, 1);  // the embedding table (tied: also the LM head)
   state_ = ModelState::kIdle;

@@ -39,7 +39,11 @@ Tensor RmsNorm::backward(const Tensor& dy) {
                 "RmsNorm backward: dy must be F32 shaped like x");
   const int64_t N = x_.numel() / D;
   Tensor dx = Tensor::empty(*backend_, DType::kF32, x_.shape());
-  const Tensor dweight = Tensor::empty(*backend_, DType::kF32, {D});
+  // The op writes dweight: straight into a main_grad of stale values, else a sum to add.
+  const bool overwrite = param_.take_grad_write() == GradWrite::kOverwrite;
+  const Tensor dweight = overwrite ? Tensor::view(f32_grad(param_), DType::kF32, {D},
+                                                  backend_->device())
+                                   : Tensor::empty(*backend_, DType::kF32, {D});
   RmsNormBackwardArgs a;
   a.rows = N;
   a.dim = D;
@@ -50,8 +54,9 @@ Tensor RmsNorm::backward(const Tensor& dy) {
   a.dx = dx.data_as<float>();
   a.dweight = dweight.data_as<float>();
   check_op(ops::rms_norm_backward(*backend_, a), "rms_norm_backward");
-  add_into(*backend_, Tensor::view(f32_grad(param_), DType::kF32, {D}, backend_->device()),
-           dweight);
+  if (!overwrite)
+    add_into(*backend_, Tensor::view(f32_grad(param_), DType::kF32, {D}, backend_->device()),
+             dweight);
   release();
   return dx;
 }

@@ -136,7 +136,7 @@ Status validate(const ModelConfig& c) {
 }
 
 std::vector<std::string> model_config_preset_names() {
-  return {"tiny", "small", "qwen3_30b_a3b_layers"};
+  return {"tiny", "small", "qwen3_30b_a3b_layers", "qwen3_30b_a3b"};
 }
 
 Result<ModelConfig> model_config_preset(const std::string& name) {
@@ -171,13 +171,14 @@ Result<ModelConfig> model_config_preset(const std::string& name) {
     c.num_experts_per_tok = 4;
     c.norm_topk_prob = true;
     c.rope_theta = 1e6;
-  } else if (name == "qwen3_30b_a3b_layers") {
-    // Qwen3-30B-A3B's layer shapes (head_dim * heads = 4096 != hidden 2048), 4 of its 48 layers.
+  } else if (name == "qwen3_30b_a3b_layers" || name == "qwen3_30b_a3b") {
+    // Qwen3-30B-A3B's layer shapes (head_dim * heads = 4096 != hidden 2048): 4 of its 48 layers,
+    // or all of them (its published config.json: tests/unit/test_model_config.cpp).
     c.vocab_size = 151936;
     c.hidden_size = 2048;
     c.intermediate_size = 6144;
     c.moe_intermediate_size = 768;
-    c.num_hidden_layers = 4;
+    c.num_hidden_layers = name == "qwen3_30b_a3b" ? 48 : 4;
     c.num_attention_heads = 32;
     c.num_key_value_heads = 4;
     c.head_dim = 128;

@@ -44,7 +44,8 @@ inline constexpr int64_t kBytesPerParameter = 4;
 Status check_model_fits(const ModelConfig& config, int64_t bytes_available);
 
 // Presets: "tiny" (byte-level, trains on 2 CPU cores in about a minute), "small" (about 100M
-// parameters), "qwen3_30b_a3b_layers" (the layer shapes of Qwen3-30B-A3B with 4 layers).
+// parameters), "qwen3_30b_a3b_layers" (the layer shapes of Qwen3-30B-A3B with 4 layers),
+// "qwen3_30b_a3b" (the whole model, 48 layers: for `packmoe train --dry-run`, or a GPU cluster).
 std::vector<std::string> model_config_preset_names();
 Result<ModelConfig> model_config_preset(const std::string& name);
 

@@ -68,6 +68,20 @@ std::vector<DistParam> optimizer_params(const Model& model) {
   return params;
 }
 
+Result<ExpertLayout> check_job_layout(const ModelConfig& model, const TrainConfig& config,
+                                      int64_t world) {
+  if (config.precision.recipe.recipe == Recipe::kNvfp4 &&
+      config.grad_accum_steps * world > (int64_t{1} << kSrIndexBits))
+    return Status::error("NVFP4: grad_accum_steps x ranks = " +
+                         std::to_string(config.grad_accum_steps * world) +
+                         " micro-batches per step; its stochastic rounding numbers at most " +
+                         std::to_string(int64_t{1} << kSrIndexBits));
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < model.num_hidden_layers; ++i) moe_layers += model.is_moe_layer(i);
+  return make_expert_layout(static_cast<int>(world), static_cast<int>(config.expert_parallel),
+                            model.num_experts, moe_layers);
+}
+
 Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelConfig& model,
                                                  const TrainConfig& config, TrainData data,
                                                  const ModelWeights* init,
@@ -78,17 +92,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(Backend& backend, const ModelCo
   if (parallel.comm && &parallel.comm->backend() != &backend)
     return Status::error("the communicator runs on another backend than the model");
   const int64_t world = parallel.comm ? parallel.comm->size() : 1;
-  if (config.precision.recipe.recipe == Recipe::kNvfp4 &&
-      config.grad_accum_steps * world > (int64_t{1} << kSrIndexBits))
-    return Status::error("NVFP4: grad_accum_steps x ranks = " +
-                         std::to_string(config.grad_accum_steps * world) +
-                         " micro-batches per step; its stochastic rounding numbers at most " +
-                         std::to_string(int64_t{1} << kSrIndexBits));
-  int64_t moe_layers = 0;
-  for (int64_t i = 0; i < model.num_hidden_layers; ++i) moe_layers += model.is_moe_layer(i);
-  Result<ExpertLayout> layout =
-      make_expert_layout(static_cast<int>(world), static_cast<int>(config.expert_parallel),
-                         model.num_experts, moe_layers);
+  Result<ExpertLayout> layout = check_job_layout(model, config, world);
   if (!layout) return layout.status();
   ExpertSlice experts;
   if (config.expert_parallel > 1) {

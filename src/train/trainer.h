@@ -16,6 +16,7 @@
 #include "backend/device_buffer.h"
 #include "dist/communicator.h"
 #include "dist/dist_optimizer.h"
+#include "dist/expert_layout.h"
 #include "dist/parallel_optimizer.h"
 #include "io/checkpoint_dir.h"
 #include "io/token_data.h"
@@ -61,6 +62,13 @@ struct TrainerParallelism {
 // a full FP32 replica (WeightForm::kFp32) for those whose layers read their FP32 weight itself
 // (every norm, the embedding table).
 std::vector<DistParam> optimizer_params(const Model& model);
+
+// The checks of a job's layout that Trainer::create makes before it builds anything, one error
+// line each: NVFP4's micro-batches per step (grad_accum_steps x world) within what its stochastic
+// rounding numbers, and the expert-parallel layout of config.expert_parallel over `world` ranks
+// (make_expert_layout, dist/expert_layout.h).
+Result<ExpertLayout> check_job_layout(const ModelConfig& model, const TrainConfig& config,
+                                      int64_t world);
 
 struct StartupTimes {
   double weights = 0;    // random_model_weights in the backend's memory (0 with given weights)

@@ -399,13 +399,15 @@ TEST(GroupedParamBoundGrad, MainGradViewsExternalMemoryInBothLayouts) {
 
 TEST(GradBufferState, TransitionTableIsExactlyTheDocumentedOne) {
   using S = GradBufferState;
-  const S all[] = {S::kZeroed, S::kAccumulating, S::kReduced, S::kParamsStaged, S::kParamsGathered};
+  const S all[] = {S::kZeroed,        S::kStale,        S::kAccumulating,
+                   S::kReduced,       S::kParamsStaged, S::kParamsGathered};
   const std::vector<std::pair<S, S>> legal = {
       {S::kZeroed, S::kAccumulating},       {S::kZeroed, S::kParamsStaged},
       {S::kAccumulating, S::kAccumulating}, {S::kAccumulating, S::kReduced},
       {S::kReduced, S::kParamsStaged},      {S::kReduced, S::kZeroed},
       {S::kParamsStaged, S::kParamsStaged}, {S::kParamsStaged, S::kParamsGathered},
-      {S::kParamsGathered, S::kZeroed}};
+      {S::kParamsGathered, S::kZeroed},     {S::kParamsGathered, S::kStale},
+      {S::kStale, S::kAccumulating},        {S::kStale, S::kParamsStaged}};
   for (S from : all)
     for (S to : all)
       EXPECT_EQ(grad_buffer_transition_legal(from, to),

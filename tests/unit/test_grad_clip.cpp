@@ -90,7 +90,10 @@ DistStepResult step_with(SingleRankOptimizer& opt, const std::vector<GroupedPara
                          const std::vector<std::vector<float>>& grads, double max_norm = 0.0) {
   opt->prepare_forward();
   opt->prepare_backward();
-  for (size_t i = 0; i < params.size(); ++i) set_grad(*params[i], grads[i]);
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i]->take_grad_write();  // this test writes the gradient, as a backward would
+    set_grad(*params[i], grads[i]);
+  }
   return opt->step(max_norm);
 }
 

@@ -94,12 +94,18 @@ struct Fixture {
     opt->prepare_forward();
     comm.log.clear();
   }
+  // prepare_backward, then what a backward's writers do first (the gradients' values do not
+  // matter here).
+  void backward(bool last_of_step = false) {
+    opt->prepare_backward(last_of_step);
+    for (auto& p : params) p->take_grad_write();
+  }
 };
 
 TEST(GradOverlap, TheLastParamOfABucketLaunchesItOnTheSideStream) {
   Fixture f;
   ASSERT_EQ(f.opt->plan().buckets().size(), 2u);
-  f.opt->prepare_backward(/*last_of_step=*/true);
+  f.backward(true);
   f.opt->grad_ready(3);
   EXPECT_TRUE(f.comm.log.empty());
   f.opt->grad_ready(2);  // bucket 0 complete
@@ -118,10 +124,10 @@ TEST(GradOverlap, TheLastParamOfABucketLaunchesItOnTheSideStream) {
 
 TEST(GradOverlap, StepReducesWhatWasNotLaunchedOnTheBackendStream) {
   Fixture f;
-  f.opt->prepare_backward();  // not the last backward: grad_ready launches nothing
+  f.backward();  // not the last backward: grad_ready launches nothing
   for (int p = 3; p >= 0; --p) f.opt->grad_ready(p);
   EXPECT_TRUE(f.comm.log.empty());
-  f.opt->prepare_backward(true);
+  f.backward(true);
   f.opt->grad_ready(1);
   f.opt->grad_ready(0);  // bucket 1 only
   f.comm.log.clear();
@@ -130,7 +136,7 @@ TEST(GradOverlap, StepReducesWhatWasNotLaunchedOnTheBackendStream) {
             (std::vector<std::string>{"reduce-scatter 8192 on backend", "backend waits"}));
   f.comm.log.clear();
   f.opt->prepare_forward();
-  f.opt->prepare_backward(true);
+  f.backward(true);
   f.comm.log.clear();
   EXPECT_TRUE(f.opt->step().applied);  // no hook at all: everything in the step, no fence
   EXPECT_EQ(f.comm.log, (std::vector<std::string>{"reduce-scatter 8192 on backend",
@@ -140,7 +146,7 @@ TEST(GradOverlap, StepReducesWhatWasNotLaunchedOnTheBackendStream) {
 TEST(GradOverlap, MisuseAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   Fixture f;
-  f.opt->prepare_backward(true);
+  f.backward(true);
   f.opt->grad_ready(3);
   EXPECT_DEATH(f.opt->grad_ready(3), "grad_ready\\(3\\): not a param, or reported twice");
   f.opt->grad_ready(2);
