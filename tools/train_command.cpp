@@ -746,13 +746,14 @@ Status run_dry_run(const TrainArgs& args) {
   for (const auto& [name, bytes] : lines)
     std::printf("    %-16s %9.2f GB  (%lld bytes)\n", name, gb(bytes),
                 static_cast<long long>(bytes));
-  std::printf("  per step: all-gather %.2f GB, reduce-scatter %.2f GB over %d ranks (%s",
-              gb(top.dense.all_gather_bytes), gb(top.dense.reduce_scatter_bytes), top.dense.ranks,
-              top.experts.ranks > 0 ? "dense" : "every parameter");
+  const auto over = [](int n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); };
+  std::printf("  per step: all-gather %.2f GB, reduce-scatter %.2f GB over %s (%s",
+              gb(top.dense.all_gather_bytes), gb(top.dense.reduce_scatter_bytes),
+              over(top.dense.ranks).c_str(), top.experts.ranks > 0 ? "dense" : "every parameter");
   if (top.experts.ranks > 0)
-    std::printf("); all-gather %.2f GB, reduce-scatter %.2f GB over %d ranks (experts",
+    std::printf("); all-gather %.2f GB, reduce-scatter %.2f GB over %s (experts",
                 gb(top.experts.all_gather_bytes), gb(top.experts.reduce_scatter_bytes),
-                top.experts.ranks);
+                over(top.experts.ranks).c_str());
   std::printf(")\n  not counted: activations, GEMM and attention workspace, the CUDA context "
               "(docs/dist.md)\n");
   return Status::ok();

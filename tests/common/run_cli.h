@@ -24,6 +24,13 @@ inline std::string ctest_env(const char* name) {
   return v ? v : "";
 }
 
+// How many times `what` occurs in `text` (overlapping occurrences counted).
+inline size_t count_of(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 // `cmd` run through the shell, its stdout + stderr captured together.
 inline RunResult run_shell(const std::string& cmd) {
   FILE* p = popen((cmd + " 2>&1").c_str(), "r");

@@ -30,12 +30,6 @@ std::vector<nlohmann::json> read_metrics(const std::string& path) {
   return records;
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-
 TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
   const std::filesystem::path dir = make_test_dir("dist_train_cli_");
   const std::string corpus = (dir / "corpus.txt").string();
@@ -56,7 +50,7 @@ TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
   const RunResult dp = run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
                                  common + " --gather-mode lowp --out " + (dir / "dp").string());
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  EXPECT_EQ(count(dp.output, "packmoe train:"), 1u) << "rank 0 alone prints:\n" << dp.output;
+  EXPECT_EQ(count_of(dp.output, "packmoe train:"), 1u) << "rank 0 alone prints:\n" << dp.output;
   EXPECT_NE(dp.output.find("data parallel: 2 ranks (mpi)"), std::string::npos) << dp.output;
   EXPECT_NE(dp.output.find("gather mode lowp"), std::string::npos) << dp.output;
   const RunResult one = run_shell(cli + common + " --grad-accum 2 --out " + (dir / "one").string());
@@ -98,7 +92,7 @@ TEST(DistTrainCli, ExpertParallelThatDoesNotDivideIsOneErrorLine) {
                                 corpus + " --out " + (dir / "out").string());
   remove_test_dir(dir);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_EQ(count(r.output, "packmoe: error:"), 1u) << r.output;
+  EXPECT_EQ(count_of(r.output, "packmoe: error:"), 1u) << r.output;
   EXPECT_NE(r.output.find("--expert-parallel 3 does not divide the 2 ranks"), std::string::npos)
       << r.output;
 }
@@ -106,7 +100,7 @@ TEST(DistTrainCli, ExpertParallelThatDoesNotDivideIsOneErrorLine) {
 TEST(DistTrainCli, BadGatherModeIsOneErrorLine) {
   const RunResult r = run_cli("train --device cpu --steps 1 --gather-mode fp8");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+  EXPECT_EQ(count_of(r.output, "\n"), 1u) << r.output;
   EXPECT_NE(r.output.find("--gather-mode: unknown parameter gather mode 'fp8' (bf16, lowp, "
                           "reuse-grad-buffer)"),
             std::string::npos)

@@ -17,12 +17,6 @@
 namespace packmoe::test {
 namespace {
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-
 TEST(DryRunCli, PlansTheWholeQwen3_30bA3bWithoutDataOrOutputs) {
   const std::filesystem::path dir = make_test_dir("dry_run_cli_");
   const std::string missing = (dir / "missing").string();
@@ -68,7 +62,7 @@ TEST(DryRunCli, PlansTheWholeQwen3_30bA3bWithoutDataOrOutputs) {
       r.output,
       std::regex("\n  per step: all-gather \\d+\\.\\d\\d GB, reduce-scatter \\d+\\.\\d\\d "
                  "GB over 8 ranks \\(dense\\); all-gather \\d+\\.\\d\\d GB, "
-                 "reduce-scatter \\d+\\.\\d\\d GB over 1 ranks \\(experts\\)\n")))
+                 "reduce-scatter \\d+\\.\\d\\d GB over 1 rank \\(experts\\)\n")))
       << r.output;
   EXPECT_NE(r.output.find("\n  not counted: activations"), std::string::npos) << r.output;
 }
@@ -101,7 +95,7 @@ TEST(DryRunCli, BadValuesAreOneErrorLine) {
   for (const auto& [flags, want] : cases) {
     const RunResult r = run_cli("train " + flags);
     EXPECT_EQ(r.exit_code, 1) << flags << ": " << r.output;
-    EXPECT_EQ(count(r.output, "\n"), 1u) << flags << ": " << r.output;
+    EXPECT_EQ(count_of(r.output, "\n"), 1u) << flags << ": " << r.output;
     EXPECT_EQ(r.output, want) << flags;
   }
   // The preset's 4 experts: EP 8 divides 8 ranks but not them.
