@@ -41,13 +41,17 @@ class Backend : public Allocator {
   virtual void copy(void* dst, const void* src, size_t bytes, CopyKind kind) = 0;
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   virtual void synchronize() = 0;
-  // This backend's memory: bytes in use now, and the most ever held from the device (CUDA: the
-  // stream-ordered pool's reserve high-water mark, what nvidia-smi sees of it). The CPU reports
-  // none.
+  // This backend's memory: bytes in use now, bytes held from the device now, and the most ever
+  // held (CUDA: the stream-ordered pool's reserve and its high-water mark, what nvidia-smi sees
+  // of it). The CPU reports none.
   struct MemoryUse {
-    size_t in_use = 0, peak_reserved = 0;
+    size_t in_use = 0, reserved = 0, peak_reserved = 0;
   };
   virtual std::optional<MemoryUse> memory_use() const { return std::nullopt; }
+  // Hands the memory that no live allocation uses back to the device (CUDA: waits for the stream,
+  // then trims the pool), so a later large allocation does not sit beside freed blocks it cannot
+  // reuse. Callers use it after freeing large start-up buffers. The CPU has nothing to return.
+  virtual void release_unused_memory() {}
 
   // Median milliseconds of `body` over `iters` runs after `warmup` runs, measured with the
   // device's own clock (CUDA events on GPU).

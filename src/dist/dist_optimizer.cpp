@@ -145,7 +145,10 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       params_[p].param->bind_fp32_replica(views);
     }
   // The moments last: by now every init and every own BF16 copy that a bound slot replaced is
-  // freed, so start-up never holds them together with the moments.
+  // freed, so start-up never holds them together with the moments; and the device gets that
+  // memory back first, or the moments (one block each) would be placed beside the freed inits
+  // (one block per param), which the pool would keep reserved without ever reusing them whole.
+  be_->release_unused_memory();
   for (std::optional<DeviceBuffer>* b : {&exp_avg_, &exp_avg_sq_}) {
     b->emplace(*be_, shard().size() * sizeof(float));
     be_->fill_zero((*b)->get(), (*b)->size());

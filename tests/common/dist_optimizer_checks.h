@@ -6,7 +6,8 @@
 // the three modes give bitwise the same weights; reuse-grad-buffer train -> eval -> train -> save
 // -> train (and resume) equals train-only bitwise; Megatron's eval-then-train sequence, with the
 // grad norm the unzeroed buffer would have given; illegal transitions abort naming both states;
-// the bytes each mode all-gathers per step.
+// the bytes each mode all-gathers per step; on CUDA, start-up hands the freed inits back to the
+// device before it places the moments.
 #pragma once
 
 #include <algorithm>
@@ -113,6 +114,32 @@ TEST(DistOptimizer, GatherModesGiveBitwiseTheSameWeightsAndReportTheirBytes) {
             static_cast<long long>(t.all_reduce_bytes), static_cast<long long>(t.param_elements));
       }
   }
+}
+
+// Start-up frees every init (and every BF16 copy a gather slot replaced) before it places the
+// moments, and hands that memory back to the device first: a stream-ordered pool would otherwise
+// keep the freed blocks reserved beside the moments (one block per param, none large enough for
+// a moment), which nvidia-smi counts (docs/PERF.md, the training step's peak memory). Only a
+// backend that reports device memory (CUDA) has anything to check.
+TEST(DistOptimizer, StartUpHandsTheFreedInitsBackToTheDevice) {
+  Backend& b = comm().backend();
+  if (!b.memory_use()) GTEST_SKIP() << "the backend reports no device memory";
+  constexpr size_t kSlack = size_t{32} << 20;  // the pool's rounding of the live blocks
+  std::vector<std::unique_ptr<GroupedParam>> params;
+  std::vector<GroupedParam*> raw;
+  for (int i = 0; i < 3; ++i) {  // 64 MiB of FP32 init each
+    const Tensor init = Tensor::empty(b, DType::kF32, {4, 2048, 2048});
+    b.fill_zero(init.data(), init.nbytes());
+    params.push_back(std::make_unique<GroupedParam>(b, QuantRecipe{Recipe::kBF16, false, 0},
+                                                    PrimaryWeight::kLowPrecision,
+                                                    Layout::kSingle, init));
+    raw.push_back(params.back().get());
+  }
+  DistOptimizer opt(comm(), decayed_params(raw), {kAdamW, GatherMode::kBf16, kBucketElems});
+  b.synchronize();
+  const Backend::MemoryUse m = *b.memory_use();
+  EXPECT_LE(m.reserved, m.in_use + kSlack)
+      << "reserved " << m.reserved << " B with " << m.in_use << " B in use";
 }
 
 // The expert weights' lowp bytes per element: 1 + 1/32 (MXFP8 2D), 2 + 2/32 (MXFP8 1D: both

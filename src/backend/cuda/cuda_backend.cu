@@ -88,10 +88,20 @@ void CudaBackend::synchronize() { PACKMOE_CUDA_CHECK(cudaStreamSynchronize(strea
 std::optional<Backend::MemoryUse> CudaBackend::memory_use() const {
   cudaMemPool_t pool = nullptr;
   PACKMOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
-  uint64_t used = 0, reserved_high = 0;
+  uint64_t used = 0, reserved = 0, reserved_high = 0;
   PACKMOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  PACKMOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
   PACKMOE_CUDA_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &reserved_high));
-  return MemoryUse{used, reserved_high};
+  return MemoryUse{used, reserved, reserved_high};
+}
+
+// The pool keeps every block it ever held (release threshold: unlimited); a block freed at start-up
+// is reused only by a later allocation that fits in it. Trimming returns the whole free chunks.
+void CudaBackend::release_unused_memory() {
+  synchronize();  // stream-ordered frees complete first
+  cudaMemPool_t pool = nullptr;
+  PACKMOE_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+  PACKMOE_CUDA_CHECK(cudaMemPoolTrimTo(pool, 0));
 }
 
 double CudaBackend::time_ms(const std::function<void()>& body, int warmup, int iters) {

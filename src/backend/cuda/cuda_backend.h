@@ -42,6 +42,7 @@ class CudaBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override;
   std::optional<MemoryUse> memory_use() const override;
+  void release_unused_memory() override;
   double time_ms(const std::function<void()>& body, int warmup, int iters) override;
 
   const OpKernels& kernels() const override;  // backend/cuda/cuda_kernels.cu
