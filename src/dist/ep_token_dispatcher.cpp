@@ -31,6 +31,7 @@ EpTokenDispatcher::EpTokenDispatcher(Communicator& ep_comm, int64_t experts)
 }
 
 ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
+  PACKMOE_CHECK(!combining_, "EpTokenDispatcher: dispatch while a combine is in flight");
   Backend& b = comm_->backend();
   const int ep = comm_->size();
   PACKMOE_CHECK(all.counts.dtype() == DType::kI64 && all.counts.numel() == experts_,
@@ -70,17 +71,37 @@ ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
 }
 
 Tensor EpTokenDispatcher::combine(const Tensor& rows) {
+  Tensor out = start_combine(rows);
+  finish_combine();
+  return out;
+}
+
+Tensor EpTokenDispatcher::start_combine(const Tensor& rows) {
   PACKMOE_CHECK(!send_rows_.empty(), "EpTokenDispatcher: combine before dispatch");
+  PACKMOE_CHECK(!combining_, "EpTokenDispatcher: start_combine while a combine is in flight");
   const int64_t received = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
   PACKMOE_CHECK(rows.rank() == 2 && rows.dim(0) == received,
                 "EpTokenDispatcher: combine needs the " << received << " rows of the dispatch, got "
                                                         << shape_string(rows.shape()));
   const int64_t row_bytes = row_bytes_of(rows);
   Backend& b = comm_->backend();
+  // Both buffers are allocated on the backend's stream before the side stream waits for it, and
+  // `rows` stays referenced until finish_combine, so the pool cannot hand either to other work
+  // while the transfer reads or writes it.
   Tensor out = Tensor::empty(b, rows.dtype(), {capacity_, rows.dim(1)});
+  comm_->side_waits_for_backend();
   comm_->all_to_allv(rows.data(), scaled(recv_rows_, row_bytes), out.data(),
-                     scaled(send_rows_, row_bytes));
+                     scaled(send_rows_, row_bytes), comm_->side_stream());
+  in_flight_ = rows;
+  combining_ = true;
   return out;
+}
+
+void EpTokenDispatcher::finish_combine() {
+  PACKMOE_CHECK(combining_, "EpTokenDispatcher: finish_combine without start_combine");
+  combining_ = false;
+  comm_->backend_waits_for_side();
+  in_flight_ = Tensor{};  // freed in the backend's stream order, after the wait
 }
 
 }  // namespace packmoe

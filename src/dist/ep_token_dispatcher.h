@@ -30,6 +30,11 @@ class EpTokenDispatcher final : public TokenDispatcher {
   // rows: (sum received, W') in the last dispatch's order. Returns (C, W'): each row back at the
   // position it was sent from; rows no expert used stay unwritten.
   Tensor combine(const Tensor& rows) override;
+  // The same all-to-all on the communicator's side stream (NCCL: its own CUDA stream; host
+  // communicators block, so nothing overlaps there), after the backend's work so far;
+  // finish_combine makes the backend's later work wait for it.
+  Tensor start_combine(const Tensor& rows) override;
+  void finish_combine() override;
 
  private:
   Communicator* comm_;
@@ -38,6 +43,8 @@ class EpTokenDispatcher final : public TokenDispatcher {
   std::vector<int64_t> send_rows_;  // (EP) rows the last dispatch sent to each peer
   std::vector<int64_t> recv_rows_;  // (EP) rows it received from each
   int64_t capacity_ = 0;            // C: the last dispatch's input rows
+  Tensor in_flight_;                // start_combine's rows, read by the side stream until finish
+  bool combining_ = false;          // between start_combine and finish_combine
 };
 
 }  // namespace packmoe

@@ -149,7 +149,7 @@ void GroupedLinear::restore_input(const Tensor& x) {
   input_released_ = false;
 }
 
-Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
+Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum, Wgrad wgrad) {
   PACKMOE_CHECK(state_ == LinearState::kForwardDone,
                 "backward needs a forward first (and runs once per forward)");
   PACKMOE_CHECK(!input_released_, "backward: the forward's input was released (restore_input)");
@@ -183,7 +183,7 @@ Tensor GroupedLinear::backward(const Tensor& dy, GradAccum accum) {
   check_op(ops::grouped_gemm(*backend_, a), "dgrad");
   dy_.release_rowwise();
 
-  if (cfg_.delay_wgrad) {
+  if (cfg_.delay_wgrad || wgrad == Wgrad::kQueued) {
     pending_accum_ = accum;
     param_.mark_wgrad_pending();
     state_ = LinearState::kWgradPending;

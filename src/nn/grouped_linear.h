@@ -75,9 +75,11 @@ class GroupedLinear {
   // Same bytes as forward(x, m) with the counts on the host.
   Tensor forward(const Tensor& x, const Tensor& m_device);
   // dy: (M, N) BF16 (M: x's rows). Returns dx (M, K) in out_dtype. Runs dgrad, and wgrad now (-> kIdle) or
-  // queued (-> kWgradPending) per delay_wgrad. Only from kForwardDone. A queued BF16 wgrad holds
-  // dy by reference like x.
-  Tensor backward(const Tensor& dy, GradAccum accum);
+  // queued (-> kWgradPending) per delay_wgrad, or queued whatever delay_wgrad says with
+  // kQueued (a caller that first starts work the wgrad can run beside: MoEBlock's combine).
+  // Only from kForwardDone. A queued BF16 wgrad holds dy by reference like x.
+  enum class Wgrad { kAsConfigured, kQueued };
+  Tensor backward(const Tensor& dy, GradAccum accum, Wgrad wgrad = Wgrad::kAsConfigured);
   // Runs the queued wgrad (-> kIdle). Only from kWgradPending: a second call is a doubled wgrad.
   void backward_dw();
   // Activation recomputation (nn/recompute.h), only in kForwardDone: release_input frees the

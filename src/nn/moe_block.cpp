@@ -201,6 +201,7 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
 }
 
 Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
+  constexpr GroupedLinear::Wgrad kQueued = GroupedLinear::Wgrad::kQueued;
   PACKMOE_CHECK(state_ == BlockState::kForwardDone,
                 "MoEBlock backward needs a forward first (and runs once per forward)");
   const int64_t T = tokens_, E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
@@ -239,7 +240,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   const ExpertRows local = dispatcher_->dispatch(all);
   const int64_t CL = local.rows.dim(0);
   if (recompute_swiglu_) fc2_.restore_input(swiglu(local));
-  const Tensor da = fc2_.backward(local.rows, accum);             // (CL, F)
+  const Tensor da = fc2_.backward(local.rows, accum, kQueued);    // (CL, F)
   const Tensor dh = Tensor::empty(b, DType::kBF16, {CL, 2 * F});  // FC1's dY operand
   SwigluBackwardArgs sb;
   sb.rows = CL;
@@ -252,19 +253,14 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   sb.din_dtype = DType::kBF16;
   sb.din = dh.data();
   if (CL > 0) check_op(ops::swiglu_backward(b, sb), "swiglu_backward");
-  const Tensor dxp = dispatcher_->combine(fc1_.backward(dh, accum));  // (C, H)
-
-  Tensor dx = Tensor::empty(b, DType::kF32, {T, H});
-  PermuteBackwardArgs pb;
-  pb.tokens = T;
-  pb.hidden = H;
-  pb.top_k = k;
-  pb.rows = C;
-  pb.dest = dest_.data_as<const int32_t>();
-  pb.dxp_dtype = cfg_.activation_dtype;
-  pb.dxp = dxp.data();
-  pb.dx = dx.data_as<float>();
-  check_op(ops::permute_backward(b, pb), "permute_backward");
+  // dX rows go back while the two expert wgrads and the router's backward run: none of them
+  // reads them (the wgrads were queued by the dgrads above, unless delay_wgrad keeps them queued
+  // for backward_dw).
+  const Tensor dxp = dispatcher_->start_combine(fc1_.backward(dh, accum, kQueued));  // (C, H)
+  if (!cfg_.delay_wgrad) {
+    fc2_.backward_dw();
+    fc1_.backward_dw();
+  }
 
   // Router path: dlogits (T, E) F32 from the combine weights and the aux loss, rounded to BF16
   // once because it is the router GEMMs' dY operand.
@@ -295,6 +291,19 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
       ops::cast_f32_to_bf16(b, one_segment<const float>(dlogits), one_segment<uint16_t>(dlogits_bf16)),
       "cast dlogits");
   const Tensor dx_router = router_.backward(dlogits_bf16, accum);  // (T, H) F32
+
+  dispatcher_->finish_combine();
+  Tensor dx = Tensor::empty(b, DType::kF32, {T, H});
+  PermuteBackwardArgs pb;
+  pb.tokens = T;
+  pb.hidden = H;
+  pb.top_k = k;
+  pb.rows = C;
+  pb.dest = dest_.data_as<const int32_t>();
+  pb.dxp_dtype = cfg_.activation_dtype;
+  pb.dxp = dxp.data();
+  pb.dx = dx.data_as<float>();
+  check_op(ops::permute_backward(b, pb), "permute_backward");
   check_op(ops::add_f32(b, one_segment<float>(dx), one_segment<const float>(dx_router)), "dx sum");
 
   // The linears keep what their queued wgrads read; the block's own saved tensors are done.

@@ -38,6 +38,12 @@ class TokenDispatcher {
   // rows: (M_local, C), the expert MLP's output for the last dispatch's rows. Returns (M, C) in
   // that dispatch's input order.
   virtual Tensor combine(const Tensor& rows) = 0;
+  // combine, split so that independent work runs beside the transfer: the returned (M, C) tensor
+  // holds its rows for work queued on the backend after finish_combine(); the backend work queued
+  // in between (MoEBlock's backward: the expert wgrads and the router's backward) overlaps it.
+  // The dispatcher keeps `rows` alive until then. Defaults: combine, and nothing to wait for.
+  virtual Tensor start_combine(const Tensor& rows) { return combine(rows); }
+  virtual void finish_combine() {}
 };
 
 // Every expert is local: dispatch and combine return their input.

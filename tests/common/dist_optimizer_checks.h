@@ -124,21 +124,27 @@ TEST(DistOptimizer, GatherModesGiveBitwiseTheSameWeightsAndReportTheirBytes) {
 TEST(DistOptimizer, StartUpHandsTheFreedInitsBackToTheDevice) {
   Backend& b = comm().backend();
   if (!b.memory_use()) GTEST_SKIP() << "the backend reports no device memory";
-  constexpr size_t kSlack = size_t{32} << 20;  // the pool's rounding of the live blocks
+  // Three params of 64 MiB of FP32 init each, a live 2 MiB block after each (as a model's other
+  // tensors sit between its params), so no freed init is next to another: each hole (the init
+  // and the BF16 copy a gather slot replaces, 96 MiB) is smaller than a moment (192 MiB).
+  constexpr size_t kInitBytes = size_t{3} * 64 << 20;
   std::vector<std::unique_ptr<GroupedParam>> params;
   std::vector<GroupedParam*> raw;
-  for (int i = 0; i < 3; ++i) {  // 64 MiB of FP32 init each
+  std::vector<Tensor> spacers;
+  for (int i = 0; i < 3; ++i) {
     const Tensor init = Tensor::empty(b, DType::kF32, {4, 2048, 2048});
     b.fill_zero(init.data(), init.nbytes());
     params.push_back(std::make_unique<GroupedParam>(b, QuantRecipe{Recipe::kBF16, false, 0},
                                                     PrimaryWeight::kLowPrecision,
                                                     Layout::kSingle, init));
     raw.push_back(params.back().get());
+    spacers.push_back(Tensor::empty(b, DType::kU8, {2 << 20}));
   }
   DistOptimizer opt(comm(), decayed_params(raw), {kAdamW, GatherMode::kBf16, kBucketElems});
   b.synchronize();
   const Backend::MemoryUse m = *b.memory_use();
-  EXPECT_LE(m.reserved, m.in_use + kSlack)
+  // Kept, the holes would add 288 MiB to the reserve; what stays is the pool's partial chunks.
+  EXPECT_LT(m.reserved, m.in_use + kInitBytes)
       << "reserved " << m.reserved << " B with " << m.in_use << " B in use";
 }
 

@@ -1,11 +1,14 @@
 // The MoEBlock's TokenDispatcher seam: a dispatcher that moves the expert MLP's rows through memory
 // of its own (as an all-to-all would: fresh buffers both ways) gives bitwise the outputs, input
 // gradients and main_grads of the local identity, in every recipe; it is called once per forward
-// and once per backward in each direction, with the routing plan's padded counts.
+// and once per backward in each direction, with the routing plan's padded counts; the backward's
+// combine is started before the expert wgrads and the router's backward and finished after them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <random>
+#include <vector>
 
 #include "common/moe_block_harness.h"
 #include "nn/token_dispatcher.h"
@@ -73,6 +76,57 @@ TEST(TokenDispatcher, ACopyingDispatcherEqualsTheLocalOneBitwise) {
     EXPECT_EQ(calls.dispatches, 4);  // per micro-batch: xp forward, dyp backward
     EXPECT_EQ(calls.combines, 4);    // yp forward, dxp backward
   }
+}
+
+// Records which gradients are written when the backward's combine starts and when it finishes.
+class OverlapProbe final : public TokenDispatcher {
+ public:
+  ExpertRows dispatch(const ExpertRows& all) override { return all; }
+  Tensor combine(const Tensor& rows) override { return rows; }
+  Tensor start_combine(const Tensor& rows) override {
+    ++starts;
+    written_at_start = written();
+    return rows;
+  }
+  void finish_combine() override {
+    ++finishes;
+    written_at_finish = written();
+  }
+  MoEBlock* block = nullptr;
+  int starts = 0, finishes = 0;
+  std::vector<bool> written_at_start, written_at_finish;  // router, fc1, fc2
+
+ private:
+  std::vector<bool> written() const {
+    std::vector<bool> out;
+    for (GroupedParam* p : block->params()) {
+      const std::vector<uint8_t> g = p->main_grad().download();
+      out.push_back(std::any_of(g.begin(), g.end(), [](uint8_t v) { return v != 0; }));
+    }
+    return out;
+  }
+};
+
+// Under expert parallelism the dX rows travel back while the expert wgrads and the router's
+// backward run: all three gradients are still unwritten when the combine starts, and written by
+// the time it finishes (the permute's backward waits for it); the forward's combine is whole.
+TEST(TokenDispatcher, TheBackwardCombineOverlapsTheWgradsAndTheRouterBackward) {
+  Backend& b = cpu_backend();
+  std::mt19937 rng(31);
+  const testing::Case c{Recipe::kBF16, PrimaryWeight::kLowPrecision, true, false};
+  MoEBlock block(b, testing::parity_config(c, Layout::kSingle), testing::make_parity_init(rng));
+  auto probe = std::make_unique<OverlapProbe>();
+  OverlapProbe* seen = probe.get();
+  seen->block = &block;
+  block.set_token_dispatcher(std::move(probe));
+  block.zero_grad();
+  block.forward(testing::random_activation(b, rng, DType::kBF16, 0.0f));
+  EXPECT_EQ(seen->starts, 0);
+  block.backward(testing::random_activation(b, rng, DType::kF32, 0.0f), GradAccum::kAccumulate);
+  EXPECT_EQ(seen->starts, 1);
+  EXPECT_EQ(seen->finishes, 1);
+  EXPECT_EQ(seen->written_at_start, std::vector<bool>({false, false, false}));
+  EXPECT_EQ(seen->written_at_finish, std::vector<bool>({true, true, true}));
 }
 
 TEST(TokenDispatcher, ChangesOnlyBetweenSteps) {
