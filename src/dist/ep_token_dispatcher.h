@@ -35,6 +35,7 @@ class EpTokenDispatcher final : public TokenDispatcher {
   // finish_combine makes the backend's later work wait for it.
   Tensor start_combine(const Tensor& rows) override;
   void finish_combine() override;
+  bool overlaps_combine() const override { return true; }
 
  private:
   Communicator* comm_;

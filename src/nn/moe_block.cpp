@@ -201,7 +201,10 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
 }
 
 Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
-  constexpr GroupedLinear::Wgrad kQueued = GroupedLinear::Wgrad::kQueued;
+  // Under expert parallelism the wgrads wait for the combine to start, so they overlap it.
+  const bool overlap = dispatcher_->overlaps_combine();
+  const GroupedLinear::Wgrad wgrad =
+      overlap ? GroupedLinear::Wgrad::kQueued : GroupedLinear::Wgrad::kAsConfigured;
   PACKMOE_CHECK(state_ == BlockState::kForwardDone,
                 "MoEBlock backward needs a forward first (and runs once per forward)");
   const int64_t T = tokens_, E = experts(), H = hidden(), F = ffn(), k = cfg_.top_k;
@@ -240,7 +243,7 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   const ExpertRows local = dispatcher_->dispatch(all);
   const int64_t CL = local.rows.dim(0);
   if (recompute_swiglu_) fc2_.restore_input(swiglu(local));
-  const Tensor da = fc2_.backward(local.rows, accum, kQueued);    // (CL, F)
+  const Tensor da = fc2_.backward(local.rows, accum, wgrad);      // (CL, F)
   const Tensor dh = Tensor::empty(b, DType::kBF16, {CL, 2 * F});  // FC1's dY operand
   SwigluBackwardArgs sb;
   sb.rows = CL;
@@ -253,11 +256,11 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   sb.din_dtype = DType::kBF16;
   sb.din = dh.data();
   if (CL > 0) check_op(ops::swiglu_backward(b, sb), "swiglu_backward");
-  // dX rows go back while the two expert wgrads and the router's backward run: none of them
-  // reads them (the wgrads were queued by the dgrads above, unless delay_wgrad keeps them queued
-  // for backward_dw).
-  const Tensor dxp = dispatcher_->start_combine(fc1_.backward(dh, accum, kQueued));  // (C, H)
-  if (!cfg_.delay_wgrad) {
+  // dX rows go back while the router's backward runs, and under expert parallelism the two
+  // expert wgrads, which the dgrads queued (delay_wgrad leaves them queued for backward_dw): none
+  // of these reads the rows.
+  const Tensor dxp = dispatcher_->start_combine(fc1_.backward(dh, accum, wgrad));  // (C, H)
+  if (overlap && !cfg_.delay_wgrad) {
     fc2_.backward_dw();
     fc1_.backward_dw();
   }

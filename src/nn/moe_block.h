@@ -7,10 +7,10 @@
 // routing_plan_max_rows (the GEMMs take the device counts; the row ops skip unused rows); the
 // block's state machine (Idle -> ForwardDone -> [WgradPending] -> Idle) mirrors its linears'; both
 // layouts issue identical ops, so their results are bitwise equal.
-// Backward runs FC2's and FC1's dgrads first, starts the combine of the dX rows
-// (TokenDispatcher::start_combine), then the two expert wgrads and the router's backward, which
-// overlap that transfer under expert parallelism, and finishes the combine before the permute's
-// backward reads the rows.
+// Backward starts the combine of the dX rows (TokenDispatcher::start_combine) after FC1's dgrad,
+// runs the router's backward and, under expert parallelism (overlaps_combine), the two expert
+// wgrads beside that transfer (on one rank each wgrad follows its dgrad), and finishes the
+// combine before the permute's backward reads the rows.
 #pragma once
 
 #include <cstdint>

@@ -44,6 +44,9 @@ class TokenDispatcher {
   // The dispatcher keeps `rows` alive until then. Defaults: combine, and nothing to wait for.
   virtual Tensor start_combine(const Tensor& rows) { return combine(rows); }
   virtual void finish_combine() {}
+  // True when start_combine's transfer runs beside the backend's later work (expert parallelism),
+  // so the block queues the expert wgrads behind it; otherwise each wgrad follows its dgrad.
+  virtual bool overlaps_combine() const { return false; }
 };
 
 // Every expert is local: dispatch and combine return their input.

@@ -92,6 +92,7 @@ class OverlapProbe final : public TokenDispatcher {
     ++finishes;
     written_at_finish = written();
   }
+  bool overlaps_combine() const override { return true; }
   MoEBlock* block = nullptr;
   int starts = 0, finishes = 0;
   std::vector<bool> written_at_start, written_at_finish;  // router, fc1, fc2
