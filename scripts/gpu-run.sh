@@ -5,7 +5,8 @@
 # ./gpu-out): build.log tests.log peers.log bench.log summary.txt and the peers' JSON.
 # scripts/gpu-step.sh: `packmoe train` against the PyTorch peer per preset, grad-accum and recipe.
 # With build-hfcheck carried, the transformers check of hf_export_check.py runs too.
-# On 2+ GPUs, data parallelism: the small preset on 1 GPU and on 2 (mpirun -np 2), each gather mode.
+# On 2+ GPUs, data parallelism: the small preset on 1 GPU and on 2 (mpirun -np 2), each gather mode,
+# and expert parallelism (EP 2); the NCCL tests (EP MoE block included) run their 2-4 rank cases.
 # Usage: scripts/gpu-run.sh [--no-peer] [--no-bench] [--no-tests] [--no-train] [--no-dp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -131,7 +132,7 @@ if [ $run_train = 1 ]; then
 fi
 
 # Data parallelism: the small preset, 10 steps of 16 x 512 tokens per GPU, on 1 GPU (plain) and on
-# 2 (mpirun -np 2, NCCL) in each gather mode; the log line of steps 6-10 (ms/step, tokens/s of the
+# 2 (mpirun -np 2, NCCL) in each gather mode and with --expert-parallel 2; the log line of steps 6-10 (ms/step, tokens/s of the
 # job) and the bytes all-gathered per step from the startup summary (dp.log). Each run: at most 2
 # minutes (measured: 5-10 s each, the whole section under 2 minutes).
 if [ $run_dp = 1 ]; then
@@ -157,6 +158,10 @@ if [ $run_dp = 1 ]; then
                 --out "$corpus/dp2_${r}_$m" 2>&1 | tee -a "$OUT/dp.log")
         dp_note "$r 2 GPUs $m" "$log"
       done
+      # Expert parallelism: the 16 experts over the 2 GPUs (all-to-all dispatch and combine).
+      log=$(timeout 120 "${mpi[@]}" build-gpu/packmoe "${args[@]}" --expert-parallel 2 \
+              --out "$corpus/ep2_$r" 2>&1 | tee -a "$OUT/dp.log")
+      dp_note "$r 2 GPUs EP 2" "$log"
     done
   fi
 fi
