@@ -62,11 +62,24 @@ ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
                                                                              << all.rows.dim(0));
   capacity_ = all.rows.dim(0);
   const int64_t received = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
-  local.rows = Tensor::empty(b, all.rows.dtype(), {received, all.rows.dim(1)});
-  comm_->all_to_allv(all.rows.data(), scaled(send_rows_, row_bytes), local.rows.data(),
-                     scaled(recv_rows_, row_bytes));
   local.used = Tensor::empty(b, DType::kI64, {1});
   b.copy(local.used.data(), &received, sizeof received, Backend::CopyKind::kHostToDevice);
+  received_ = local;
+  return dispatch_again(all);
+}
+
+ExpertRows EpTokenDispatcher::dispatch_again(const ExpertRows& all) {
+  PACKMOE_CHECK(!combining_, "EpTokenDispatcher: dispatch while a combine is in flight");
+  PACKMOE_CHECK(!send_rows_.empty(), "EpTokenDispatcher: dispatch_again before dispatch");
+  PACKMOE_CHECK(all.rows.rank() == 2 && all.rows.dim(0) == capacity_,
+                "EpTokenDispatcher: dispatch_again needs the last dispatch's "
+                    << capacity_ << " rows, got " << shape_string(all.rows.shape()));
+  const int64_t row_bytes = row_bytes_of(all.rows);
+  const int64_t received = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
+  ExpertRows local = received_;
+  local.rows = Tensor::empty(comm_->backend(), all.rows.dtype(), {received, all.rows.dim(1)});
+  comm_->all_to_allv(all.rows.data(), scaled(send_rows_, row_bytes), local.rows.data(),
+                     scaled(recv_rows_, row_bytes));
   return local;
 }
 

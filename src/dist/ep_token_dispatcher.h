@@ -6,8 +6,8 @@
 // expert MLP runs them as S x E_local groups (nn/grouped_linear.h), so a source's rows get the
 // bytes they would get on that source alone and each expert's wgrad sums the sources in rank
 // order. combine sends every row back to the position it left. Invariant: one count exchange per
-// dispatch, whose result the row all-to-all needs on the host (one wait per dispatch: forward and
-// backward each pass every MoE layer's dispatch once).
+// dispatch, whose result the row all-to-all needs on the host (one wait per forward dispatch);
+// the backward's dispatch_again reuses it (same plan), so it neither exchanges nor waits.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,9 @@ class EpTokenDispatcher final : public TokenDispatcher {
   // all: (C, W) rows of the layer's E experts, counts (E,) I64. Returns (sum received, W) rows of
   // this rank's experts from every EP rank, counts (S * E_local,) on the host and in the backend.
   ExpertRows dispatch(const ExpertRows& all) override;
+  // The row all-to-all alone, with the last dispatch's counts (no count exchange, no host wait):
+  // all.rows must have that dispatch's C rows.
+  ExpertRows dispatch_again(const ExpertRows& all) override;
   // rows: (sum received, W') in the last dispatch's order. Returns (C, W'): each row back at the
   // position it was sent from; rows no expert used stay unwritten.
   Tensor combine(const Tensor& rows) override;
@@ -44,6 +47,7 @@ class EpTokenDispatcher final : public TokenDispatcher {
   std::vector<int64_t> send_rows_;  // (EP) rows the last dispatch sent to each peer
   std::vector<int64_t> recv_rows_;  // (EP) rows it received from each
   int64_t capacity_ = 0;            // C: the last dispatch's input rows
+  ExpertRows received_;             // the last dispatch's counts (S * E_local), used; no rows
   Tensor in_flight_;                // start_combine's rows, read by the side stream until finish
   bool combining_ = false;          // between start_combine and finish_combine
 };

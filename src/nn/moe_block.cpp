@@ -239,8 +239,9 @@ Tensor MoEBlock::backward(const Tensor& dy, GradAccum accum, float loss_scale) {
   ub.dw = dw.data_as<float>();
   check_op(ops::unpermute_backward(b, ub), "unpermute_backward");
 
-  // dY rows travel to the experts as the inputs did, dX rows come back as the outputs did.
-  const ExpertRows local = dispatcher_->dispatch(all);
+  // dY rows travel to the experts as the inputs did (the forward's plan: dispatch_again), dX rows
+  // come back as the outputs did.
+  const ExpertRows local = dispatcher_->dispatch_again(all);
   const int64_t CL = local.rows.dim(0);
   if (recompute_swiglu_) fc2_.restore_input(swiglu(local));
   const Tensor da = fc2_.backward(local.rows, accum, wgrad);      // (CL, F)

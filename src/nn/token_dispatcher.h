@@ -35,6 +35,10 @@ class TokenDispatcher {
   // all: the rows of every one of the layer's E experts (counts as the routing plan pads them),
   // in the backend's memory. Returns the rows of this rank's experts.
   virtual ExpertRows dispatch(const ExpertRows& all) = 0;
+  // dispatch of rows laid out as the last dispatch's input, with its counts (backward's dY rows
+  // after the forward's x rows): a dispatcher may reuse what that dispatch exchanged. The
+  // default dispatches anew.
+  virtual ExpertRows dispatch_again(const ExpertRows& all) { return dispatch(all); }
   // rows: (M_local, C), the expert MLP's output for the last dispatch's rows. Returns (M, C) in
   // that dispatch's input order.
   virtual Tensor combine(const Tensor& rows) = 0;

@@ -81,7 +81,14 @@ TEST(TokenDispatcher, ACopyingDispatcherEqualsTheLocalOneBitwise) {
 // Records which gradients are written when the backward's combine starts and when it finishes.
 class OverlapProbe final : public TokenDispatcher {
  public:
-  ExpertRows dispatch(const ExpertRows& all) override { return all; }
+  ExpertRows dispatch(const ExpertRows& all) override {
+    ++dispatches;
+    return all;
+  }
+  ExpertRows dispatch_again(const ExpertRows& all) override {
+    ++agains;
+    return all;
+  }
   Tensor combine(const Tensor& rows) override { return rows; }
   Tensor start_combine(const Tensor& rows) override {
     ++starts;
@@ -94,7 +101,7 @@ class OverlapProbe final : public TokenDispatcher {
   }
   bool overlaps_combine() const override { return true; }
   MoEBlock* block = nullptr;
-  int starts = 0, finishes = 0;
+  int dispatches = 0, agains = 0, starts = 0, finishes = 0;
   std::vector<bool> written_at_start, written_at_finish;  // router, fc1, fc2
 
  private:
@@ -108,8 +115,9 @@ class OverlapProbe final : public TokenDispatcher {
   }
 };
 
-// Under expert parallelism the dX rows travel back while the expert wgrads and the router's
-// backward run: all three gradients are still unwritten when the combine starts, and written by
+// The backward's dY rows go out with the forward's plan (dispatch_again: under expert
+// parallelism no second count exchange), and the dX rows travel back while the expert wgrads and
+// the router's backward run: all three gradients are still unwritten when the combine starts, and written by
 // the time it finishes (the permute's backward waits for it); the forward's combine is whole.
 TEST(TokenDispatcher, TheBackwardCombineOverlapsTheWgradsAndTheRouterBackward) {
   Backend& b = cpu_backend();
@@ -126,6 +134,8 @@ TEST(TokenDispatcher, TheBackwardCombineOverlapsTheWgradsAndTheRouterBackward) {
   block.backward(testing::random_activation(b, rng, DType::kF32, 0.0f), GradAccum::kAccumulate);
   EXPECT_EQ(seen->starts, 1);
   EXPECT_EQ(seen->finishes, 1);
+  EXPECT_EQ(seen->dispatches, 1);  // the forward's; the backward reuses its plan
+  EXPECT_EQ(seen->agains, 1);
   EXPECT_EQ(seen->written_at_start, std::vector<bool>({false, false, false}));
   EXPECT_EQ(seen->written_at_finish, std::vector<bool>({true, true, true}));
 }
