@@ -754,7 +754,17 @@ Status run_dry_run(const TrainArgs& args) {
     std::printf("); all-gather %.2f GB, reduce-scatter %.2f GB over %s (experts",
                 gb(top.experts.all_gather_bytes), gb(top.experts.reduce_scatter_bytes),
                 over(top.experts.ranks).c_str());
-  std::printf(")\n  not counted: activations, GEMM and attention workspace, the CUDA context "
+  std::printf(")\n");
+  if (ep > 1) {
+    const train::AllToAllPlan a = train::plan_all_to_all(
+        model, config.precision.recipe.recipe, ep, config.micro_batch_size * config.seq_len,
+        config.grad_accum_steps);
+    std::printf("  expert all-to-all per step and rank (%lld MoE layers): %.2f GB to peers with "
+                "even routing, at most %.2f GB sent; receive buffers up to %.2f GB per dispatch\n",
+                static_cast<long long>(a.moe_layers), gb(a.even_remote_bytes_per_step),
+                gb(a.max_bytes_per_step), gb(a.max_receive_bytes));
+  }
+  std::printf("  not counted: activations, GEMM and attention workspace, the CUDA context "
               "(docs/dist.md)\n");
   return Status::ok();
 }
@@ -871,6 +881,14 @@ Status run_train(const TrainArgs& args) {
                 static_cast<int>(config.expert_parallel),
                 static_cast<double>(t.all_gather_bytes) / 1e6,
                 static_cast<double>(t.reduce_scatter_bytes) / 1e6);
+    const train::AllToAllPlan a = train::plan_all_to_all(
+        *model, config.precision.recipe.recipe, static_cast<int>(config.expert_parallel),
+        config.micro_batch_size * config.seq_len, config.grad_accum_steps);
+    std::printf("  expert all-to-all per step: %.2f MB to peers with even routing, at most %.2f MB "
+                "sent; receive buffers up to %.2f MB per dispatch\n",
+                static_cast<double>(a.even_remote_bytes_per_step) / 1e6,
+                static_cast<double>(a.max_bytes_per_step) / 1e6,
+                static_cast<double>(a.max_receive_bytes) / 1e6);
   }
   if (comm) {
     // This rank's optimizer memory (both optimizers under expert parallelism).

@@ -80,6 +80,7 @@ ExpertRows EpTokenDispatcher::dispatch_again(const ExpertRows& all) {
   local.rows = Tensor::empty(comm_->backend(), all.rows.dtype(), {received, all.rows.dim(1)});
   comm_->all_to_allv(all.rows.data(), scaled(send_rows_, row_bytes), local.rows.data(),
                      scaled(recv_rows_, row_bytes));
+  row_bytes_sent_ += std::accumulate(send_rows_.begin(), send_rows_.end(), int64_t{0}) * row_bytes;
   return local;
 }
 
@@ -105,6 +106,7 @@ Tensor EpTokenDispatcher::start_combine(const Tensor& rows) {
   comm_->side_waits_for_backend();
   comm_->all_to_allv(rows.data(), scaled(recv_rows_, row_bytes), out.data(),
                      scaled(send_rows_, row_bytes), comm_->side_stream());
+  row_bytes_sent_ += received * row_bytes;  // combine sends back what the dispatch received
   in_flight_ = rows;
   combining_ = true;
   return out;

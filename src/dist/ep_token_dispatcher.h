@@ -40,6 +40,10 @@ class EpTokenDispatcher final : public TokenDispatcher {
   void finish_combine() override;
   bool overlaps_combine() const override { return true; }
 
+  // Bytes of rows this rank's all-to-alls have sent so far (its own experts' share included):
+  // what train::plan_all_to_all bounds.
+  int64_t row_bytes_sent() const { return row_bytes_sent_; }
+
  private:
   Communicator* comm_;
   int64_t experts_;
@@ -50,6 +54,7 @@ class EpTokenDispatcher final : public TokenDispatcher {
   ExpertRows received_;             // the last dispatch's counts (S * E_local), used; no rows
   Tensor in_flight_;                // start_combine's rows, read by the side stream until finish
   bool combining_ = false;          // between start_combine and finish_combine
+  int64_t row_bytes_sent_ = 0;
 };
 
 }  // namespace packmoe

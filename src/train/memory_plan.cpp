@@ -8,10 +8,12 @@
 #include <string>
 #include <utility>
 
+#include "backend/ops/moe.h"
 #include "dist/expert_layout.h"
 #include "dist/shard_plan.h"
 #include "formats/mxfp8.h"
 #include "formats/nvfp4.h"
+#include "nn/recipe.h"
 
 namespace packmoe::train {
 namespace {
@@ -223,6 +225,22 @@ Result<MemoryPlan> plan_memory(const ModelConfig& model, const ModelPrecision& e
     plan.ranks.push_back(m);
   }
   return plan;
+}
+
+AllToAllPlan plan_all_to_all(const ModelConfig& model, Recipe recipe, int ep, int64_t tokens,
+                             int64_t grad_accum) {
+  AllToAllPlan p;
+  if (ep <= 1) return p;
+  for (int64_t i = 0; i < model.num_hidden_layers; ++i) p.moe_layers += model.is_moe_layer(i);
+  const int64_t row_bytes = model.hidden_size * 2;  // BF16
+  const int64_t k = model.num_experts_per_tok;
+  const int64_t max_rows =
+      routing_plan_max_rows(tokens, model.num_experts, k, token_alignment(recipe));
+  const int64_t passes = p.moe_layers * grad_accum;  // each: 2 x own rows + 2 x received rows
+  p.max_bytes_per_step = passes * 2 * (1 + ep) * max_rows * row_bytes;
+  p.even_remote_bytes_per_step = passes * 4 * tokens * k * row_bytes * (ep - 1) / ep;
+  p.max_receive_bytes = ep * max_rows * row_bytes;
+  return p;
 }
 
 }  // namespace packmoe::train

@@ -1,16 +1,16 @@
 // The checks of an expert-parallel MoEBlock (dist/ep_token_dispatcher.h: each rank holds E / EP
-// experts, tokens travel by all-to-all) against the data-parallel picture it must reproduce: every rank runs the
-// whole block (all E experts) on its own tokens, and an expert's gradient is the rank-ordered sum
-// of the EP group's per-rank gradients. For every EP dividing the world size (np 1, 2, 3, 4 give
-// EP 1..4), BF16 and MXFP8: y, dx and the router gradient bitwise the whole block's on the same
-// tokens, each held expert's FC1 / FC2 gradient bitwise the ordered sum. NVFP4: y and the router
-// gradient bitwise (its gradients' stochastic rounding is numbered per quantizing call, so the
-// expert side of the backward differs from EP = 1 by design: docs/dist.md). Uneven token counts
-// per rank, an expert that never gets a token, a rank none of whose experts gets one (it receives
-// no row), fresh random inputs per run.
-// Shared by tests/dist/test_ep_moe_block.cpp (Local and MPI, host memory) and
-// test_nccl_ep_moe_block.cpp (NCCL, one GPU per rank: the dispatcher's backward combine on
-// NCCL's side stream).
+// experts, tokens travel by all-to-all) against the data-parallel picture it must reproduce: every
+// rank runs the whole block (all E experts) on its own tokens, and an expert's gradient is the
+// rank-ordered sum of the EP group's per-rank gradients. For every EP dividing the world size (np
+// 1, 2, 3, 4 give EP 1..4), BF16 and MXFP8: y, dx and the router gradient bitwise the whole block's
+// on the same tokens, each held expert's FC1 / FC2 gradient bitwise the ordered sum. NVFP4: y and
+// the router gradient bitwise (its gradients' stochastic rounding is numbered per quantizing call,
+// so the expert side of the backward differs from EP = 1 by design: docs/dist.md). Uneven token
+// counts per rank, an expert that never gets a token, a rank none of whose experts gets one (it
+// receives no row), fresh random inputs per run. The bytes each rank's all-to-alls send, against
+// what train::plan_all_to_all says (exact for these counts, within its bound). Shared by
+// tests/dist/test_ep_moe_block.cpp (Local and MPI, host memory) and test_nccl_ep_moe_block.cpp
+// (NCCL, one GPU per rank: the dispatcher's backward combine on NCCL's side stream).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -25,6 +25,7 @@
 #include "dist/ep_token_dispatcher.h"
 #include "dist/expert_layout.h"
 #include "nn/moe_block.h"
+#include "train/memory_plan.h"
 
 namespace packmoe::dist_test::ep_checks {
 
@@ -120,6 +121,11 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
   const std::vector<uint8_t> router_want = whole.router().param().main_grad().download();
   const auto fc1_all = gather_all(floats_of(whole.fc1().param().main_grad().download()));
   const auto fc2_all = gather_all(floats_of(whole.fc2().param().main_grad().download()));
+  // Every rank's padded rows per expert (what its dispatch sends each expert's holder).
+  const std::vector<int64_t> padded = whole.plan().padded_counts;
+  const auto counts_all = gather_all(std::vector<float>(padded.begin(), padded.end()));
+  int64_t own_rows = 0;
+  for (int64_t c : padded) own_rows += c;
 
   for (int ep = 1; ep <= world.size(); ++ep) {
     if (world.size() % ep != 0 || kE % ep != 0) continue;
@@ -131,9 +137,30 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
     const int64_t first = layout.first_expert(rank), el = layout.local_experts();
     MoEBlockInit slice{init.router, experts_of(init.fc1, first, el), experts_of(init.fc2, first, el)};
     MoEBlock sharded(b, cfg, slice);
-    sharded.set_token_dispatcher(std::make_unique<EpTokenDispatcher>(*ep_comm, kE));
+    auto owned = std::make_unique<EpTokenDispatcher>(*ep_comm, kE);
+    const EpTokenDispatcher& dispatcher = *owned;
+    sharded.set_token_dispatcher(std::move(owned));
     EXPECT_EQ(bytes_of(b, sharded.forward(x)), y_want);
     const std::vector<uint8_t> dx = bytes_of(b, sharded.backward(dy, GradAccum::kOverwrite));
+    // The rows sent: own rows twice (dispatch, dY), received rows twice (combine, dX); within
+    // the plan's bound for the most tokens any rank has.
+    int64_t received = 0;
+    for (int s = 0; s < ep; ++s)
+      for (int64_t e = first; e < first + el; ++e)
+        received += static_cast<int64_t>(counts_all[layout.ep_group(rank) * ep + s][e]);
+    const int64_t row_bytes = kH * 2;
+    EXPECT_EQ(dispatcher.row_bytes_sent(), 2 * (own_rows + received) * row_bytes);
+    ModelConfig shape;
+    shape.hidden_size = kH;
+    shape.num_experts = kE;
+    shape.num_experts_per_tok = kTopK;
+    shape.num_hidden_layers = 1;
+    shape.decoder_sparse_step = 1;
+    const train::AllToAllPlan planned =
+        train::plan_all_to_all(shape, recipe, ep, 24 + 8 * (world.size() - 1), 1);
+    if (ep > 1) {
+      EXPECT_LE(dispatcher.row_bytes_sent(), planned.max_bytes_per_step);
+    }
     EXPECT_EQ(sharded.router().param().main_grad().download(), router_want);
     if (recipe == Recipe::kNvfp4) continue;
     EXPECT_EQ(dx, dx_want);

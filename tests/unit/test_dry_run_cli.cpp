@@ -64,6 +64,12 @@ TEST(DryRunCli, PlansTheWholeQwen3_30bA3bWithoutDataOrOutputs) {
                  "GB over 8 ranks \\(dense\\); all-gather \\d+\\.\\d\\d GB, "
                  "reduce-scatter \\d+\\.\\d\\d GB over 1 rank \\(experts\\)\n")))
       << r.output;
+  // Even routing: 48 layers x 4 passes x 512 tokens x top-8 rows x 4096 B, 7/8 of them to peers.
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("\n  expert all-to-all per step and rank \\(48 MoE layers\\): "
+                           "2\\.82 GB to peers with even routing, at most \\d+\\.\\d\\d GB "
+                           "sent; receive buffers up to \\d+\\.\\d\\d GB per dispatch\n")))
+      << r.output;
   EXPECT_NE(r.output.find("\n  not counted: activations"), std::string::npos) << r.output;
 }
 

@@ -32,7 +32,7 @@ class CopyingDispatcher final : public TokenDispatcher {
     calls_->last_counts.resize(all.counts.numel());
     b_->copy(calls_->last_counts.data(), all.counts.data(), all.counts.nbytes(),
              Backend::CopyKind::kDeviceToHost);
-    return {copy(all.rows), copy(all.counts), copy(all.used)};
+    return {copy(all.rows), copy(all.counts), copy(all.used), {}};
   }
   Tensor combine(const Tensor& rows) override {
     ++calls_->combines;
@@ -117,8 +117,9 @@ class OverlapProbe final : public TokenDispatcher {
 
 // The backward's dY rows go out with the forward's plan (dispatch_again: under expert
 // parallelism no second count exchange), and the dX rows travel back while the expert wgrads and
-// the router's backward run: all three gradients are still unwritten when the combine starts, and written by
-// the time it finishes (the permute's backward waits for it); the forward's combine is whole.
+// the router's backward run: all three gradients are still unwritten when the combine starts,
+// and written by the time it finishes (the permute's backward waits for it); the forward's
+// combine is whole.
 TEST(TokenDispatcher, TheBackwardCombineOverlapsTheWgradsAndTheRouterBackward) {
   Backend& b = cpu_backend();
   std::mt19937 rng(31);
