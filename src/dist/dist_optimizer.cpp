@@ -11,12 +11,6 @@
 namespace packmoe {
 namespace {
 
-constexpr int64_t kImageAlign = 16;  // lowp images start 16-byte aligned in their class buffer
-// A BF16 image slot is a bound primary (a GEMM operand): aligned as an allocation would be.
-constexpr int64_t kBoundImageAlign = 256;
-
-int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
 ShardPlan plan_for(const std::vector<DistParam>& params, int world, int64_t bucket_elems) {
   std::vector<ParamGeometry> g;
   for (const DistParam& d : params)
@@ -105,8 +99,8 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
       // Reuse: the image lies in the grad buffer's memory (4 bytes per element of which it takes
       // at most 2, at or below each element's own gradient), consumed by then.
       bf16_class_.emplace(make_class(bf16_ratio(), cfg_.gather == GatherMode::kBf16,
-                                     cfg_.gather == GatherMode::kBf16 ? kBoundImageAlign
-                                                                      : kImageAlign));
+                                     cfg_.gather == GatherMode::kBf16 ? kBoundGatherImageAlign
+                                                                      : kGatherImageAlign));
       traffic_.all_gather_bytes = bf16_class_->bytes;
       break;
     case GatherMode::kLowp:
@@ -122,7 +116,7 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
     }
   if (any_fp32) {
     // On one rank the master is the whole param: the replicas view it, and no buffer is needed.
-    GatherClass cls = make_class(fp32_ratio, comm.size() > 1, kImageAlign);
+    GatherClass cls = make_class(fp32_ratio, comm.size() > 1, kGatherImageAlign);
     traffic_.fp32_bytes = cls.bytes;
     traffic_.all_gather_bytes += cls.bytes;
     if (comm.size() > 1) fp32_.emplace(std::move(cls));
@@ -438,21 +432,12 @@ GroupedStorage DistOptimizer::bf16_views(const uint8_t* image, int p) const {
 
 DistOptimizer::GatherClass DistOptimizer::make_class(
     const std::vector<std::pair<int64_t, int64_t>>& ratio, bool allocate, int64_t align) {
+  GatherSlots slots = gather_slots(plan_, ratio, align);
   GatherClass cls;
-  const int count = plan_.params();
-  cls.offset.assign(count, -1);
-  cls.num.assign(count, 0);
-  cls.den.assign(count, 1);
-  int64_t at = 0;
-  for (int p : plan_.buffer_order()) {
-    if (ratio[p].first == 0) continue;
-    at = align_up(at, align);
-    cls.offset[p] = at;
-    cls.num[p] = ratio[p].first;
-    cls.den[p] = ratio[p].second;
-    at += plan_.geometry(p).numel() * cls.num[p] / cls.den[p];
-  }
-  cls.bytes = at;
+  cls.offset = std::move(slots.offset);
+  cls.num = std::move(slots.num);
+  cls.den = std::move(slots.den);
+  cls.bytes = slots.bytes;
   for (int r = 0; r < plan_.world_size(); ++r)
     cls.counts.push_back(class_position(cls, plan_.shard(r).end) -
                          class_position(cls, plan_.shard(r).begin));
@@ -483,7 +468,7 @@ void DistOptimizer::build_lowp_layout() {
       const std::vector<PackedComponent> comps = params_[p].param->packed_components();
       if (c < comps.size()) ratio[p] = {comps[c].bytes_num, comps[c].bytes_den};
     }
-    lowp_.push_back(make_class(ratio, true, kImageAlign));
+    lowp_.push_back(make_class(ratio, true, kGatherImageAlign));
     traffic_.all_gather_bytes += lowp_.back().bytes;
   }
   if (amax_count_ > 0) amax_.emplace(*be_, amax_count_ * sizeof(float));

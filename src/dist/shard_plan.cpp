@@ -94,4 +94,24 @@ std::vector<int64_t> ShardPlan::bucket_counts(size_t b) const {
   return out;
 }
 
+GatherSlots gather_slots(const ShardPlan& plan,
+                         const std::vector<std::pair<int64_t, int64_t>>& ratio, int64_t align) {
+  GatherSlots g;
+  const int count = plan.params();
+  g.offset.assign(count, -1);
+  g.num.assign(count, 0);
+  g.den.assign(count, 1);
+  int64_t at = 0;
+  for (int p : plan.buffer_order()) {
+    if (ratio[p].first == 0) continue;
+    at = (at + align - 1) / align * align;
+    g.offset[p] = at;
+    g.num[p] = ratio[p].first;
+    g.den[p] = ratio[p].second;
+    at += plan.geometry(p).numel() * g.num[p] / g.den[p];
+  }
+  g.bytes = at;
+  return g;
+}
+
 }  // namespace packmoe

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -96,5 +97,20 @@ class ShardPlan {
   std::vector<int64_t> bounds_;  // (world_size + 1) shard boundaries
   std::vector<FlatRange> buckets_;
 };
+
+// A gather buffer's layout (dist/dist_optimizer.h): one component of the params that have it, as
+// flat images in buffer order, param p taking numel(p) * ratio[p].first / ratio[p].second bytes
+// (ratio {0, 1}: p has none), each slot's start `align`-byte aligned, so each rank's bytes are one
+// contiguous range. DistOptimizer allocates by it and train::plan_memory counts by it.
+inline constexpr int64_t kGatherImageAlign = 16;  // lowp and FP32 images
+// A BF16 image slot bound as a param's primary is a GEMM operand: aligned as an allocation is.
+inline constexpr int64_t kBoundGatherImageAlign = 256;
+struct GatherSlots {
+  std::vector<int64_t> offset;    // (P) image start of param p, bytes; -1 when p lacks it
+  std::vector<int64_t> num, den;  // (P) bytes per element of p's component: num / den
+  int64_t bytes = 0;              // the whole buffer
+};
+GatherSlots gather_slots(const ShardPlan& plan,
+                         const std::vector<std::pair<int64_t, int64_t>>& ratio, int64_t align);
 
 }  // namespace packmoe

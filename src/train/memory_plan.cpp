@@ -73,24 +73,6 @@ std::vector<std::pair<int64_t, int64_t>> packed_components(const PlannedParam& p
   return {{1, 1}, {1, kMxfp8Block}, {1, 1}, {1, kMxfp8Block}};
 }
 
-// Alignments of DistOptimizer's gather buffers (dist/dist_optimizer.cpp kImageAlign,
-// kBoundImageAlign).
-constexpr int64_t kImageAlign = 16;
-constexpr int64_t kBoundImageAlign = 256;
-
-// Bytes of a gather buffer holding `ratio[p]` bytes per element of each param, in buffer order,
-// each slot starting `align`-aligned (DistOptimizer::make_class).
-int64_t class_bytes(const ShardPlan& plan, const std::vector<std::pair<int64_t, int64_t>>& ratio,
-                    int64_t align) {
-  int64_t at = 0;
-  for (int p : plan.buffer_order()) {
-    if (ratio[p].first == 0) continue;
-    at = (at + align - 1) / align * align;
-    at += plan.geometry(p).numel() * ratio[p].first / ratio[p].second;
-  }
-  return at;
-}
-
 // The parts of one DistOptimizer that are the same on all its ranks.
 struct OptimizerLayout {
   ShardPlan plan;
@@ -124,7 +106,7 @@ Result<OptimizerLayout> optimizer_layout(const std::vector<PlannedParam>& params
         const std::vector<std::pair<int64_t, int64_t>> comps = packed_components(params[p]);
         if (c < comps.size()) ratio[p] = comps[c];
       }
-      const int64_t bytes = class_bytes(o.plan, ratio, kImageAlign);
+      const int64_t bytes = gather_slots(o.plan, ratio, kGatherImageAlign).bytes;
       o.all_gather_bytes += bytes;
       o.gather_buffer_bytes += bytes;
     }
@@ -138,14 +120,15 @@ Result<OptimizerLayout> optimizer_layout(const std::vector<PlannedParam>& params
       if (params[p].keeps_bf16()) bound += 2 * params[p].geometry.numel();
     }
     const bool own_buffer = gather == GatherMode::kBf16;
-    o.all_gather_bytes = class_bytes(o.plan, bf16, own_buffer ? kBoundImageAlign : kImageAlign);
+    o.all_gather_bytes =
+        gather_slots(o.plan, bf16, own_buffer ? kBoundGatherImageAlign : kGatherImageAlign).bytes;
     // reuse-grad-buffer: the image lies in the gradient buffer's memory.
     if (own_buffer) o.gather_buffer_bytes = o.all_gather_bytes - bound;
   }
   std::vector<std::pair<int64_t, int64_t>> fp32 = none;
   for (size_t p = 0; p < count; ++p)
     if (params[p].fp32_form) fp32[p] = {4, 1};
-  o.fp32_gather_bytes = class_bytes(o.plan, fp32, kImageAlign);
+  o.fp32_gather_bytes = gather_slots(o.plan, fp32, kGatherImageAlign).bytes;
   o.all_gather_bytes += o.fp32_gather_bytes;
   return o;
 }
