@@ -6,7 +6,8 @@
 # the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
 # With --timeline, the first packmoe run of each preset/grad-accum also runs under the CUPTI
 # tracer (tools/probes/cuda_timeline.cpp) and its per-kernel time of one step goes to
-# timeline_<preset>_ga<N>.txt (tools/probes/timeline_gaps.py); its row is marked (traced).
+# timelines.txt, one section per preset and grad-accum (tools/probes/timeline_gaps.py: one file,
+# as the device tool returns only a few files per call); its row is marked (traced).
 # Needs build-gpu/ (scripts/gpu-run.sh builds it) and the shared peers (PEERS or shared/peers).
 # Usage: scripts/gpu-step.sh [--presets "qwen3_30b_a3b_layers small"] [--grad-accum "1 8"]
 #                            [--recipes "bf16 mxfp8 nvfp4"] [--peer "eager compile"] [--timeline]
@@ -69,8 +70,9 @@ for p in $presets; do
       label=packmoe-$r; [ ${#tl[@]} -gt 0 ] && label="packmoe-$r(traced)"
       row "$p ga$ga $label|${ms:-FAILED}|${tps:-0}|${mem:--}"
       if [ ${#tl[@]} -gt 0 ] && [ -s "$corpus/tl.txt" ]; then
-        python3 tools/probes/timeline_gaps.py "$corpus/tl.txt" --marker-kernel adamw_kernel --top 30 \
-          >"$OUT/timeline_${p}_ga$ga.txt" 2>&1
+        { echo "==== timeline: $p grad-accum $ga, $r"
+          python3 tools/probes/timeline_gaps.py "$corpus/tl.txt" --marker-kernel adamw_kernel --top 30
+        } >>"$OUT/timelines.txt" 2>&1
         rm -f "$corpus/tl.txt"
       fi
     done
