@@ -432,12 +432,8 @@ GroupedStorage DistOptimizer::bf16_views(const uint8_t* image, int p) const {
 
 DistOptimizer::GatherClass DistOptimizer::make_class(
     const std::vector<std::pair<int64_t, int64_t>>& ratio, bool allocate, int64_t align) {
-  GatherSlots slots = gather_slots(plan_, ratio, align);
   GatherClass cls;
-  cls.offset = std::move(slots.offset);
-  cls.num = std::move(slots.num);
-  cls.den = std::move(slots.den);
-  cls.bytes = slots.bytes;
+  static_cast<GatherSlots&>(cls) = gather_slots(plan_, ratio, align);
   for (int r = 0; r < plan_.world_size(); ++r)
     cls.counts.push_back(class_position(cls, plan_.shard(r).end) -
                          class_position(cls, plan_.shard(r).begin));

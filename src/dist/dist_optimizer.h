@@ -146,13 +146,10 @@ class DistOptimizer {
   const GatherTraffic& traffic() const { return traffic_; }
 
  private:
-  // A gather buffer: one component of the params that have it, as flat images in buffer order
-  // (16-byte aligned starts), so each rank's bytes are one contiguous range.
-  struct GatherClass {
-    std::vector<int64_t> offset;    // (P) image start of param p, bytes; -1 when p lacks it
-    std::vector<int64_t> num, den;  // (P) bytes per element of p's component: num / den
-    std::vector<int64_t> counts;    // (world) bytes each rank contributes
-    int64_t bytes = 0;
+  // A gather buffer: one component of the params that have it, laid out by gather_slots
+  // (dist/shard_plan.h), so each rank's bytes are one contiguous range.
+  struct GatherClass : GatherSlots {
+    std::vector<int64_t> counts;  // (world) bytes each rank contributes
     std::optional<DeviceBuffer> buffer;
   };
 

@@ -160,6 +160,7 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
         train::plan_all_to_all(shape, recipe, ep, 24 + 8 * (world.size() - 1), 1);
     if (ep > 1) {
       EXPECT_LE(dispatcher.row_bytes_sent(), planned.max_bytes_per_step);
+      EXPECT_LE(received * row_bytes, planned.max_receive_bytes);  // this dispatch's buffer
     }
     EXPECT_EQ(sharded.router().param().main_grad().download(), router_want);
     if (recipe == Recipe::kNvfp4) continue;
