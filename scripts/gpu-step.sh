@@ -4,7 +4,7 @@
 # (the shared lean peer, eager and torch.compile), then a table of ms per optimizer step, tokens/s,
 # peak memory (nvidia-smi's, sampled every 200 ms, for both; the peer's allocator peak too) and
 # the ratios (packmoe tokens/s over the peer's) printed last (step_ratios.txt).
-# With --timeline, the first packmoe run of each preset/grad-accum also runs under the CUPTI
+# With --timeline, the first recipe's packmoe run of each preset/grad-accum runs under the CUPTI
 # tracer (tools/probes/cuda_timeline.cpp) and its per-kernel time of one step goes to
 # timelines.txt, one section per preset and grad-accum (tools/probes/timeline_gaps.py: one file,
 # as the device tool returns only a few files per call); its row is marked (traced).
@@ -50,7 +50,7 @@ for p in $presets; do
     steps=$(( ga == 1 ? 12 : 6 )) logi=$(( ga == 1 ? 4 : 2 ))
     for r in $recipes; do
       tl=()
-      if [ $timeline = 1 ] && [ "$r" = bf16 ]; then
+      if [ $timeline = 1 ] && [ "$r" = "${recipes%% *}" ]; then
         tl=(env PACKMOE_TIMELINE_OUT="$corpus/tl.txt" CUDA_INJECTION64_PATH="$corpus/libcuda_timeline.so")
       fi
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$corpus/mem.txt" &

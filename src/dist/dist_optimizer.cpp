@@ -102,6 +102,7 @@ DistOptimizer::DistOptimizer(Communicator& comm, std::vector<DistParam> params,
                                      cfg_.gather == GatherMode::kBf16 ? kBoundGatherImageAlign
                                                                       : kGatherImageAlign));
       traffic_.all_gather_bytes = bf16_class_->bytes;
+      if (cfg_.gather == GatherMode::kBf16) build_amax_layout();  // AdamW takes it (apply)
       break;
     case GatherMode::kLowp:
       build_lowp_layout();
@@ -256,6 +257,9 @@ DistStepResult DistOptimizer::apply(double grad_norm, double max_norm) {
   uint8_t* image = cfg_.gather == GatherMode::kBf16
                        ? static_cast<uint8_t*>(bf16_class_->buffer->get())
                        : nullptr;
+  // ... and the per-expert amax of the NVFP4 params' image, which their quantizer then skips.
+  float* amax = image && amax_count_ > 0 ? static_cast<float*>(amax_->get()) : nullptr;
+  if (amax) be_->fill_zero(amax, amax_->size());
   for (const ShardPiece& piece : pieces_) {  // one adamw launch per parameter piece
     const int64_t at = piece.offset - sh.begin;
     AdamWArgs a;
@@ -268,9 +272,17 @@ DistStepResult DistOptimizer::apply(double grad_norm, double max_norm) {
       a.bf16 = one_segment(
           reinterpret_cast<uint16_t*>(image + class_position(*bf16_class_, piece.offset)),
           piece.count);
+    if (amax && amax_offset_[piece.param] >= 0) {
+      const GroupedParam& gp = *params_[piece.param].param;
+      a.amax = amax + amax_offset_[piece.param];
+      a.amax_span = gp.n() * gp.k();
+      a.amax_first = piece.begin;
+    }
     check_op(ops::adamw(*be_, a), "adamw");
   }
+  if (amax && comm_->size() > 1) comm_->all_reduce(amax, amax, amax_count_, ReduceOp::kMax);
   stage(image != nullptr);
+  image_amax_current_ = amax != nullptr;
   grads_.advance(GradBufferState::kParamsStaged, "step: update staged for the gather");
   r.applied = true;
   return r;
@@ -320,6 +332,7 @@ std::vector<std::pair<int64_t, int64_t>> DistOptimizer::bf16_ratio() const {
 
 void DistOptimizer::stage(bool image_written) {
   const FlatRange sh = shard();
+  image_amax_current_ = false;  // apply() sets it after the stage that its AdamW pass wrote
   switch (cfg_.gather) {
     case GatherMode::kBf16:
       if (!image_written) stage_bf16_image(static_cast<uint8_t*>(bf16_class_->buffer->get()));
@@ -402,9 +415,11 @@ void DistOptimizer::gather_params() {
                          ? static_cast<uint8_t*>(bf16_class_->buffer->get())
                          : reinterpret_cast<uint8_t*>(grads_.bf16_image());
     comm_->all_gatherv(image + class_position(*bf16_class_, sh.begin), image, bf16_class_->counts);
+    const float* amax = image_amax_current_ ? static_cast<const float*>(amax_->get()) : nullptr;
     for (int p = 0; p < plan_.params(); ++p)
       if (params_[p].form != WeightForm::kFp32)
-        params_[p].param->write_primary_from_bf16(bf16_views(image, p));
+        params_[p].param->write_primary_from_bf16(
+            bf16_views(image, p), amax && amax_offset_[p] >= 0 ? amax + amax_offset_[p] : nullptr);
   }
 }
 
@@ -447,16 +462,9 @@ DistOptimizer::GatherClass DistOptimizer::make_class(
 void DistOptimizer::build_lowp_layout() {
   const int count = plan_.params();
   size_t classes = 0;
-  amax_offset_.assign(count, -1);
-  for (int p = 0; p < count; ++p) {
-    if (params_[p].form == WeightForm::kFp32) continue;  // only its replica travels
-    const GroupedParam& gp = *params_[p].param;
-    classes = std::max(classes, gp.packed_components().size());
-    if (gp.needs_global_amax()) {
-      amax_offset_[p] = amax_count_;
-      amax_count_ += gp.experts();
-    }
-  }
+  for (int p = 0; p < count; ++p)
+    if (params_[p].form != WeightForm::kFp32)  // only its replica travels
+      classes = std::max(classes, params_[p].param->packed_components().size());
   for (size_t c = 0; c < classes; ++c) {  // component position c of every param
     std::vector<std::pair<int64_t, int64_t>> ratio(count, {0, 1});
     for (int p = 0; p < count; ++p) {
@@ -467,9 +475,19 @@ void DistOptimizer::build_lowp_layout() {
     lowp_.push_back(make_class(ratio, true, kGatherImageAlign));
     traffic_.all_gather_bytes += lowp_.back().bytes;
   }
+  build_amax_layout();
+  shard_bf16_.emplace(*be_, shard().size() * sizeof(uint16_t));
+}
+
+void DistOptimizer::build_amax_layout() {
+  amax_offset_.assign(plan_.params(), -1);
+  for (int p = 0; p < plan_.params(); ++p) {
+    if (params_[p].form == WeightForm::kFp32 || !params_[p].param->needs_global_amax()) continue;
+    amax_offset_[p] = amax_count_;
+    amax_count_ += params_[p].param->experts();
+  }
   if (amax_count_ > 0) amax_.emplace(*be_, amax_count_ * sizeof(float));
   traffic_.all_reduce_bytes = amax_count_ * static_cast<int64_t>(sizeof(float));
-  shard_bf16_.emplace(*be_, shard().size() * sizeof(uint16_t));
 }
 
 int64_t DistOptimizer::class_position(const GatherClass& cls, int64_t flat) const {

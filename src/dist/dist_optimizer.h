@@ -64,7 +64,7 @@ struct DistStepResult {
 // Collective traffic of one step's parameter gather on this job (the same on every rank).
 struct GatherTraffic {
   int64_t all_gather_bytes = 0;  // the gathered buffers' sizes: what all ranks contribute together
-  int64_t all_reduce_bytes = 0;  // lowp NVFP4: the per-expert amax (F32 each)
+  int64_t all_reduce_bytes = 0;  // lowp and bf16 NVFP4: the per-expert amax (F32 each)
   int64_t fp32_bytes = 0;        // of all_gather_bytes: the FP32 replicas (WeightForm::kFp32)
   int64_t param_elements = 0;    // parameters' elements, no padding
   int64_t reduce_scatter_bytes = 0;  // the step's reduce-scatter: the FP32 grad buffer, padded
@@ -174,6 +174,8 @@ class DistOptimizer {
   // from the gathered replica).
   std::vector<std::pair<int64_t, int64_t>> bf16_ratio() const;
   void build_lowp_layout();
+  // The per-expert amax slices of the NVFP4 params (amax_offset_, amax_count_, amax_).
+  void build_amax_layout();
   // Byte position in a class buffer of flat buffer position `flat` (a legal shard boundary).
   int64_t class_position(const GatherClass& cls, int64_t flat) const;
   // Param p's E expert views (N*K elements of elem_bytes each) in `base`, a buffer in cls's
@@ -211,14 +213,17 @@ class DistOptimizer {
   bool overlap_armed_ = false;
 
   // kBf16 / kReuseGradBuffer: the BF16 image of the primary-form params (kBf16: its own buffer;
-  // reuse: laid out in the grad buffer's memory). kLowp: the shard's BF16 rows, the per-expert
-  // amax of every NVFP4 param ((sum E) F32; amax_offset[p] its slice, -1 for others) and one
-  // gather buffer per component position. WeightForm::kFp32 params travel only as replicas.
+  // reuse: laid out in the grad buffer's memory). kLowp: the shard's BF16 rows and one gather
+  // buffer per component position. kLowp and kBf16: the per-expert amax of every NVFP4 param
+  // ((sum E) F32; amax_offset[p] its slice, -1 for others); kBf16 takes it in AdamW's pass over
+  // the image (image_amax_current_ until the next stage()), the quantizer after the gather reads
+  // it instead of the image. WeightForm::kFp32 params travel only as replicas.
   std::optional<GatherClass> bf16_class_;
   std::optional<DeviceBuffer> shard_bf16_;
   std::optional<DeviceBuffer> amax_;
   std::vector<int64_t> amax_offset_;
   int64_t amax_count_ = 0;
+  bool image_amax_current_ = false;
   std::vector<GatherClass> lowp_;
   // The FP32 replicas of WeightForm::kFp32 params (every mode), when there are any and more than
   // one rank.

@@ -36,7 +36,6 @@ ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
   const int ep = comm_->size();
   PACKMOE_CHECK(all.counts.dtype() == DType::kI64 && all.counts.numel() == experts_,
                 "EpTokenDispatcher: dispatch needs (" << experts_ << ",) i64 counts");
-  const int64_t row_bytes = row_bytes_of(all.rows);
   std::vector<int64_t> counts(static_cast<size_t>(experts_));  // (E) this rank's, padded
   b.copy(counts.data(), all.counts.data(), all.counts.nbytes(), Backend::CopyKind::kDeviceToHost);
 

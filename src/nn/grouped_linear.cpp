@@ -26,8 +26,7 @@ void check_forward_input(const Tensor& x, int64_t k, const Backend& b, LinearSta
 
 // Counts of S x E groups (S >= 1 sources of E experts), each a multiple of align, summing to at
 // most `rows` (exactly, if `exact`).
-void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64_t rows,
-                  bool exact) {
+void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64_t rows) {
   PACKMOE_CHECK(!m.empty() && static_cast<int64_t>(m.size()) % e == 0,
                 "forward: " << m.size() << " token counts for " << e
                             << " experts (a multiple of the experts needed)");
@@ -35,7 +34,7 @@ void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64
     PACKMOE_CHECK(mg >= 0 && mg % align == 0,
                   "forward: " << mg << " tokens is not a multiple of " << align);
   const int64_t sum = std::accumulate(m.begin(), m.end(), int64_t{0});
-  PACKMOE_CHECK(exact ? sum == rows : sum <= rows,
+  PACKMOE_CHECK(sum <= rows,
                 "forward: token counts sum to " << sum << ", x has " << rows);
 }
 
@@ -43,7 +42,7 @@ void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64
 
 Tensor GroupedLinear::forward(const Tensor& x, const std::vector<int64_t>& m) {
   check_forward_input(x, param_.k(), *backend_, state_);
-  check_counts(m, param_.experts(), token_alignment(cfg_.recipe.recipe), x.dim(0), true);
+  check_counts(m, param_.experts(), token_alignment(cfg_.recipe.recipe), x.dim(0));
   m_ = m;
   m_device_ = Tensor{};
   rows_ = x.dim(0);
@@ -62,7 +61,7 @@ Tensor GroupedLinear::forward(const Tensor& x, const Tensor& m_device) {
   if (param_.recipe_ops().quantized()) {
     m_.assign(e, 0);
     backend_->copy(m_.data(), m_device.data(), m_device.nbytes(), Backend::CopyKind::kDeviceToHost);
-    check_counts(m_, e, token_alignment(cfg_.recipe.recipe), rows_, false);
+    check_counts(m_, e, token_alignment(cfg_.recipe.recipe), rows_);
     m_device_ = Tensor{};
   } else {
     m_.clear();

@@ -56,8 +56,9 @@ class GroupedLinear {
   void set_grad_sr_offset(uint64_t offset);
 
   // x: (M, K) BF16 in the backend's memory, expert g's m[g] rows after expert g-1's; m: (E,) host
-  // token counts, each a multiple of token_alignment(recipe), summing to M. Returns y (M, N) in
-  // out_dtype. m may also hold S x E counts (S >= 1 sources, source-major: group s * E + e is
+  // token counts, each a multiple of token_alignment(recipe), summing to at most M. Returns y
+  // (M, N) in out_dtype, its rows past the sum left unwritten (backward's dy and dx: the same M
+  // rows, the rows past the sum never read). m may also hold S x E counts (S >= 1 sources, source-major: group s * E + e is
   // source s's rows for expert e, e.g. the tokens expert parallelism received from S ranks): each
   // group is its own GEMM group and quantization group, so a source's rows get the bytes they get
   // in a call of that source's alone, and the wgrad sums the sources in order s = 0, 1, ... into
@@ -68,8 +69,7 @@ class GroupedLinear {
   // the caller must not write into it until the wgrad has run (backward, or backward_dw).
   Tensor forward(const Tensor& x, const std::vector<int64_t>& m);
   // The same with the counts in the backend's memory: x (C, K) holds expert g's m[g] rows after
-  // g-1's, m_device (E,) I64 multiples of the alignment summing to at most C; y is (C, N) and its
-  // rows past the sum are left unwritten (backward's dy and dx: the same C rows). The BF16 recipe
+  // g-1's, m_device (E,) I64 multiples of the alignment summing to at most C. The BF16 recipe
   // never waits on the host (the grouped GEMMs' m_device). A quantized recipe's activation
   // quantizers group rows by host counts, so it copies the counts to the host first (one wait).
   // Same bytes as forward(x, m) with the counts on the host.

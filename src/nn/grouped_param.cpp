@@ -63,7 +63,7 @@ GradWrite GroupedParam::take_grad_write() {
 void GroupedParam::prepare_compute() {
   check_primary_current("prepare_compute");
   if (!quantized() || primary_ == PrimaryWeight::kLowPrecision) return;
-  ops_->quantize_weight(bf16_);
+  ops_->quantize_weight(bf16_, nullptr);
   compute_state_ = ComputeCopyState::kCurrent;
 }
 
@@ -81,16 +81,19 @@ void GroupedParam::write_primary_from(const GroupedStorage& f32) {
   write_primary_from_bf16(staging);
 }
 
-void GroupedParam::write_primary_from_bf16(const GroupedStorage& bf16) {
+void GroupedParam::write_primary_from_bf16(const GroupedStorage& bf16, const float* amax) {
   PACKMOE_CHECK(bf16.groups() == e_ && bf16.bytes_per_group() == static_cast<size_t>(n_ * k_ * 2) &&
                     &bf16.memory() == backend_,
                 "write_primary_from_bf16: expected " << e_ << " groups of (" << n_ << ", " << k_
                                                      << ") BF16 in the param's backend memory");
   if (keeps_bf16()) {
+    PACKMOE_CHECK(amax == nullptr, "write_primary_from_bf16: an amax for a BF16 primary");
     if (bf16_.ptrs() != bf16.ptrs()) bf16_.copy_from(bf16);  // bound to these views: in place
     compute_state_ = quantized() ? ComputeCopyState::kStale : ComputeCopyState::kCurrent;
   } else {
-    ops_->quantize_weight(bf16);
+    PACKMOE_CHECK(amax == nullptr || needs_global_amax(),
+                  "write_primary_from_bf16: an amax for a recipe without a per-expert one");
+    ops_->quantize_weight(bf16, amax);
     compute_state_ = ComputeCopyState::kCurrent;
   }
   primary_state_ = PrimaryState::kCurrent;

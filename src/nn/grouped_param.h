@@ -140,8 +140,9 @@ class GroupedParam {
   // call.
   void mark_primary_awaiting_gather();
   // The primary from a BF16 (E, N, K) image (views of any layout): a copy into the BF16 param, or
-  // ONE quantize launch over the pack. -> kCurrent.
-  void write_primary_from_bf16(const GroupedStorage& bf16);
+  // ONE quantize launch over the pack. -> kCurrent. amax (needs_global_amax() only, else null):
+  // the image's (E,) per-expert amax when the caller has it (the bytes are the same as without).
+  void write_primary_from_bf16(const GroupedStorage& bf16, const float* amax = nullptr);
 
   // What a low-precision gather carries per element of the pack, in image order: the BF16 param
   // (high-precision primary or bf16 recipe) {bf16}; MXFP8 2D {row_data, row_scale}; MXFP8 1D

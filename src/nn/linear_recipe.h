@@ -72,7 +72,9 @@ class LinearRecipe {
 
   // ---- the weight's quantized copies, (E, N, K) ------------------------------------------------
   // bf16: E groups of (N, K) BF16 (any layout) -> every copy, one quantize launch over the pack.
-  virtual void quantize_weight(const GroupedStorage& bf16) = 0;
+  // amax: null, or (NVFP4 only) the pack's (E,) amax already taken (the optimizer's AdamW pass
+  // takes it while it writes the image), which the quantizer then does not read the pack for.
+  virtual void quantize_weight(const GroupedStorage& bf16, const float* amax) = 0;
   // What a low-precision gather carries per element, in image order (GroupedParam's docs).
   virtual std::vector<PackedComponent> packed_components() const = 0;
   // NVFP4: the per-expert amax must be agreed on before rows are quantized.

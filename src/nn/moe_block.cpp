@@ -1,6 +1,7 @@
 // MoEBlock forward / backward: the router linear, the MoE ops of backend/ops/moe.h and the two
 // grouped expert linears, in the order the header lists; every intermediate is a backend tensor,
-// and no op here copies to the host (the routing plan's counts stay on the device).
+// and with the BF16 recipe no op here copies to the host (the routing plan's counts stay on the
+// device); a quantized recipe copies the expert counts once per forward.
 #include "nn/moe_block.h"
 
 namespace packmoe {
@@ -174,7 +175,14 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
   check_op(ops::permute(b, pa), "permute");
 
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
-  const ExpertRows local = dispatcher_->dispatch(all);
+  ExpertRows local = dispatcher_->dispatch(all);
+  // A quantized recipe's activation quantizers group rows by host counts: one copy (one wait)
+  // for both FC1 and FC2 instead of one in each.
+  if (local.host_counts.empty() && fc1_.param().recipe_ops().quantized()) {
+    local.host_counts.assign(static_cast<size_t>(local.counts.numel()), 0);
+    b.copy(local.host_counts.data(), local.counts.data(), local.counts.nbytes(),
+           Backend::CopyKind::kDeviceToHost);
+  }
   h_ = local.host_counts.empty() ? fc1_.forward(local.rows, local.counts)
                                  : fc1_.forward(local.rows, local.host_counts);  // (CL, 2F)
   const Tensor a = swiglu(local);                                                // (CL, F)

@@ -2,9 +2,11 @@
 // softmax, top-k (+ load-balancing aux loss) -> permute (each expert padded to the recipe's token
 // alignment) -> [TokenDispatcher::dispatch] -> FC1 (E, 2F, H) -> SwiGLU -> FC2 (E, H, F) ->
 // [TokenDispatcher::combine] -> unpermute + combine (nn/token_dispatcher.h; local: the identity).
-// Invariants: all arithmetic runs as Backend ops and nothing waits on the host: the routing plan's
-// counts and the aux loss stay in the backend's memory, and every row buffer is sized by
-// routing_plan_max_rows (the GEMMs take the device counts; the row ops skip unused rows); the
+// Invariants: all arithmetic runs as Backend ops and with the BF16 recipe nothing waits on the
+// host: the routing plan's counts and the aux loss stay in the backend's memory, and every row
+// buffer is sized by routing_plan_max_rows (the GEMMs take the device counts; the row ops skip
+// unused rows; a quantized recipe's quantizers need the counts on the host: one copy per
+// forward, for FC1 and FC2, and the expert-parallel dispatcher has them anyway); the
 // block's state machine (Idle -> ForwardDone -> [WgradPending] -> Idle) mirrors its linears'; both
 // layouts issue identical ops, so their results are bitwise equal.
 // Backward starts the combine of the dX rows (TokenDispatcher::start_combine) after FC1's dgrad,

@@ -19,7 +19,7 @@ GemmOperand bf16_operand(const GroupedStorage& bf16) {
 
 }  // namespace
 
-void Bf16Recipe::quantize_weight(const GroupedStorage&) { no_copies("quantize_weight"); }
+void Bf16Recipe::quantize_weight(const GroupedStorage&, const float*) { no_copies("quantize_weight"); }
 void Bf16Recipe::rows_amax(const GroupedMatrices&, float*) const { no_copies("rows_amax"); }
 void Bf16Recipe::quantize_rows(const GroupedMatrices&, const float*,
                                const std::vector<std::vector<void*>>&) const {

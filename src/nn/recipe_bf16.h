@@ -15,7 +15,7 @@ class Bf16Recipe final : public LinearRecipe {
 
   bool quantized() const override { return false; }
   int64_t shard_unit_rows() const override { return 1; }
-  void quantize_weight(const GroupedStorage& bf16) override;
+  void quantize_weight(const GroupedStorage& bf16, const float* amax) override;
   std::vector<PackedComponent> packed_components() const override { return {}; }
   bool needs_global_amax() const override { return false; }
   void rows_amax(const GroupedMatrices& rows, float* amax) const override;

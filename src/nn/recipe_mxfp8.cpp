@@ -13,7 +13,8 @@ Mxfp8Recipe::Mxfp8Recipe(Backend& backend, const QuantRecipe& q, Layout layout, 
   w_.col_scale = GroupedStorage(backend, layout, e, nk / kMxfp8Block);
 }
 
-void Mxfp8Recipe::quantize_weight(const GroupedStorage& bf16) {
+void Mxfp8Recipe::quantize_weight(const GroupedStorage& bf16, const float* amax) {
+  PACKMOE_CHECK(amax == nullptr, "quantize_weight (mxfp8): MXFP8 has no per-expert amax");
   Mxfp8Outputs out{w_.row_data.ptrs(), w_.row_scale.ptrs(), w_.col_data.ptrs(),
                    w_.col_scale.ptrs(), {}, {}};
   check_op(ops::quantize_mxfp8(*backend_, weight_rows(bf16), mxfp8_config(q_, TensorRole::kWeight),

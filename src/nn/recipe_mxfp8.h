@@ -15,7 +15,7 @@ class Mxfp8Recipe final : public QuantizedRecipe {
               int64_t k);
 
   int64_t shard_unit_rows() const override { return kMxfp8Block; }
-  void quantize_weight(const GroupedStorage& bf16) override;
+  void quantize_weight(const GroupedStorage& bf16, const float* amax) override;
   // 2D: {row_data, row_scale}; 1D: {row_data, row_scale, col_data, col_scale}.
   std::vector<PackedComponent> packed_components() const override;
   bool needs_global_amax() const override { return false; }

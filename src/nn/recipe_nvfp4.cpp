@@ -1,6 +1,8 @@
 // Nvfp4Recipe: the weight's copies (pack, row range, gathered images) and the activation copies.
 #include "nn/recipe_nvfp4.h"
 
+#include <optional>
+
 namespace packmoe {
 
 Nvfp4Recipe::Nvfp4Recipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e,
@@ -21,19 +23,24 @@ void Nvfp4Recipe::decode_scales() {
            "weight decode scales (nvfp4)");
 }
 
-void Nvfp4Recipe::quantize_weight(const GroupedStorage& bf16) {
-  // 2D tiles: the columnwise amax equals the rowwise one (formats/nvfp4.h), so it is not kept.
-  DeviceBuffer col_amax(*backend_, e_ * sizeof(float));  // (E,) F32
+void Nvfp4Recipe::quantize_weight(const GroupedStorage& bf16, const float* amax) {
+  Nvfp4Config cfg = nvfp4_config(q_, TensorRole::kWeight, 0);
   Nvfp4Outputs out;
   out.row_data = w_.row_data.ptrs();
   out.row_scale = w_.row_scale.ptrs();
-  out.row_amax = w_.amax.packed();
   out.col_data = w_.col_data.ptrs();
   out.col_scale = w_.col_scale.ptrs();
-  out.col_amax = col_amax.get();
-  check_op(ops::quantize_nvfp4(*backend_, weight_rows(bf16), nvfp4_config(q_, TensorRole::kWeight, 0),
-                               out),
-           "weight quantize (nvfp4)");
+  std::optional<DeviceBuffer> col_amax;
+  if (amax) {  // the quantizer scales with it and skips its amax pass
+    cfg.amax = amax;
+    backend_->copy(w_.amax.packed(), amax, e_ * sizeof(float), Backend::CopyKind::kDeviceToDevice);
+  } else {
+    // 2D tiles: the columnwise amax equals the rowwise one (formats/nvfp4.h), so it is not kept.
+    col_amax.emplace(*backend_, e_ * sizeof(float));  // (E,) F32
+    out.row_amax = w_.amax.packed();
+    out.col_amax = col_amax->get();
+  }
+  check_op(ops::quantize_nvfp4(*backend_, weight_rows(bf16), cfg, out), "weight quantize (nvfp4)");
   decode_scales();
 }
 

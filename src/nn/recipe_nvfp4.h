@@ -17,7 +17,7 @@ class Nvfp4Recipe final : public QuantizedRecipe {
               int64_t k);
 
   int64_t shard_unit_rows() const override { return kNvfp4Block; }
-  void quantize_weight(const GroupedStorage& bf16) override;
+  void quantize_weight(const GroupedStorage& bf16, const float* amax) override;
   // {row_data, row_scale}, plus the (E,) amax passed beside them.
   std::vector<PackedComponent> packed_components() const override;
   bool needs_global_amax() const override { return true; }

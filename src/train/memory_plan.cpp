@@ -91,14 +91,17 @@ Result<OptimizerLayout> optimizer_layout(const std::vector<PlannedParam>& params
   OptimizerLayout o{std::move(plan).value()};
   const size_t count = params.size();
   std::vector<std::pair<int64_t, int64_t>> none(count, {0, 1});
+  // NVFP4 low-precision primaries: the (E,) amax agreed before quantizing (lowp) or taken by
+  // AdamW's pass over the image (bf16).
+  int64_t amax = 0;
+  for (const PlannedParam& p : params)
+    if (!p.fp32_form && !p.keeps_bf16() && p.recipe.recipe == Recipe::kNvfp4)
+      amax += p.geometry.experts;
   if (gather == GatherMode::kLowp) {
     size_t classes = 0;
-    int64_t amax = 0;  // NVFP4 low-precision primaries: the (E,) amax agreed before quantizing
-    for (const PlannedParam& p : params) {
-      if (p.fp32_form) continue;  // only its replica travels
-      classes = std::max(classes, packed_components(p).size());
-      if (!p.keeps_bf16() && p.recipe.recipe == Recipe::kNvfp4) amax += p.geometry.experts;
-    }
+    for (const PlannedParam& p : params)
+      if (!p.fp32_form)  // only its replica travels
+        classes = std::max(classes, packed_components(p).size());
     for (size_t c = 0; c < classes; ++c) {
       std::vector<std::pair<int64_t, int64_t>> ratio = none;
       for (size_t p = 0; p < count; ++p) {
@@ -123,7 +126,7 @@ Result<OptimizerLayout> optimizer_layout(const std::vector<PlannedParam>& params
     o.all_gather_bytes =
         gather_slots(o.plan, bf16, own_buffer ? kBoundGatherImageAlign : kGatherImageAlign).bytes;
     // reuse-grad-buffer: the image lies in the gradient buffer's memory.
-    if (own_buffer) o.gather_buffer_bytes = o.all_gather_bytes - bound;
+    if (own_buffer) o.gather_buffer_bytes = o.all_gather_bytes - bound + amax * 4;
   }
   std::vector<std::pair<int64_t, int64_t>> fp32 = none;
   for (size_t p = 0; p < count; ++p)

@@ -26,8 +26,9 @@ struct OptimizerMemory {
   int64_t grad_elements = 0;    // the FP32 gradient buffer, padding included: plan().total()
   int64_t master_elements = 0;  // this rank's FP32 master shard: shard().size()
   // The gather mode's staging beyond the weights themselves: bf16, the BF16 image of the
-  // quantized params (the BF16 params' slots ARE their primaries); lowp, the quantized images of
-  // every param, the shard's BF16 rows and NVFP4's amax; reuse-grad-buffer, none (the grad buffer).
+  // quantized params (the BF16 params' slots ARE their primaries) and NVFP4's amax; lowp, the
+  // quantized images of every param, the shard's BF16 rows and NVFP4's amax; reuse-grad-buffer,
+  // none (the grad buffer).
   int64_t gather_buffer_bytes = 0;
   int64_t fp32_gather_bytes = 0;  // the FP32 replicas' part of all_gather_bytes
   // The FP32 gather buffer that the replicas are views of; none on one rank, where they view the

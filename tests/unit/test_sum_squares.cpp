@@ -1,7 +1,8 @@
 // sum_squares_cpu (backend/ops/elementwise.h) against independent references: the chunk / R32 /
 // sequential order rebuilt here with explicit lane arrays and a written-out tree (bitwise), and a
 // long-double sum on large inputs (1e-15 relative); empty inputs give +0, a negative length is an
-// error. Also: adamw_update with grad_scale equals the update on g * grad_scale, bit for bit.
+// error. Also: adamw_update with grad_scale equals the update on g * grad_scale, bit for bit; the
+// per-expert amax that adamw takes of its BF16 image equals the max of the image's values.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -238,6 +240,68 @@ TEST(AdamWGradScale, ScaleOneChangesNothingAndScaleMatters) {
   EXPECT_EQ(m, 0.9f * 0.2f + 0.1f * 0.5f);
   EXPECT_EQ(m_half, 0.9f * 0.2f + 0.1f * 0.25f);
   EXPECT_NE(p, p_half);
+}
+
+// adamw's optional amax (AdamWArgs::amax) against the image it wrote, expert by expert, read back
+// here: NaNs (from NaN gradients) never win, experts beyond the segment stay as they were, and it
+// is a max with what the slot held (the caller's zero, here also a larger value already there).
+TEST(AdamWImageAmax, EqualsTheMaxOfTheImagePerExpert) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  bool nan_seen = false;
+  for (int trial = 0; trial < 40; ++trial) {
+    SCOPED_TRACE("seed " + std::to_string(seed) + " trial " + std::to_string(trial));
+    const int64_t n = 1 + static_cast<int64_t>(rng() % 3000);
+    const int64_t span = 1 + static_cast<int64_t>(rng() % 400);
+    const int64_t first = static_cast<int64_t>(rng() % 1000);
+    const int64_t experts = (first + n - 1) / span + 2;  // one past the segment's last
+    std::vector<float> p(n), m(n), v(n), g(n);
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = nd(rng) * (rng() % 50 == 0 ? 100.0f : 1.0f);
+      m[i] = nd(rng) * 0.01f, v[i] = std::fabs(nd(rng)) * 1e-4f, g[i] = nd(rng) * 0.01f;
+      if (rng() % 97 == 0) g[i] = std::numeric_limits<float>::quiet_NaN();
+    }
+    std::vector<uint16_t> image(n);
+    std::vector<float> amax(experts, 0.0f);
+    const int64_t preset = static_cast<int64_t>(rng() % experts);
+    amax[preset] = 7.0f;  // max with what is there
+    AdamWArgs a;
+    a.scalars = {0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 1.0f - 1e-4f, 1e-3f, 0.5f};
+    a.param = one_segment(p.data(), n), a.exp_avg = one_segment(m.data(), n);
+    a.exp_avg_sq = one_segment(v.data(), n), a.grad = one_segment<const float>(g.data(), n);
+    a.bf16 = one_segment(image.data(), n);
+    a.amax = amax.data(), a.amax_span = span, a.amax_first = first;
+    ASSERT_TRUE(ops::adamw(cpu_backend(), a).is_ok());
+    std::vector<float> want(experts, 0.0f);
+    want[preset] = 7.0f;
+    bool any_nan = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = std::fabs(bf16_to_f32(image[i]));
+      any_nan |= std::isnan(x);
+      float& w = want[(first + i) / span];
+      if (!std::isnan(x) && x > w) w = x;
+    }
+    nan_seen |= any_nan;
+    for (int64_t e = 0; e < experts; ++e)
+      ASSERT_EQ(f32_bits(amax[e]), f32_bits(want[e])) << "expert " << e;
+  }
+  EXPECT_TRUE(nan_seen) << "seed " << seed << ": no NaN reached an image";
+}
+
+TEST(AdamWImageAmax, NeedsTheImageOneSegmentAndASpan) {
+  std::vector<float> p(8), m(8), v(8, 1.0f), g(8), amax(2);
+  std::vector<uint16_t> image(8);
+  AdamWArgs a;
+  a.param = one_segment(p.data(), 8), a.exp_avg = one_segment(m.data(), 8);
+  a.exp_avg_sq = one_segment(v.data(), 8), a.grad = one_segment<const float>(g.data(), 8);
+  a.amax = amax.data(), a.amax_span = 4;
+  EXPECT_FALSE(ops::adamw(cpu_backend(), a).is_ok()) << "no image";
+  a.bf16 = one_segment(image.data(), 8);
+  a.amax_span = 0;
+  EXPECT_FALSE(ops::adamw(cpu_backend(), a).is_ok()) << "no span";
+  a.amax_span = 4;
+  EXPECT_TRUE(ops::adamw(cpu_backend(), a).is_ok());
 }
 
 }  // namespace

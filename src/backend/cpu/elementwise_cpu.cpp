@@ -6,6 +6,7 @@
 #include "backend/ops/elementwise.h"
 #include "backend/reduce_order.h"
 #include "core/codecs.h"
+#include "formats/mxfp8_math.h"
 #include "formats/nvfp4_math.h"
 
 namespace packmoe {
@@ -35,7 +36,13 @@ Status adamw_cpu(const AdamWArgs& a) {
                    a.scalars);
   if (!a.bf16.ptr.empty())
     for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < a.param.n; ++i) a.bf16.ptr[g][i] = f32_to_bf16(a.param.ptr[g][i]);
+      for (int64_t i = 0; i < a.param.n; ++i) {
+        a.bf16.ptr[g][i] = f32_to_bf16(a.param.ptr[g][i]);
+        if (a.amax) {
+          float& slot = a.amax[(a.amax_first + i) / a.amax_span];
+          slot = amax_update(slot, bf16_to_f32(a.bf16.ptr[g][i]));
+        }
+      }
   return Status::ok();
 }
 

@@ -14,6 +14,7 @@
 #include "backend/ops/elementwise.h"
 #include "backend/ops/moe.h"
 #include "core/codecs.h"
+#include "formats/mxfp8_math.h"
 #include "formats/nvfp4_math.h"
 
 namespace packmoe {
@@ -138,11 +139,40 @@ __global__ void __launch_bounds__(Config::kThreads)
   }
 }
 
+// AdamWArgs::amax: the per-expert amax of the BF16 image (null: none).
+struct ImageAmax {
+  float* amax = nullptr;
+  int64_t span = 0, first = 0;
+};
+
+// The NaN-ignoring max of |bf16[j]|, j < valid, into am.amax[(am.first + first + j) / am.span]:
+// the thread's values of one expert, then one atomicMax per expert and warp (the values are
+// non-negative and not NaN, so their IEEE order is their unsigned bit order); a thread whose
+// elements straddle two experts publishes the later expert's directly.
+__device__ __forceinline__ void image_amax(const ImageAmax& am, int64_t first, const float (&p)[4],
+                                           int valid) {
+  const int64_t e0 = (am.first + first) / am.span;
+  float local = 0.0f;
+  for (int j = 0; j < valid; ++j) {
+    const float b = amax_update(0.0f, bf16_to_f32(f32_to_bf16(p[j])));
+    const int64_t e = (am.first + first + j) / am.span;
+    if (e == e0)
+      local = b > local ? b : local;
+    else if (b > 0.0f)
+      atomicMax(reinterpret_cast<unsigned*>(am.amax + e), __float_as_uint(b));
+  }
+  const unsigned same = __match_any_sync(__activemask(), static_cast<unsigned long long>(e0));
+  const unsigned v = __reduce_max_sync(same, __float_as_uint(local));
+  if (static_cast<int>(threadIdx.x & 31) == __ffs(same) - 1 && v != 0)
+    atomicMax(reinterpret_cast<unsigned*>(am.amax + e0), v);
+}
+
 // Tables: 0 param, 1 exp_avg, 2 exp_avg_sq (all in place), 3 grad, with kBf16 4 the param's BF16
-// image (written).
+// image (written), and then optionally its per-expert amax.
 template <bool kBf16>
 __global__ void __launch_bounds__(Config::kThreads)
-    adamw_kernel(const __grid_constant__ SegTable<kBf16 ? 5 : 4> t, AdamWStepScalars s, bool vec) {
+    adamw_kernel(const __grid_constant__ SegTable<kBf16 ? 5 : 4> t, AdamWStepScalars s, bool vec,
+                 ImageAmax am) {
   int64_t g, first;
   int valid;
   if (!seg_chunk<4>(t.groups, t.n, g, first, valid)) return;
@@ -150,6 +180,7 @@ __global__ void __launch_bounds__(Config::kThreads)
   float* m = static_cast<float*>(t.get(1, g)) + first;
   float* v = static_cast<float*>(t.get(2, g)) + first;
   const float* gr = static_cast<const float*>(t.get(3, g)) + first;
+  float out[4];  // the updated params
   if (vec && valid == 4) {
     float4 p4 = *reinterpret_cast<const float4*>(p);
     float4 m4 = *reinterpret_cast<const float4*>(m);
@@ -165,12 +196,16 @@ __global__ void __launch_bounds__(Config::kThreads)
     if constexpr (kBf16)
       *reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.get(4, g)) + first) =
           make_uint2(pack_bf16(p4.x, p4.y), pack_bf16(p4.z, p4.w));
+    out[0] = p4.x, out[1] = p4.y, out[2] = p4.z, out[3] = p4.w;
   } else {
     for (int j = 0; j < valid; ++j) {
       adamw_update(p[j], m[j], v[j], gr[j], s);
       if constexpr (kBf16) static_cast<uint16_t*>(t.get(4, g))[first + j] = f32_to_bf16(p[j]);
+      out[j] = p[j];
     }
   }
+  if constexpr (kBf16)
+    if (am.amax) image_amax(am, first, out, valid);
 }
 
 __global__ void __launch_bounds__(Config::kThreads)
@@ -267,13 +302,14 @@ Status adamw_sm90(CudaBackend& be, const AdamWArgs& a) {
   const bool vec = all_aligned16(a.param.ptr, a.exp_avg.ptr, a.exp_avg_sq.ptr, a.grad.ptr);
   if (a.bf16.ptr.empty()) {
     adamw_kernel<false><<<grid, Config::kThreads, 0, be.stream()>>>(
-        make_table<4>(be, {p, m, v, g}, a.param.n), a.scalars, vec);
+        make_table<4>(be, {p, m, v, g}, a.param.n), a.scalars, vec, ImageAmax{});
   } else {
     // 4 floats -> 4 BF16 (8 bytes) per thread: the image needs 8-byte alignment for the wide path.
     bool vec8 = vec;
     for (uint16_t* q : a.bf16.ptr) vec8 = vec8 && reinterpret_cast<uintptr_t>(q) % 8 == 0;
     adamw_kernel<true><<<grid, Config::kThreads, 0, be.stream()>>>(
-        make_table<5>(be, {p, m, v, g, as_void(a.bf16.ptr)}, a.param.n), a.scalars, vec8);
+        make_table<5>(be, {p, m, v, g, as_void(a.bf16.ptr)}, a.param.n), a.scalars, vec8,
+        ImageAmax{a.amax, a.amax_span, a.amax_first});
   }
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();

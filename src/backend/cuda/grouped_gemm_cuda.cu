@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -53,6 +54,33 @@ Sm90DeviceGemm sm90_op_shape(const GroupedGemmArgs& a) {
 namespace {
 
 using gemm_convert::DequantJob;
+
+// outs[blockIdx.y]'s `vecs` 16-byte words become +0. Grid (x, count).
+__global__ void zero_outputs_kernel(void* const* outs, int64_t vecs) {
+  uint4* o = static_cast<uint4*>(outs[blockIdx.y]);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    o[i] = make_uint4(0, 0, 0, 0);
+}
+
+// The `bytes` at each of `outs` become +0: one launch for all of them (a wgrad of 128 experts
+// with most of them empty would otherwise queue a memset per expert), a memset per output when
+// they are not 16-byte words.
+void zero_outputs(CudaBackend& be, const std::vector<void*>& outs, size_t bytes) {
+  if (outs.empty() || bytes == 0) return;
+  const bool words = bytes % 16 == 0 &&
+                     std::all_of(outs.begin(), outs.end(), [](const void* q) { return aligned(q); });
+  if (!words || outs.size() > 65535) {
+    for (void* o : outs) PACKMOE_CUDA_CHECK(cudaMemsetAsync(o, 0, bytes, be.stream()));
+    return;
+  }
+  const auto* table = static_cast<void* const*>(be.upload(outs.data(), outs.size() * sizeof(void*)));
+  const int64_t vecs = static_cast<int64_t>(bytes / 16);
+  const unsigned x = static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 64));
+  zero_outputs_kernel<<<dim3(x, static_cast<unsigned>(outs.size())), 256, 0, be.stream()>>>(table,
+                                                                                         vecs);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+}
 
 // The sm_90a problem with the host's token counts `m` (pointers left empty).
 Sm90Gemm sm90_geometry(const GroupedGemmArgs& a, const std::vector<int64_t>& m) {
@@ -113,10 +141,12 @@ Status run_grouped(CudaBackend& be, OperandScratch& st, const GroupedGemmArgs& a
   for (size_t g = 0; g < G; ++g) any |= (active[g] = m[g] > 0);
 
   // wgrad groups without tokens: zeros when overwriting, untouched when accumulating.
-  if (a.op == GemmOp::kWgrad && !a.accumulate)
+  if (a.op == GemmOp::kWgrad && !a.accumulate) {
+    std::vector<void*> empty;
     for (size_t g = 0; g < G; ++g)
-      if (!active[g])
-        PACKMOE_CUDA_CHECK(cudaMemsetAsync(a.out[g], 0, static_cast<size_t>(N * K) * out_elem, s));
+      if (!active[g]) empty.push_back(a.out[g]);
+    zero_outputs(be, empty, static_cast<size_t>(N * K) * out_elem);
+  }
   if (!any) return Status::ok();
 
   // Scratch layout: [lhs groups][rhs groups][staged outputs], each matrix 256-byte aligned.

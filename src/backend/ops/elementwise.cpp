@@ -44,6 +44,8 @@ Status adamw(Backend& b, const AdamWArgs& a) {
   if (!a.bf16.ptr.empty())
     PACKMOE_RETURN_IF_ERROR(validate_segments(a.param.ptr.size(), a.param.n, {a.bf16.ptr.size()},
                                               {a.bf16.n}, "adamw bf16 output"));
+  if (a.amax && (a.bf16.ptr.size() != 1 || a.amax_span <= 0 || a.amax_first < 0))
+    return Status::error("adamw amax: needs the bf16 output, one segment and amax_span > 0");
   return b.kernels().elementwise->adamw(b, a);
 }
 

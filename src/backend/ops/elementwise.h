@@ -66,6 +66,13 @@ struct AdamWArgs {
   // Optional (no pointers: none): bf16[i] = f32_to_bf16(updated param[i]) (RNE), the bytes
   // cast_f32_to_bf16 of the updated param would write, in the same pass.
   Segments<uint16_t> bf16;
+  // Optional, with bf16 and ONE segment (null: none): for each element i of the segment,
+  // amax[(amax_first + i) / amax_span] = the NaN-ignoring max of itself and |bf16[i]|
+  // (formats/mxfp8_math.h amax_update), amax zeroed by the caller: an NVFP4 weight's per-expert
+  // amax (amax_span = N * K elements per expert, amax_first = the segment's first element in the
+  // packed param) from the pass that writes its BF16 image, so the quantizer need not read it again.
+  float* amax = nullptr;
+  int64_t amax_span = 0, amax_first = 0;
 };
 
 // Sum of squares for the global gradient norm, in FP64 (each x * x is exact in FP64: 24-bit
