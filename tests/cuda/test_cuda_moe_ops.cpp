@@ -32,6 +32,7 @@ namespace {
 using test::Mirror;
 using test::Placement;
 using test::Tally;
+using test::Twin;
 
 // printf into a std::string (operator+ chains of literals and to_string trip GCC 12's -Wrestrict).
 template <typename... A>
