@@ -720,8 +720,10 @@ TEST(CudaElementwise, AdamW) {
 }
 
 // adamw with the image's per-expert amax (AdamWArgs::amax): experts of a few elements (threads
-// straddle them), of several warps, and of millions of elements (many warps per expert and
-// slot); segments that start mid-expert, misaligned ones (the scalar path), NaN gradients.
+// and warps straddle them), of several warps, and of millions of elements (many blocks per
+// expert and slot); segments that start mid-expert, misaligned ones (the scalar path). Every
+// other case has NaN gradients: the amax must skip the NaNs they make (whose payload the CPU and
+// the GPU need not agree on, so there only the amax is compared).
 TEST(CudaElementwise, AdamWImageAmax) {
   PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("adamw image amax");
@@ -730,22 +732,29 @@ TEST(CudaElementwise, AdamWImageAmax) {
     int64_t n, span, first;
     Placement pl;
   };
-  const AmaxCase cases[] = {{1, 1, 0, Placement::kPacked},         {1000, 64, 0, Placement::kPacked},
-                            {4097, 100, 37, Placement::kDiscrete}, {5000, 7, 3, Placement::kPacked},
-                            {3333, 256, 0, Placement::kMisaligned}, {600000, 12288, 4096, Placement::kPacked},
-                            {3000003, 1 << 20, 5, Placement::kDiscrete}};
+  const AmaxCase cases[] = {
+      {1, 1, 0, Placement::kPacked},           {1000, 64, 0, Placement::kPacked},
+      {4097, 100, 37, Placement::kDiscrete},   {5000, 7, 3, Placement::kPacked},
+      {3333, 256, 0, Placement::kMisaligned},  {3333, 256, 0, Placement::kMisaligned},
+      {600000, 12288, 4096, Placement::kPacked}, {600000, 12288, 4096, Placement::kPacked},
+      {3000003, 1 << 20, 5, Placement::kDiscrete}, {3000003, 1 << 20, 5, Placement::kDiscrete}};
+  int index = 0;
   for (const AmaxCase& ac : cases) {
+    const bool nans = index++ % 2 == 1;
     const SegCase c{1, ac.n, ac.pl};
-    const std::string name = seg_name(c) + fmt(" span %ld first %ld", long(ac.span), long(ac.first));
+    const std::string name = seg_name(c) + fmt(" span %ld first %ld%s", long(ac.span),
+                                               long(ac.first), nans ? " NaN grads" : "");
     auto p = segments(*gpu, c, 4), m = segments(*gpu, c, 4), v = segments(*gpu, c, 4);
     auto g = segments(*gpu, c, 4), b = segments(*gpu, c, 2);
     fill_f32(*p, c, rng, 1.0f, false);
     fill_f32(*m, c, rng, 1e-2f, false);
     fill_f32(*v, c, rng, 1e-4f, true);
     fill_f32(*g, c, rng, 1e-2f, false);
-    for (int64_t i = 0; i < ac.n; i += 1 + static_cast<int64_t>(rng() % 5000))
-      g->h<float>()[i] = std::numeric_limits<float>::quiet_NaN();
-    g->upload();
+    if (nans) {
+      for (int64_t i = 0; i < ac.n; i += 1 + static_cast<int64_t>(rng() % 5000))
+        g->h<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+      g->upload();
+    }
     const int64_t experts = (ac.first + ac.n - 1) / ac.span + 1;
     Twin<float> amax(*gpu, std::vector<float>(experts, 0.0f));
     AdamWConfig cfg;
@@ -760,10 +769,12 @@ TEST(CudaElementwise, AdamWImageAmax) {
     a.exp_avg_sq = {v->d_all<float>(), c.n}, a.grad = {const_ptrs(g->d_all<float>()), c.n};
     a.bf16 = {b->d_all<uint16_t>(), c.n}, a.amax = amax.d();
     expect_ok(ops::adamw(*gpu, a));
-    p->compare(tally, name + ": param");
-    b->compare(tally, name + ": bf16 image");
+    if (!nans) {
+      p->compare(tally, name + ": param");
+      b->compare(tally, name + ": bf16 image");
+      ASSERT_GT(amax.h()[experts - 1], 0.0f) << name << ": the last expert got its values";
+    }
     amax.compare(tally, name + ": amax");
-    ASSERT_GT(amax.h()[experts - 1], 0.0f) << name << ": the last expert got its values";
     ++tally.cases;
   }
 }

@@ -145,67 +145,97 @@ struct ImageAmax {
   int64_t span = 0, first = 0;
 };
 
-// The NaN-ignoring max of |bf16[j]|, j < valid, into am.amax[(am.first + first + j) / am.span]:
-// the thread's values of one expert, then one atomicMax per expert and warp (the values are
-// non-negative and not NaN, so their IEEE order is their unsigned bit order); a thread whose
-// elements straddle two experts publishes the later expert's directly.
-__device__ __forceinline__ void image_amax(const ImageAmax& am, int64_t first, const float (&p)[4],
-                                           int valid) {
-  const int64_t e0 = (am.first + first) / am.span;
+__device__ __forceinline__ void publish_amax(float* slot, unsigned bits) {
+  if (bits != 0) atomicMax(reinterpret_cast<unsigned*>(slot), bits);
+}
+
+// A thread's share of the image amax: `local`, the NaN-ignoring max of |bf16(x)| over its
+// elements of expert e0 (the expert of its first element); an element of a later expert (a
+// thread straddling two) is published at once.
+struct ThreadAmax {
+  int64_t e0 = -1;  // -1: a thread without elements
   float local = 0.0f;
-  for (int j = 0; j < valid; ++j) {
-    const float b = amax_update(0.0f, bf16_to_f32(f32_to_bf16(p[j])));
-    const int64_t e = (am.first + first + j) / am.span;
+  __device__ __forceinline__ void take(const ImageAmax& am, int64_t i, float x) {
+    const float b = amax_update(0.0f, bf16_to_f32(f32_to_bf16(x)));
+    const int64_t e = (am.first + i) / am.span;
     if (e == e0)
       local = b > local ? b : local;
-    else if (b > 0.0f)
-      atomicMax(reinterpret_cast<unsigned*>(am.amax + e), __float_as_uint(b));
+    else
+      publish_amax(am.amax + e, __float_as_uint(b));
   }
-  const unsigned same = __match_any_sync(__activemask(), static_cast<unsigned long long>(e0));
-  const unsigned v = __reduce_max_sync(same, __float_as_uint(local));
-  if (static_cast<int>(threadIdx.x & 31) == __ffs(same) - 1 && v != 0)
-    atomicMax(reinterpret_cast<unsigned*>(am.amax + e0), v);
+};
+
+// The block's values per expert: a max over each warp's lanes of one expert, over the warps in
+// shared memory, then one atomicMax per expert and block (the values are non-negative and not
+// NaN, so their IEEE order is their unsigned bit order). Every thread of the block calls it.
+__device__ __forceinline__ void block_amax(const ImageAmax& am, const ThreadAmax& t) {
+  __shared__ int64_t warp_expert[Config::kWarps];
+  __shared__ unsigned warp_bits[Config::kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned same = __match_any_sync(0xFFFFFFFFu, static_cast<unsigned long long>(t.e0));
+  const unsigned bits = __reduce_max_sync(same, __float_as_uint(t.local));
+  const bool leader = lane == __ffs(same) - 1;
+  if (lane == 0) warp_expert[warp] = t.e0, warp_bits[warp] = bits;  // the lane-0 group's
+  else if (leader && t.e0 >= 0) publish_amax(am.amax + t.e0, bits);  // a warp's later expert
+  __syncthreads();
+  if (warp == 0 && lane < Config::kWarps) {
+    constexpr unsigned kLanes = (1u << Config::kWarps) - 1;
+    const int64_t e = warp_expert[lane];
+    const unsigned group = __match_any_sync(kLanes, static_cast<unsigned long long>(e));
+    const unsigned v = __reduce_max_sync(group, warp_bits[lane]);
+    if (lane == __ffs(group) - 1 && e >= 0) publish_amax(am.amax + e, v);
+  }
 }
 
 // Tables: 0 param, 1 exp_avg, 2 exp_avg_sq (all in place), 3 grad, with kBf16 4 the param's BF16
-// image (written), and then optionally its per-expert amax.
+// image (written), and then optionally its per-expert amax (block_amax: every thread stays).
 template <bool kBf16>
 __global__ void __launch_bounds__(Config::kThreads)
     adamw_kernel(const __grid_constant__ SegTable<kBf16 ? 5 : 4> t, AdamWStepScalars s, bool vec,
                  ImageAmax am) {
-  int64_t g, first;
-  int valid;
-  if (!seg_chunk<4>(t.groups, t.n, g, first, valid)) return;
-  float* p = static_cast<float*>(t.get(0, g)) + first;
-  float* m = static_cast<float*>(t.get(1, g)) + first;
-  float* v = static_cast<float*>(t.get(2, g)) + first;
-  const float* gr = static_cast<const float*>(t.get(3, g)) + first;
-  float out[4];  // the updated params
-  if (vec && valid == 4) {
-    float4 p4 = *reinterpret_cast<const float4*>(p);
-    float4 m4 = *reinterpret_cast<const float4*>(m);
-    float4 v4 = *reinterpret_cast<const float4*>(v);
-    const float4 g4 = *reinterpret_cast<const float4*>(gr);
-    adamw_update(p4.x, m4.x, v4.x, g4.x, s);
-    adamw_update(p4.y, m4.y, v4.y, g4.y, s);
-    adamw_update(p4.z, m4.z, v4.z, g4.z, s);
-    adamw_update(p4.w, m4.w, v4.w, g4.w, s);
-    *reinterpret_cast<float4*>(p) = p4;
-    *reinterpret_cast<float4*>(m) = m4;
-    *reinterpret_cast<float4*>(v) = v4;
-    if constexpr (kBf16)
-      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.get(4, g)) + first) =
-          make_uint2(pack_bf16(p4.x, p4.y), pack_bf16(p4.z, p4.w));
-    out[0] = p4.x, out[1] = p4.y, out[2] = p4.z, out[3] = p4.w;
-  } else {
-    for (int j = 0; j < valid; ++j) {
-      adamw_update(p[j], m[j], v[j], gr[j], s);
-      if constexpr (kBf16) static_cast<uint16_t*>(t.get(4, g))[first + j] = f32_to_bf16(p[j]);
-      out[j] = p[j];
+  int64_t g = 0, first = 0;
+  int valid = 0;
+  const bool with_amax = kBf16 && am.amax != nullptr;
+  ThreadAmax ta;
+  if (seg_chunk<4>(t.groups, t.n, g, first, valid)) {
+    float* p = static_cast<float*>(t.get(0, g)) + first;
+    float* m = static_cast<float*>(t.get(1, g)) + first;
+    float* v = static_cast<float*>(t.get(2, g)) + first;
+    const float* gr = static_cast<const float*>(t.get(3, g)) + first;
+    if (with_amax) ta.e0 = (am.first + first) / am.span;
+    if (vec && valid == 4) {
+      float4 p4 = *reinterpret_cast<const float4*>(p);
+      float4 m4 = *reinterpret_cast<const float4*>(m);
+      float4 v4 = *reinterpret_cast<const float4*>(v);
+      const float4 g4 = *reinterpret_cast<const float4*>(gr);
+      adamw_update(p4.x, m4.x, v4.x, g4.x, s);
+      adamw_update(p4.y, m4.y, v4.y, g4.y, s);
+      adamw_update(p4.z, m4.z, v4.z, g4.z, s);
+      adamw_update(p4.w, m4.w, v4.w, g4.w, s);
+      *reinterpret_cast<float4*>(p) = p4;
+      *reinterpret_cast<float4*>(m) = m4;
+      *reinterpret_cast<float4*>(v) = v4;
+      if constexpr (kBf16) {
+        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.get(4, g)) + first) =
+            make_uint2(pack_bf16(p4.x, p4.y), pack_bf16(p4.z, p4.w));
+        if (with_amax) {
+          ta.take(am, first, p4.x), ta.take(am, first + 1, p4.y);
+          ta.take(am, first + 2, p4.z), ta.take(am, first + 3, p4.w);
+        }
+      }
+    } else {
+      for (int j = 0; j < valid; ++j) {
+        adamw_update(p[j], m[j], v[j], gr[j], s);
+        if constexpr (kBf16) {
+          static_cast<uint16_t*>(t.get(4, g))[first + j] = f32_to_bf16(p[j]);
+          if (with_amax) ta.take(am, first + j, p[j]);
+        }
+      }
     }
+  } else if (!with_amax) {
+    return;
   }
-  if constexpr (kBf16)
-    if (am.amax) image_amax(am, first, out, valid);
+  if (with_amax) block_amax(am, ta);
 }
 
 __global__ void __launch_bounds__(Config::kThreads)
