@@ -104,10 +104,17 @@ TEST(DistTrain, NRanksEqualOneProcessWithNMicroBatches) {
 // so one process adds ((L0 + E0) + L1) + E1 where N ranks add (L0 + E0) + (L1 + E1): other
 // FP32 roundings, not bitwise (docs/dist.md). Bounded instead, with small buckets so the tied
 // parameter's bucket must wait for the table's sum (the last gradient of backward): a bucket
-// launched before it would miss the whole embedding gradient, far outside these bounds.
-inline constexpr double kTiedLossBound = 1e-5;    // relative, per step
-inline constexpr double kTiedNormBound = 1e-4;    // relative, per step
-inline constexpr double kTiedMasterBound = 1e-4;  // absolute, after 3 steps at lr 3e-3
+// launched before it would miss the whole embedding gradient, far outside these bounds. Step 1
+// runs the same weights: the same loss, and gradients apart only by those roundings
+// (kTiedFirstNormBound). After it the masters differ by them, which can flip the BF16 rounding
+// of a primary weight (2^-8 of that element), and the runs drift apart from there: over 22
+// seeds at 3 ranks at most 1.2e-5 (loss), 1.3e-4 (grad norm) and 1.05e-4 (masters) after 3 steps,
+// against which the later bounds leave a factor of 8-10 (most seeds: 1e-9).
+inline constexpr double kTiedFirstLossBound = 1e-12;  // relative, step 1
+inline constexpr double kTiedFirstNormBound = 1e-6;   // relative, step 1
+inline constexpr double kTiedLossBound = 1e-4;        // relative, per step
+inline constexpr double kTiedNormBound = 1e-3;        // relative, per step
+inline constexpr double kTiedMasterBound = 1e-3;      // absolute, after 3 steps at lr 3e-3
 
 TEST(DistTrain, TiedEmbeddingWithinBounds) {
   const int world = comm().size();
@@ -124,8 +131,17 @@ TEST(DistTrain, TiedEmbeddingWithinBounds) {
   for (int s = 0; s < 3; ++s) {
     const train::StepResult r = ref->train_step().value();
     const train::StepResult d = dp->train_step().value();
-    loss_diff = std::max(loss_diff, std::fabs(d.loss - r.loss) / r.loss);
-    norm_diff = std::max(norm_diff, std::fabs(d.grad_norm - r.grad_norm) / r.grad_norm);
+    const double step_loss = std::fabs(d.loss - r.loss) / r.loss;
+    const double step_norm = std::fabs(d.grad_norm - r.grad_norm) / r.grad_norm;
+    if (s == 0) {
+      EXPECT_LE(step_loss, kTiedFirstLossBound) << "step 1";
+      EXPECT_LE(step_norm, kTiedFirstNormBound) << "step 1";
+      if (comm().rank() == 0)
+        std::printf("[dist train] tied embedding, step 1: loss rel diff %.3g, grad norm rel diff "
+                    "%.3g\n", step_loss, step_norm);
+    }
+    loss_diff = std::max(loss_diff, step_loss);
+    norm_diff = std::max(norm_diff, step_norm);
   }
   EXPECT_LE(loss_diff, kTiedLossBound);
   EXPECT_LE(norm_diff, kTiedNormBound);
