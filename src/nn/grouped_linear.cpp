@@ -25,7 +25,7 @@ void check_forward_input(const Tensor& x, int64_t k, const Backend& b, LinearSta
 }
 
 // Counts of S x E groups (S >= 1 sources of E experts), each a multiple of align, summing to at
-// most `rows` (exactly, if `exact`).
+// most `rows`.
 void check_counts(const std::vector<int64_t>& m, int64_t e, int64_t align, int64_t rows) {
   PACKMOE_CHECK(!m.empty() && static_cast<int64_t>(m.size()) % e == 0,
                 "forward: " << m.size() << " token counts for " << e

@@ -56,15 +56,16 @@ class GroupedLinear {
   void set_grad_sr_offset(uint64_t offset);
 
   // x: (M, K) BF16 in the backend's memory, expert g's m[g] rows after expert g-1's; m: (E,) host
-  // token counts, each a multiple of token_alignment(recipe), summing to at most M. Returns y
-  // (M, N) in out_dtype, its rows past the sum left unwritten (backward's dy and dx: the same M
-  // rows, the rows past the sum never read). m may also hold S x E counts (S >= 1 sources, source-major: group s * E + e is
-  // source s's rows for expert e, e.g. the tokens expert parallelism received from S ranks): each
-  // group is its own GEMM group and quantization group, so a source's rows get the bytes they get
-  // in a call of that source's alone, and the wgrad sums the sources in order s = 0, 1, ... into
-  // main_grad (one wgrad per source: source 0 as `accum` says, the others accumulating), the order
-  // of a rank-ordered sum of S per-source gradients. Allowed from kIdle and kForwardDone (a forward never followed by backward, e.g. an
-  // eval step, is dropped); with a wgrad pending it would be lost: PACKMOE_CHECK error.
+  // token counts, each a multiple of token_alignment(recipe), summing to at most M. Returns y (M,
+  // N) in out_dtype, its rows past the sum left unwritten (backward's dy and dx: the same M rows,
+  // the rows past the sum never read). m may also hold S x E counts (S >= 1 sources, source-major:
+  // group s * E + e is source s's rows for expert e, e.g. the tokens expert parallelism received
+  // from S ranks): each group is its own GEMM group and quantization group, so a source's rows get
+  // the bytes they get in a call of that source's alone, and the wgrad sums the sources in order s
+  // = 0, 1, ... into main_grad (one wgrad per source: source 0 as `accum` says, the others
+  // accumulating), the order of a rank-ordered sum of S per-source gradients. Allowed from kIdle
+  // and kForwardDone (a forward never followed by backward, e.g. an eval step, is dropped); with a
+  // wgrad pending it would be lost: PACKMOE_CHECK error.
   // BF16 recipe: an x that owns its memory is saved for the wgrad by reference, not copied, so
   // the caller must not write into it until the wgrad has run (backward, or backward_dw).
   Tensor forward(const Tensor& x, const std::vector<int64_t>& m);
