@@ -340,6 +340,22 @@ int run(const Options& o) {
           "nvfp4 1x16 row+col rht+sr activations", elems * (2 + 0.5 + 0.5 + 2.0 / 16) + 8,
           [&] { check(ops::quantize_nvfp4(be, in, cfg, out)); },
           "two launches (amax incl. post-RHT amax, quantize)");
+      // As the NVFP4 recipe quantizes an activation (RNE) and a gradient (SR): the rowwise copy
+      // kept as its BF16 values only, the columnwise one through the RHT (nn/recipe_nvfp4.cpp).
+      DeviceBuffer rv(be, n * 2);
+      Nvfp4Outputs step;
+      step.row_bf16 = {rv.get()};
+      step.row_amax = ra.get();
+      step.col_data = {cd.get()};
+      step.col_scale = {cs.get()};
+      step.col_amax = ca.get();
+      for (const bool sr : {false, true}) {
+        cfg.stochastic_rounding = sr;
+        bench.run(sr ? "nvfp4 row bf16 + col rht+sr (gradient)" : "nvfp4 row bf16 + col rht (activation)",
+                  elems * (2 + 2 + 0.5 + 1.0 / 16) + 8,
+                  [&] { check(ops::quantize_nvfp4(be, in, cfg, step)); },
+                  "two launches; as nn/recipe_nvfp4.cpp");
+      }
     }
   }
   return 0;
