@@ -55,14 +55,6 @@ namespace {
 
 using gemm_convert::DequantJob;
 
-// outs[blockIdx.y]'s `vecs` 16-byte words become +0. Grid (x, count).
-__global__ void zero_outputs_kernel(void* const* outs, int64_t vecs) {
-  uint4* o = static_cast<uint4*>(outs[blockIdx.y]);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    o[i] = make_uint4(0, 0, 0, 0);
-}
-
 // The `bytes` at each of `outs` become +0: one launch for all of them (a wgrad of 128 experts
 // with most of them empty would otherwise queue a memset per expert), a memset per output when
 // they are not 16-byte words.
@@ -75,11 +67,8 @@ void zero_outputs(CudaBackend& be, const std::vector<void*>& outs, size_t bytes)
     return;
   }
   const auto* table = static_cast<void* const*>(be.upload(outs.data(), outs.size() * sizeof(void*)));
-  const int64_t vecs = static_cast<int64_t>(bytes / 16);
-  const unsigned x = static_cast<unsigned>(std::min<int64_t>((vecs + 255) / 256, 64));
-  zero_outputs_kernel<<<dim3(x, static_cast<unsigned>(outs.size())), 256, 0, be.stream()>>>(table,
-                                                                                         vecs);
-  PACKMOE_CUDA_CHECK_LAUNCH();
+  launch_zero_groups(be.stream(), nullptr, table, static_cast<int>(outs.size()),
+                     static_cast<int64_t>(bytes / 16));
 }
 
 // The sm_90a problem with the host's token counts `m` (pointers left empty).

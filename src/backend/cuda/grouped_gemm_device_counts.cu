@@ -33,16 +33,6 @@ namespace {
 using gemm_convert::DequantJob;
 using gemm_convert::DequantKind;
 
-// wgrad overwrite with device token counts: group g's (N, K) output, `vecs` 16-byte words,
-// becomes +0 when m_g = 0 (the host path's memset, decided on the device). Grid (x, G).
-__global__ void zero_empty_groups_kernel(const int64_t* m, void* const* out, int64_t vecs) {
-  if (m[blockIdx.y] != 0) return;
-  uint4* o = static_cast<uint4*>(out[blockIdx.y]);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    o[i] = make_uint4(0, 0, 0, 0);
-}
-
 // The state of one m_device call signature: its dequantize tables and map plan live in device
 // memory kept for the life of the process and never reused by another signature (the BF16
 // scratch they point to is DeviceCalls', shared).
@@ -250,12 +240,9 @@ Result<bool> grouped_gemm_device_counts(CudaBackend& be, const GroupedGemmArgs& 
   const DeviceCall& call = it->second;
   const auto* m = static_cast<const int64_t*>(a.m_device);
   cudaStream_t s = be.stream();
-  if (call.zero_outs != nullptr) {
-    const unsigned x = static_cast<unsigned>(std::min<int64_t>((call.zero_vecs + 255) / 256, 64));
-    zero_empty_groups_kernel<<<dim3(std::max(x, 1u), static_cast<unsigned>(a.groups)), 256, 0, s>>>(
-        m, call.zero_outs, call.zero_vecs);
-    PACKMOE_CUDA_CHECK_LAUNCH();
-  }
+  // wgrad overwrite: a group with m_g = 0 gets zeros (the host path's, decided on the device).
+  if (call.zero_outs != nullptr)
+    launch_zero_groups(s, m, call.zero_outs, static_cast<int>(a.groups), call.zero_vecs);
   for (const DeviceDequant* d : {&call.lhs, &call.rhs}) {
     if (d->tiles == 0) continue;
     launch_dequantize(be, d->kind, d->table, d->count, d->tiles, d->grid);

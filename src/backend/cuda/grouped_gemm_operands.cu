@@ -295,6 +295,24 @@ unsigned dequantize_grid(DequantKind kind, uint64_t tiles) {
   return dequant_grid(dequant_kernel(kind), tiles);
 }
 
+namespace {
+// Grid (x, groups): group blockIdx.y's words, unless its device count says it has tokens.
+__global__ void zero_groups_kernel(const int64_t* m, void* const* outs, int64_t vecs) {
+  if (m != nullptr && m[blockIdx.y] != 0) return;
+  uint4* o = static_cast<uint4*>(outs[blockIdx.y]);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    o[i] = make_uint4(0, 0, 0, 0);
+}
+}  // namespace
+
+void launch_zero_groups(cudaStream_t s, const int64_t* m, void* const* outs, int groups,
+                        int64_t vecs) {
+  const unsigned x = static_cast<unsigned>(std::clamp<int64_t>((vecs + 255) / 256, 1, 64));
+  zero_groups_kernel<<<dim3(x, static_cast<unsigned>(groups)), 256, 0, s>>>(m, outs, vecs);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+}
+
 void launch_dequantize(CudaBackend& be, DequantKind kind, const DequantJob* table, int count,
                        uint32_t tiles, unsigned grid) {
   dequant_kernel(kind)<<<grid, Config::kDequantThreads, 0, be.stream()>>>(table, count, tiles);

@@ -97,4 +97,10 @@ void launch_dequantize(CudaBackend& be, gemm_convert::DequantKind kind,
                        const gemm_convert::DequantJob* table, int count, uint32_t tiles,
                        unsigned grid);
 
+// The wgrad outputs of empty groups become +0, one launch on `s` for all of them: outs[g]
+// (device table of `groups` pointers, 16-byte aligned) gets `vecs` zero 16-byte words when
+// m == null (the host chose the empty groups) or m[g] == 0 (device token counts, (groups,) I64).
+void launch_zero_groups(cudaStream_t s, const int64_t* m, void* const* outs, int groups,
+                        int64_t vecs);
+
 }  // namespace packmoe::gemm_cuda
