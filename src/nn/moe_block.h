@@ -164,6 +164,9 @@ class MoEBlock {
 
   // a (CL, F) BF16 = swiglu(h_) over the rows `local` uses: FC2's input.
   Tensor swiglu(const ExpertRows& local) const;
+  // --dispatch-dtype recipe: all's rows (C, H) BF16 become FC1's rowwise payload per expert
+  // (nn/dispatch_payload.h), dispatched into `local`; returns FC1's output h (CL, 2F).
+  Tensor forward_fc1_from_payload(ExpertRows& all, ExpertRows& local);
 };
 
 }  // namespace packmoe
