@@ -191,3 +191,4 @@ INSTANTIATE_TEST_SUITE_P(Recipes, EpMoeBlock,
 
 }  // namespace packmoe::dist_test::ep_checks
 
+#include "common/ep_dispatch_dtype_checks.h"  // IWYU pragma: keep (its tests run here too)
