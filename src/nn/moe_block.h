@@ -122,6 +122,7 @@ class MoEBlock {
   // expert here; with E_local < E a dispatcher that brings each rank its experts' rows, e.g.
   // dist/ep_token_dispatcher.h). Only in state Idle.
   void set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher);
+  const TokenDispatcher& token_dispatcher() const { return *dispatcher_; }
 
   // The routing plan of the last forward (tokens per expert, rows), for metrics and tests: its
   // counts copied to the host (a wait); dest and row_slot stay in the backend's memory (empty
