@@ -12,7 +12,9 @@
 // Backward starts the combine of the dX rows (TokenDispatcher::start_combine) after FC1's dgrad,
 // runs the router's backward and, under expert parallelism (overlaps_combine), the two expert
 // wgrads beside that transfer (on one rank each wgrad follows its dgrad), and finishes the
-// combine before the permute's backward reads the rows.
+// combine before the permute's backward reads the rows. A dispatcher whose dispatch_dtype() is
+// kRecipe gets FC1's input as its recipe's rowwise payload (nn/dispatch_payload.h: the sender
+// quantizes per expert), and FC1 runs from the received payload (GroupedLinear::forward_received).
 #pragma once
 
 #include <cstdint>
