@@ -53,7 +53,7 @@ Status run_plot(const PlotArgs& args);
 // `flags`; apply_flags copies those given on the command line over the config file's values.
 struct TrainArgs {
   std::string config_file, preset = "tiny", recipe = "bf16", layout = "single", primary = "low";
-  std::string gather_mode = "bf16", recompute = "none";
+  std::string gather_mode = "bf16", recompute = "none", dispatch_dtype = "bf16";
   std::string device = "auto", data = "fortunes", valid_data, out = "runs/train";
   std::string tokenizer;  // --tokenizer: text is tokenized with it, vocab_size comes from it
   int64_t decay_steps = 0;

@@ -153,7 +153,7 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
       "options below (steps, micro_batch_size, seq_len, grad_accum_steps, lr, min_lr,\n"
       "warmup_steps, decay_steps, weight_decay, beta1, beta2, eps, grad_clip, eval_interval,\n"
       "eval_batches, log_interval, seed, shuffle, valid_fraction, recipe, layout, primary,\n"
-      "gather_mode, recompute).\n"
+      "gather_mode, recompute, dispatch_dtype).\n"
       "Checkpoints: --save-dir ROOT writes ROOT/step-XXXXXXXX (FP32 masters as Hugging Face\n"
       "safetensors, config.json, AdamW moments, trainer_state.json) every --save-interval steps\n"
       "and after the last, keeping the newest --keep-last (under mpirun the AdamW state is one\n"
@@ -190,6 +190,14 @@ void add_train_command(CLI::App& app, TrainArgs& args) {
                  "each group of EP consecutive ranks (mpirun -np N) holds them, one range per\n"
                  "rank; tokens reach their experts by all-to-all. EP divides N and the experts;\n"
                  "dense weights stay data-parallel over all ranks");
+  cmd->add_option("--dispatch-dtype", args.dispatch_dtype,
+                  "how expert parallelism's forward dispatch carries the FC1 input rows:\n"
+                  "  bf16: as BF16 (2 B per value)\n"
+                  "  recipe: as the mxfp8 / nvfp4 rowwise copy the FC1 GEMM reads (MXFP8 about\n"
+                  "  1.03, NVFP4 about 0.56 B per value); the forward is bitwise bf16's, the FC1\n"
+                  "  weight gradient within docs/dist.md's bound. Needs --expert-parallel > 1\n"
+                  "  and a quantized --recipe\n"
+                  "(default: bf16)");
   cmd->add_option("--dry-run", args.dry_run_ranks,
                   "plan a job of RANKS ranks (mpirun -np RANKS) with these settings and exit:\n"
                   "print, for its largest rank, the parameters it holds (dense + its experts),\n"
@@ -548,6 +556,11 @@ Result<Settings> resolve_settings(const TrainArgs& args, Start& start) {
     if (!m) return Status::error("--gather-mode: " + m.status().message());
     config.gather_mode = m.value();
   }
+  if (args.cmd->count("--dispatch-dtype")) {
+    Result<DispatchDtype> d = train::parse_dispatch_dtype(args.dispatch_dtype);
+    if (!d) return Status::error("--dispatch-dtype: " + d.status().message());
+    config.dispatch_dtype = d.value();
+  }
   PACKMOE_RETURN_IF_ERROR(train::validate(config, *model));
   if (config.expert_parallel > 1 && args.save_primary)
     return Status::error("--save-primary with --expert-parallel " +
@@ -757,11 +770,13 @@ Status run_dry_run(const TrainArgs& args) {
   std::printf(")\n");
   if (ep > 1) {
     const train::AllToAllPlan a = train::plan_all_to_all(
-        model, config.precision.recipe.recipe, ep, config.micro_batch_size * config.seq_len,
-        config.grad_accum_steps);
-    std::printf("  expert all-to-all per step and rank (%lld MoE layers): %.2f GB to peers with "
-                "even routing, at most %.2f GB sent; receive buffers up to %.2f GB per dispatch\n",
-                static_cast<long long>(a.moe_layers), gb(a.even_remote_bytes_per_step),
+        model, config.precision.recipe.recipe, config.dispatch_dtype, ep,
+        config.micro_batch_size * config.seq_len, config.grad_accum_steps);
+    std::printf("  expert all-to-all per step and rank (%lld MoE layers, dispatch %s: %lld B per "
+                "row): %.2f GB to peers with even routing, at most %.2f GB sent; receive buffers "
+                "up to %.2f GB per dispatch\n",
+                static_cast<long long>(a.moe_layers), dispatch_dtype_name(config.dispatch_dtype),
+                static_cast<long long>(a.dispatch_row_bytes), gb(a.even_remote_bytes_per_step),
                 gb(a.max_bytes_per_step), gb(a.max_receive_bytes));
   }
   std::printf("  not counted: activations, GEMM and attention workspace, the CUDA context "
@@ -882,10 +897,13 @@ Status run_train(const TrainArgs& args) {
                 static_cast<double>(t.all_gather_bytes) / 1e6,
                 static_cast<double>(t.reduce_scatter_bytes) / 1e6);
     const train::AllToAllPlan a = train::plan_all_to_all(
-        *model, config.precision.recipe.recipe, static_cast<int>(config.expert_parallel),
-        config.micro_batch_size * config.seq_len, config.grad_accum_steps);
-    std::printf("  expert all-to-all per step: %.2f MB to peers with even routing, at most %.2f MB "
-                "sent; receive buffers up to %.2f MB per dispatch\n",
+        *model, config.precision.recipe.recipe, config.dispatch_dtype,
+        static_cast<int>(config.expert_parallel), config.micro_batch_size * config.seq_len,
+        config.grad_accum_steps);
+    std::printf("  expert all-to-all per step (dispatch %s: %lld B per row): %.2f MB to peers with "
+                "even routing, at most %.2f MB sent; receive buffers up to %.2f MB per dispatch\n",
+                dispatch_dtype_name(config.dispatch_dtype),
+                static_cast<long long>(a.dispatch_row_bytes),
                 static_cast<double>(a.even_remote_bytes_per_step) / 1e6,
                 static_cast<double>(a.max_bytes_per_step) / 1e6,
                 static_cast<double>(a.max_receive_bytes) / 1e6);

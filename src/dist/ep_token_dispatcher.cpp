@@ -23,8 +23,8 @@ int64_t row_bytes_of(const Tensor& t) {
 
 }  // namespace
 
-EpTokenDispatcher::EpTokenDispatcher(Communicator& ep_comm, int64_t experts)
-    : comm_(&ep_comm), experts_(experts), local_(experts / ep_comm.size()) {
+EpTokenDispatcher::EpTokenDispatcher(Communicator& ep_comm, int64_t experts, DispatchDtype dtype)
+    : comm_(&ep_comm), experts_(experts), local_(experts / ep_comm.size()), dtype_(dtype) {
   PACKMOE_CHECK(experts > 0 && experts % ep_comm.size() == 0,
                 "EpTokenDispatcher: " << experts << " experts over " << ep_comm.size()
                                       << " EP ranks");
@@ -36,8 +36,17 @@ ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
   const int ep = comm_->size();
   PACKMOE_CHECK(all.counts.dtype() == DType::kI64 && all.counts.numel() == experts_,
                 "EpTokenDispatcher: dispatch needs (" << experts_ << ",) i64 counts");
-  std::vector<int64_t> counts(static_cast<size_t>(experts_));  // (E) this rank's, padded
-  b.copy(counts.data(), all.counts.data(), all.counts.nbytes(), Backend::CopyKind::kDeviceToHost);
+  PACKMOE_CHECK(all.amax.data() == nullptr ||
+                    (all.amax.dtype() == DType::kF32 && all.amax.numel() == experts_),
+                "EpTokenDispatcher: a payload's amax must be (" << experts_ << ",) f32");
+  std::vector<int64_t> counts = all.host_counts;  // (E) this rank's, padded
+  if (counts.empty()) {
+    counts.resize(static_cast<size_t>(experts_));
+    b.copy(counts.data(), all.counts.data(), all.counts.nbytes(), Backend::CopyKind::kDeviceToHost);
+  }
+  PACKMOE_CHECK(static_cast<int64_t>(counts.size()) == experts_,
+                "EpTokenDispatcher: " << counts.size() << " host counts for " << experts_
+                                      << " experts");
 
   // Every peer's counts of this rank's experts: (EP, E_local), source-major.
   ExpertRows local;
@@ -64,12 +73,26 @@ ExpertRows EpTokenDispatcher::dispatch(const ExpertRows& all) {
   local.used = Tensor::empty(b, DType::kI64, {1});
   b.copy(local.used.data(), &received, sizeof received, Backend::CopyKind::kHostToDevice);
   received_ = local;
-  return dispatch_again(all);
+  ExpertRows out = send_rows(all);
+  if (all.amax.data() != nullptr) {  // one F32 per expert group, sent like the counts
+    out.amax = Tensor::empty(b, DType::kF32, {ep * local_});
+    const std::vector<int64_t> amax_bytes(static_cast<size_t>(ep),
+                                          local_ * static_cast<int64_t>(sizeof(float)));
+    comm_->all_to_allv(all.amax.data(), amax_bytes, out.amax.data(), amax_bytes);
+    row_bytes_sent_ += ep * local_ * static_cast<int64_t>(sizeof(float));
+  }
+  return out;
 }
 
 ExpertRows EpTokenDispatcher::dispatch_again(const ExpertRows& all) {
   PACKMOE_CHECK(!combining_, "EpTokenDispatcher: dispatch while a combine is in flight");
   PACKMOE_CHECK(!send_rows_.empty(), "EpTokenDispatcher: dispatch_again before dispatch");
+  PACKMOE_CHECK(all.amax.data() == nullptr,
+                "EpTokenDispatcher: an amax travels with a forward dispatch only");
+  return send_rows(all);
+}
+
+ExpertRows EpTokenDispatcher::send_rows(const ExpertRows& all) {
   PACKMOE_CHECK(all.rows.rank() == 2 && all.rows.dim(0) == capacity_,
                 "EpTokenDispatcher: dispatch_again needs the last dispatch's "
                     << capacity_ << " rows, got " << shape_string(all.rows.shape()));

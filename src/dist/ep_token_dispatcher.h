@@ -21,14 +21,17 @@ namespace packmoe {
 class EpTokenDispatcher final : public TokenDispatcher {
  public:
   // ep_comm: the EP ranks of this rank's group, in EP-rank order; experts: E of the layer (a
-  // multiple of ep_comm.size()).
-  EpTokenDispatcher(Communicator& ep_comm, int64_t experts);
+  // multiple of ep_comm.size()); dtype: what the block's forward dispatches hand it.
+  EpTokenDispatcher(Communicator& ep_comm, int64_t experts,
+                    DispatchDtype dtype = DispatchDtype::kBF16);
 
-  // all: (C, W) rows of the layer's E experts, counts (E,) I64. Returns (sum received, W) rows of
+  // all: (C, W) rows of the layer's E experts (any W bytes per row: BF16 values or a payload's),
+  // counts (E,) I64 (host_counts too, or they are copied here). Returns (sum received, W) rows of
   // this rank's experts from every EP rank, counts (S * E_local,) on the host and in the backend.
+  // A payload's amax (E,) F32 travels too: (S * E_local,), source-major like the counts.
   ExpertRows dispatch(const ExpertRows& all) override;
   // The row all-to-all alone, with the last dispatch's counts (no count exchange, no host wait):
-  // all.rows must have that dispatch's C rows.
+  // all.rows must have that dispatch's C rows (no amax: backward's dY rows are BF16).
   ExpertRows dispatch_again(const ExpertRows& all) override;
   // rows: (sum received, W') in the last dispatch's order. Returns (C, W'): each row back at the
   // position it was sent from; rows no expert used stay unwritten.
@@ -39,15 +42,19 @@ class EpTokenDispatcher final : public TokenDispatcher {
   Tensor start_combine(const Tensor& rows) override;
   void finish_combine() override;
   bool overlaps_combine() const override { return true; }
+  DispatchDtype dispatch_dtype() const override { return dtype_; }
 
-  // Bytes of rows this rank's all-to-alls have sent so far (its own experts' share included):
-  // what train::plan_all_to_all bounds.
+  // Bytes of rows (and of the amax beside them) this rank's all-to-alls have sent so far (its own
+  // experts' share included): what train::plan_all_to_all bounds.
   int64_t row_bytes_sent() const { return row_bytes_sent_; }
 
  private:
+  ExpertRows send_rows(const ExpertRows& all);  // the row all-to-all with the last plan
+
   Communicator* comm_;
   int64_t experts_;
   int64_t local_;                   // E_local = E / EP
+  DispatchDtype dtype_;
   std::vector<int64_t> send_rows_;  // (EP) rows the last dispatch sent to each peer
   std::vector<int64_t> recv_rows_;  // (EP) rows it received from each
   int64_t capacity_ = 0;            // C: the last dispatch's input rows

@@ -107,11 +107,35 @@ GemmOperand GroupedLinear::weight_for_groups(GemmOperand w) {
   return r;
 }
 
+Tensor GroupedLinear::forward_received(const DispatchPayload& p, const std::vector<int64_t>& m) {
+  PACKMOE_CHECK(state_ != LinearState::kWgradPending,
+                "forward with a delayed wgrad pending: run backward_dw first, or its gradient is "
+                "lost");
+  PACKMOE_CHECK(param_.recipe_ops().quantized(),
+                "forward_received: the bf16 recipe has no quantized payload");
+  PACKMOE_CHECK(p.rows.rank() == 2 && p.rows.device() == backend_->device(),
+                "forward_received: the payload must be (M, W) in the backend's memory");
+  check_counts(m, param_.experts(), token_alignment(cfg_.recipe.recipe), p.rows.dim(0));
+  m_ = m;
+  m_device_ = Tensor{};
+  rows_ = p.rows.dim(0);
+  sources_ = static_cast<int64_t>(m.size()) / param_.experts();
+  param_.prepare_compute();
+  x_ = param_.recipe_ops().received_input_copies(p, m);
+  input_received_ = true;
+  return run_fprop();
+}
+
 Tensor GroupedLinear::run_forward(const Tensor& x) {
+  param_.prepare_compute();
+  x_ = param_.recipe_ops().activation_copies(TensorRole::kInput, x, token_groups(), 0);
+  input_received_ = false;
+  return run_fprop();
+}
+
+Tensor GroupedLinear::run_fprop() {
   const int64_t n = param_.n(), k = param_.k();
   const std::vector<int64_t> groups = token_groups();
-  param_.prepare_compute();
-  x_ = param_.recipe_ops().activation_copies(TensorRole::kInput, x, groups, 0);
   Tensor y = Tensor::empty(*backend_, cfg_.out_dtype, {rows_, n});  // (M, N)
   GroupedGemmArgs a;
   a.op = GemmOp::kFprop;
@@ -138,6 +162,8 @@ void GroupedLinear::release_input() {
 void GroupedLinear::restore_input(const Tensor& x) {
   PACKMOE_CHECK(state_ == LinearState::kForwardDone && input_released_,
                 "restore_input needs a forward whose input was released");
+  PACKMOE_CHECK(!input_received_,
+                "restore_input after forward_received: its copy came from a payload, not from x");
   PACKMOE_CHECK(x.dtype() == DType::kBF16 && x.rank() == 2 && x.dim(0) == rows_ &&
                     x.dim(1) == param_.k() && x.device() == backend_->device(),
                 "restore_input: x must be the forward's (" << rows_ << ", " << param_.k()

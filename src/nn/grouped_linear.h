@@ -75,6 +75,13 @@ class GroupedLinear {
   // quantizers group rows by host counts, so it copies the counts to the host first (one wait).
   // Same bytes as forward(x, m) with the counts on the host.
   Tensor forward(const Tensor& x, const Tensor& m_device);
+  // x that arrived as its recipe's rowwise copy (--dispatch-dtype recipe, nn/dispatch_payload.h):
+  // p.rows (M, W) holds groups m (host counts, S x E as above) of K columns. The fprop reads the
+  // payload's values, so y is bitwise forward(x, m)'s for the rows the payload was made from; the
+  // wgrad's copy is quantized from the dequantized rows (LinearRecipe::received_input_copies).
+  // Quantized recipes only; restore_input is refused after it (its copy would come from x, not
+  // from the payload).
+  Tensor forward_received(const DispatchPayload& p, const std::vector<int64_t>& m);
   // dy: (M, N) BF16 (M: x's rows). Returns dx (M, K) in out_dtype. Runs dgrad, and wgrad now (-> kIdle) or
   // queued (-> kWgradPending) per delay_wgrad, or queued whatever delay_wgrad says with
   // kQueued (a caller that first starts work the wgrad can run beside: MoEBlock's combine).
@@ -91,6 +98,7 @@ class GroupedLinear {
 
  private:
   Tensor run_forward(const Tensor& x);  // with m_ / m_device_ and rows_ set
+  Tensor run_fprop();                   // with x_ set too
   void run_wgrad(GradAccum accum);
   // The saved forward's counts into a GEMM's args (m, or m_device with packed token operands).
   void set_counts(GroupedGemmArgs& a) const;
@@ -112,6 +120,7 @@ class GroupedLinear {
   std::optional<DeviceBuffer> repeated_decode_;  // (S * E) F32: NVFP4 weight decode scales per group (S > 1)
   ActivationCopies x_;      // X (M, K): columnwise kept for wgrad
   bool input_released_ = false;  // release_input ran, restore_input not yet
+  bool input_received_ = false;  // the saved forward's x came as a payload (forward_received)
   ActivationCopies dy_;     // dY (M, N): columnwise kept while the wgrad is queued
   GradAccum pending_accum_ = GradAccum::kAccumulate;
 };

@@ -16,6 +16,7 @@
 #include "backend/ops/gemm.h"
 #include "core/tensor.h"
 #include "formats/weight_2d.h"
+#include "nn/dispatch_payload.h"
 #include "nn/grouped_storage.h"
 #include "nn/recipe.h"
 
@@ -104,6 +105,19 @@ class LinearRecipe {
   virtual ActivationCopies activation_copies(TensorRole role, const Tensor& a,
                                              const std::vector<int64_t>& m,
                                              uint64_t sr_offset) const = 0;
+
+  // ---- an input that travels quantized (--dispatch-dtype recipe, nn/dispatch_payload.h) --------
+  // a: (M, C) BF16 rows grouped by m (host counts): their kInput rowwise copy as a payload, one
+  // quantize call; group g's codes and scales are those activation_copies gives group g of the
+  // same rows (RNE: an input is never stochastically rounded). The BF16 recipe: PACKMOE_CHECK.
+  virtual DispatchPayload dispatch_payload(const Tensor& a, const std::vector<int64_t>& m) const = 0;
+  // The kInput copies of the rows a payload holds (groups m, C = the weight's K): the rowwise
+  // operand the payload's values, bitwise activation_copies' rowwise operand of the rows it was
+  // made from (the same codes, scales and NVFP4 decode scales); the columnwise (wgrad) copy
+  // quantized from the dequantized rows, x_hat in BF16, not from the rows themselves (they never
+  // arrived), so it differs from theirs by the rowwise copy's error (docs/dist.md).
+  virtual ActivationCopies received_input_copies(const DispatchPayload& p,
+                                                 const std::vector<int64_t>& m) const = 0;
 
  protected:
   LinearRecipe(Backend& backend, const QuantRecipe& q, Layout layout, int64_t e, int64_t n,

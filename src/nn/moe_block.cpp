@@ -175,16 +175,21 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
   check_op(ops::permute(b, pa), "permute");
 
   // The expert MLP runs on the rows of this rank's experts (all of them, locally).
-  ExpertRows local = dispatcher_->dispatch(all);
-  // A quantized recipe's activation quantizers group rows by host counts: one copy (one wait)
-  // for both FC1 and FC2 instead of one in each.
-  if (local.host_counts.empty() && fc1_.param().recipe_ops().quantized()) {
-    local.host_counts.assign(static_cast<size_t>(local.counts.numel()), 0);
-    b.copy(local.host_counts.data(), local.counts.data(), local.counts.nbytes(),
-           Backend::CopyKind::kDeviceToHost);
+  ExpertRows local;
+  if (dispatcher_->dispatch_dtype() == DispatchDtype::kRecipe) {
+    h_ = forward_fc1_from_payload(all, local);
+  } else {
+    local = dispatcher_->dispatch(all);
+    // A quantized recipe's activation quantizers group rows by host counts: one copy (one wait)
+    // for both FC1 and FC2 instead of one in each.
+    if (local.host_counts.empty() && fc1_.param().recipe_ops().quantized()) {
+      local.host_counts.assign(static_cast<size_t>(local.counts.numel()), 0);
+      b.copy(local.host_counts.data(), local.counts.data(), local.counts.nbytes(),
+             Backend::CopyKind::kDeviceToHost);
+    }
+    h_ = local.host_counts.empty() ? fc1_.forward(local.rows, local.counts)
+                                   : fc1_.forward(local.rows, local.host_counts);  // (CL, 2F)
   }
-  h_ = local.host_counts.empty() ? fc1_.forward(local.rows, local.counts)
-                                 : fc1_.forward(local.rows, local.host_counts);  // (CL, 2F)
   const Tensor a = swiglu(local);                                                // (CL, F)
   yp_ = dispatcher_->combine(local.host_counts.empty()
                                  ? fc2_.forward(a, local.counts)
@@ -332,6 +337,23 @@ void MoEBlock::backward_dw() {
   fc2_.backward_dw();
   fc1_.backward_dw();
   state_ = BlockState::kIdle;
+}
+
+Tensor MoEBlock::forward_fc1_from_payload(ExpertRows& all, ExpertRows& local) {
+  Backend& b = *backend_;
+  const LinearRecipe& recipe = fc1_.param().recipe_ops();
+  PACKMOE_CHECK(recipe.quantized(), "MoEBlock: --dispatch-dtype recipe with the bf16 recipe");
+  // Each expert's rows are one quantization group: on its holder, the group of this source.
+  all.host_counts.assign(static_cast<size_t>(all.counts.numel()), 0);  // (E)
+  b.copy(all.host_counts.data(), all.counts.data(), all.counts.nbytes(),
+         Backend::CopyKind::kDeviceToHost);
+  DispatchPayload sent = recipe.dispatch_payload(all.rows, all.host_counts);  // (C, W) U8
+  all.rows = sent.rows;
+  all.amax = sent.amax;
+  local = dispatcher_->dispatch(all);
+  PACKMOE_CHECK(!local.host_counts.empty(),
+                "MoEBlock: a payload's dispatcher must give the counts on the host");
+  return fc1_.forward_received({local.rows, local.amax}, local.host_counts);  // (CL, 2F)
 }
 
 Tensor MoEBlock::swiglu(const ExpertRows& local) const {

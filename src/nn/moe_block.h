@@ -12,7 +12,9 @@
 // Backward starts the combine of the dX rows (TokenDispatcher::start_combine) after FC1's dgrad,
 // runs the router's backward and, under expert parallelism (overlaps_combine), the two expert
 // wgrads beside that transfer (on one rank each wgrad follows its dgrad), and finishes the
-// combine before the permute's backward reads the rows.
+// combine before the permute's backward reads the rows. A dispatcher whose dispatch_dtype() is
+// kRecipe gets FC1's input as its recipe's rowwise payload (nn/dispatch_payload.h: the sender
+// quantizes per expert), and FC1 runs from the received payload (GroupedLinear::forward_received).
 #pragma once
 
 #include <cstdint>
@@ -122,6 +124,7 @@ class MoEBlock {
   // expert here; with E_local < E a dispatcher that brings each rank its experts' rows, e.g.
   // dist/ep_token_dispatcher.h). Only in state Idle.
   void set_token_dispatcher(std::unique_ptr<TokenDispatcher> dispatcher);
+  const TokenDispatcher& token_dispatcher() const { return *dispatcher_; }
 
   // The routing plan of the last forward (tokens per expert, rows), for metrics and tests: its
   // counts copied to the host (a wait); dest and row_slot stay in the backend's memory (empty
@@ -164,6 +167,9 @@ class MoEBlock {
 
   // a (CL, F) BF16 = swiglu(h_) over the rows `local` uses: FC2's input.
   Tensor swiglu(const ExpertRows& local) const;
+  // --dispatch-dtype recipe: all's rows (C, H) BF16 become FC1's rowwise payload per expert
+  // (nn/dispatch_payload.h), dispatched into `local`; returns FC1's output h (CL, 2F).
+  Tensor forward_fc1_from_payload(ExpertRows& all, ExpertRows& local);
 };
 
 }  // namespace packmoe

@@ -25,6 +25,22 @@ OperandFormat operand_format(Recipe r) {
 
 int64_t token_alignment(Recipe r) { return gemm_token_alignment(operand_format(r)); }
 
+const char* dispatch_dtype_name(DispatchDtype d) {
+  return d == DispatchDtype::kBF16 ? "bf16" : "recipe";
+}
+
+int64_t dispatch_row_bytes(Recipe r, DispatchDtype d, int64_t cols) {
+  PACKMOE_CHECK(d == DispatchDtype::kBF16 || r != Recipe::kBF16,
+                "dispatch dtype recipe needs a quantized recipe, not bf16");
+  if (d == DispatchDtype::kBF16) return 2 * cols;
+  if (r == Recipe::kMxfp8) return cols + cols / kMxfp8Block;
+  return cols / 2 + cols / kNvfp4Block;
+}
+
+int64_t dispatch_group_bytes(Recipe r, DispatchDtype d) {
+  return d == DispatchDtype::kRecipe && r == Recipe::kNvfp4 ? int64_t{sizeof(float)} : 0;
+}
+
 Mxfp8Config mxfp8_config(const QuantRecipe& q, TensorRole role) {
   Mxfp8Config c;
   c.element = DType::kE4M3;

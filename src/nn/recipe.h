@@ -54,6 +54,17 @@ OperandFormat operand_format(Recipe r);
 // Tokens of every group must be a multiple of this (gemm_token_alignment of the format).
 int64_t token_alignment(Recipe r);
 
+// How expert parallelism's forward dispatch carries the FC1 input rows (--dispatch-dtype): BF16,
+// or the expert recipe's quantized rowwise copy, which the FC1 GEMM reads anyway
+// (nn/dispatch_payload.h). The backward's dY rows and every combine stay BF16.
+enum class DispatchDtype { kBF16, kRecipe };
+const char* dispatch_dtype_name(DispatchDtype d);
+// Bytes one row of `cols` BF16 values takes in the forward dispatch: 2 cols (BF16), or the
+// recipe's rowwise codes and block scales, MXFP8 cols (1 + 1/32), NVFP4 cols (1/2 + 1/16).
+int64_t dispatch_row_bytes(Recipe r, DispatchDtype d, int64_t cols);
+// Bytes each expert group adds beside its rows: NVFP4's FP32 amax with kRecipe, else 0.
+int64_t dispatch_group_bytes(Recipe r, DispatchDtype d);
+
 // MXFP8: E4M3 for every role, rowwise + columnwise (both copies are always produced: a weight
 // needs both for fprop/dgrad, an activation both for fprop-or-dgrad and wgrad). Only weights
 // may use 2D tiles.

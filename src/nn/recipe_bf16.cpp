@@ -29,6 +29,17 @@ void Bf16Recipe::write_packed(const std::vector<const void*>&, const float*) {
   no_copies("write_packed");
 }
 
+DispatchPayload Bf16Recipe::dispatch_payload(const Tensor&, const std::vector<int64_t>&) const {
+  PACKMOE_CHECK(false, "dispatch_payload: the bf16 recipe's rows travel as they are (--dispatch-dtype "
+                       "recipe needs mxfp8 or nvfp4)");
+  std::abort();
+}
+ActivationCopies Bf16Recipe::received_input_copies(const DispatchPayload&,
+                                                   const std::vector<int64_t>&) const {
+  PACKMOE_CHECK(false, "received_input_copies: the bf16 recipe has no quantized payload");
+  std::abort();
+}
+
 GemmOperand Bf16Recipe::fprop_weight(const GroupedStorage& bf16) const { return bf16_operand(bf16); }
 GemmOperand Bf16Recipe::dgrad_weight(const GroupedStorage& bf16) const { return bf16_operand(bf16); }
 

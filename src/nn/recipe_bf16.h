@@ -28,6 +28,9 @@ class Bf16Recipe final : public LinearRecipe {
   ActivationCopies activation_copies(TensorRole role, const Tensor& a,
                                      const std::vector<int64_t>& m,
                                      uint64_t sr_offset) const override;
+  DispatchPayload dispatch_payload(const Tensor& a, const std::vector<int64_t>& m) const override;
+  ActivationCopies received_input_copies(const DispatchPayload& p,
+                                         const std::vector<int64_t>& m) const override;
 };
 
 }  // namespace packmoe

@@ -28,6 +28,9 @@ class Nvfp4Recipe final : public QuantizedRecipe {
   ActivationCopies activation_copies(TensorRole role, const Tensor& a,
                                      const std::vector<int64_t>& m,
                                      uint64_t sr_offset) const override;
+  DispatchPayload dispatch_payload(const Tensor& a, const std::vector<int64_t>& m) const override;
+  ActivationCopies received_input_copies(const DispatchPayload& p,
+                                         const std::vector<int64_t>& m) const override;
 
  private:
   void decode_scales();  // w_.decode_scale from w_.amax, one launch

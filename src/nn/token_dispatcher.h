@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "nn/recipe.h"
 
 namespace packmoe {
 
@@ -21,12 +22,17 @@ namespace packmoe {
 // the backend's memory (nothing waits on the host for them) and sum to `used` <= capacity: the
 // rows past it are unused.
 // A dispatcher that brought the rows from S ranks (expert parallelism) gives S x G counts,
-// source-major, and knows them on the host too (host_counts; empty otherwise).
+// source-major, and knows them on the host too (host_counts; empty otherwise). A caller may give
+// dispatch the counts on the host as well, which the dispatcher then need not copy.
+// With DispatchDtype::kRecipe the forward's rows are a DispatchPayload's (nn/dispatch_payload.h):
+// rows (capacity, W) U8 in its group-major layout and NVFP4's per-group amax, which travels with
+// its group.
 struct ExpertRows {
   Tensor rows;
   Tensor counts;                     // (G,) or (S * G,) I64, multiples of the token alignment
   Tensor used;                       // (1,) I64, the sum of counts
   std::vector<int64_t> host_counts;  // counts on the host, when the dispatcher has them
+  Tensor amax;                       // (G,) or (S * G,) F32: a payload's NVFP4 amax; else empty
 };
 
 class TokenDispatcher {
@@ -51,6 +57,8 @@ class TokenDispatcher {
   // True when start_combine's transfer runs beside the backend's later work (expert parallelism),
   // so the block queues the expert wgrads behind it; otherwise each wgrad follows its dgrad.
   virtual bool overlaps_combine() const { return false; }
+  // How the block hands dispatch its forward rows: BF16, or (kRecipe) as the FC1 recipe's payload.
+  virtual DispatchDtype dispatch_dtype() const { return DispatchDtype::kBF16; }
 };
 
 // Every expert is local: dispatch and combine return their input.

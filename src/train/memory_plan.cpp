@@ -213,18 +213,25 @@ Result<MemoryPlan> plan_memory(const ModelConfig& model, const ModelPrecision& e
   return plan;
 }
 
-AllToAllPlan plan_all_to_all(const ModelConfig& model, Recipe recipe, int ep, int64_t tokens,
-                             int64_t grad_accum) {
+AllToAllPlan plan_all_to_all(const ModelConfig& model, Recipe recipe, DispatchDtype dispatch,
+                             int ep, int64_t tokens, int64_t grad_accum) {
   AllToAllPlan p;
   if (ep <= 1) return p;
   for (int64_t i = 0; i < model.num_hidden_layers; ++i) p.moe_layers += model.is_moe_layer(i);
   const int64_t row_bytes = model.hidden_size * 2;  // BF16
-  const int64_t k = model.num_experts_per_tok;
-  const int64_t max_rows =
-      routing_plan_max_rows(tokens, model.num_experts, k, token_alignment(recipe));
-  const int64_t passes = p.moe_layers * grad_accum;  // each: 2 x own rows + 2 x received rows
-  p.max_bytes_per_step = passes * 2 * (1 + ep) * max_rows * row_bytes;
-  p.even_remote_bytes_per_step = passes * 4 * tokens * k * row_bytes * (ep - 1) / ep;
+  p.row_bytes = row_bytes;
+  p.dispatch_row_bytes = dispatch_row_bytes(recipe, dispatch, model.hidden_size);
+  p.dispatch_group_bytes = dispatch_group_bytes(recipe, dispatch);
+  const int64_t k = model.num_experts_per_tok, e = model.num_experts;
+  const int64_t max_rows = routing_plan_max_rows(tokens, e, k, token_alignment(recipe));
+  // Each pass: own rows in the dispatch dtype and in BF16, received rows twice in BF16, and the
+  // per-expert bytes to every holder (E in all, E (EP - 1) / EP of them to peers).
+  const int64_t passes = p.moe_layers * grad_accum;
+  p.max_bytes_per_step = passes * (max_rows * (p.dispatch_row_bytes + row_bytes) +
+                                   2 * ep * max_rows * row_bytes + e * p.dispatch_group_bytes);
+  p.even_remote_bytes_per_step =
+      passes * (tokens * k * (p.dispatch_row_bytes + 3 * row_bytes) + e * p.dispatch_group_bytes) *
+      (ep - 1) / ep;
   p.max_receive_bytes = ep * max_rows * row_bytes;
   return p;
 }

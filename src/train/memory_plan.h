@@ -81,21 +81,26 @@ struct MemoryPlan {
 Result<MemoryPlan> plan_memory(const ModelConfig& model, const ModelPrecision& experts,
                                GatherMode gather, int world, int ep, int64_t bucket_elems);
 
-// Expert parallelism's all-to-all rows of one rank (dist/ep_token_dispatcher.h), H BF16 columns
-// each. In every MoE layer and micro-batch the rank sends its own routed rows twice (the forward's
-// dispatch, the backward's dY rows: T x k, each expert's padded to the recipe's token alignment, at
-// most routing_plan_max_rows(T, E, k, align)) and the rows it received twice (sent back by the
-// forward's combine and as dX rows in backward: at most EP times that maximum, every peer's rows
-// for its experts). The rows of its own experts stay on the rank (a local copy).
+// Expert parallelism's all-to-all rows of one rank (dist/ep_token_dispatcher.h), H columns each.
+// In every MoE layer and micro-batch the rank sends its own routed rows twice (the forward's
+// dispatch in the dispatch dtype: row_bytes, or dispatch_row_bytes with --dispatch-dtype recipe
+// plus dispatch_group_bytes per expert (NVFP4's amax); the backward's dY rows in BF16: T x k,
+// each expert's padded to the recipe's token alignment, at most routing_plan_max_rows(T, E, k,
+// align)) and the rows it received twice in BF16 (sent back by the forward's combine and as dX
+// rows in backward: at most EP times that maximum, every peer's rows for its experts). The rows of
+// its own experts stay on the rank (a local copy).
 struct AllToAllPlan {
   int64_t moe_layers = 0;
+  int64_t row_bytes = 0;             // 2 H: a BF16 row (dY dispatch, both combines)
+  int64_t dispatch_row_bytes = 0;    // a row of the forward's dispatch (nn/recipe.h)
+  int64_t dispatch_group_bytes = 0;  // per expert beside the forward's rows, to each holder
   int64_t max_bytes_per_step = 0;  // every row padded as far as a plan can, all sent to this rank
-  int64_t even_remote_bytes_per_step = 0;  // even routing: 4 T k rows, (EP - 1) / EP to peers
-  int64_t max_receive_bytes = 0;   // the largest receive buffer of one dispatch
+  int64_t even_remote_bytes_per_step = 0;  // even routing: T k rows each way, (EP - 1) / EP to peers
+  int64_t max_receive_bytes = 0;   // the largest receive buffer of one dispatch (backward's dY)
 };
 // tokens: of one micro-batch on one rank (micro-batch rows x sequence length). All zero with
 // EP = 1 (nothing travels).
-AllToAllPlan plan_all_to_all(const ModelConfig& model, Recipe recipe, int ep, int64_t tokens,
-                             int64_t grad_accum);
+AllToAllPlan plan_all_to_all(const ModelConfig& model, Recipe recipe, DispatchDtype dispatch,
+                             int ep, int64_t tokens, int64_t grad_accum);
 
 }  // namespace packmoe::train

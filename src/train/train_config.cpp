@@ -87,6 +87,12 @@ Status validate(const TrainConfig& c, const ModelConfig& model) {
   if (c.expert_parallel < 1 || c.expert_parallel > kMaxRanks)
     return Status::error("expert_parallel = " + std::to_string(c.expert_parallel) +
                          " must be in [1, " + std::to_string(kMaxRanks) + "]");
+  if (c.dispatch_dtype == DispatchDtype::kRecipe && c.precision.recipe.recipe == Recipe::kBF16)
+    return Status::error("dispatch_dtype = recipe needs the mxfp8 or nvfp4 recipe (bf16 rows "
+                         "already travel as the FC1 GEMM reads them)");
+  if (c.dispatch_dtype == DispatchDtype::kRecipe && c.expert_parallel == 1)
+    return Status::error("dispatch_dtype = recipe needs expert parallelism (expert_parallel > 1): "
+                         "with every expert on its rank no row is dispatched");
   // Token counts are exact: a micro-batch, a step and the whole run (the data position) in int64.
   const std::optional<int64_t> rows_tokens = checked_mul(c.micro_batch_size, c.seq_len);
   if (!rows_tokens || *rows_tokens > (int64_t{1} << kMaxRowsBits))
@@ -195,6 +201,12 @@ Result<Recompute> parse_recompute(const std::string& name) {
   return Status::error("recompute must be none, selective or full (got '" + name + "')");
 }
 
+Result<DispatchDtype> parse_dispatch_dtype(const std::string& name) {
+  for (DispatchDtype d : {DispatchDtype::kBF16, DispatchDtype::kRecipe})
+    if (name == dispatch_dtype_name(d)) return d;
+  return Status::error("dispatch_dtype must be bf16 or recipe (got '" + name + "')");
+}
+
 json train_config_to_json(const TrainConfig& c) {
   json j;
   j["steps"] = c.steps;
@@ -221,6 +233,7 @@ json train_config_to_json(const TrainConfig& c) {
   j["primary"] = primary_name(c.precision.primary);
   j["gather_mode"] = gather_mode_name(c.gather_mode);
   j["expert_parallel"] = c.expert_parallel;
+  j["dispatch_dtype"] = dispatch_dtype_name(c.dispatch_dtype);
   j["recompute"] = recompute_name(c.recompute);
   if (!c.tokenizer.empty()) j["tokenizer"] = c.tokenizer;
   return j;
@@ -281,6 +294,12 @@ Status apply_train_json(const json& j, TrainConfig* c) {
       Result<GatherMode> m = parse_gather_mode(name);
       if (!m) return m.status();
       c->gather_mode = m.value();
+    } else if (key == "dispatch_dtype") {
+      std::string name;
+      PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));
+      Result<DispatchDtype> d = parse_dispatch_dtype(name);
+      if (!d) return d.status();
+      c->dispatch_dtype = d.value();
     } else if (key == "recompute") {
       std::string name;
       PACKMOE_RETURN_IF_ERROR(read_name(key, v, &name));

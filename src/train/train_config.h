@@ -49,6 +49,11 @@ struct TrainConfig {
   // holds one (dist/expert_layout.h); tokens reach their experts by all-to-all. 1: every rank
   // holds every expert. EP must divide the ranks and the experts (checked by Trainer::create).
   int64_t expert_parallel = 1;
+  // How the forward's dispatch carries the FC1 input rows under expert parallelism: bf16, or
+  // recipe (the MXFP8 / NVFP4 rowwise copy the FC1 GEMM reads: fewer bytes, and the FC1 weight
+  // gradient within docs/dist.md's bound of bf16's). recipe needs expert_parallel > 1 and a
+  // quantized recipe.
+  DispatchDtype dispatch_dtype = DispatchDtype::kBF16;
   // What each micro-batch's forward keeps for backward (nn/recompute.h): none, selective (the
   // attention core and the SwiGLUs re-run in backward) or full (each layer's forward re-run).
   // Every mode gives the same bytes; they trade memory for compute.
@@ -88,6 +93,7 @@ Result<Recipe> parse_recipe(const std::string& name);
 Result<Layout> parse_layout(const std::string& name);
 Result<PrimaryWeight> parse_primary(const std::string& name);
 Result<Recompute> parse_recompute(const std::string& name);
+Result<DispatchDtype> parse_dispatch_dtype(const std::string& name);  // bf16 | recipe
 const char* layout_name(Layout layout);
 const char* primary_name(PrimaryWeight primary);
 const char* recompute_name(Recompute recompute);
@@ -97,7 +103,7 @@ const char* recompute_name(Recompute recompute);
 nlohmann::json train_config_to_json(const TrainConfig& config);
 
 // Overwrites the fields present in `json` (an object whose keys are the field names above plus
-// "recipe", "layout", "primary", "recompute", "tokenizer" (a path); gather_mode by name: bf16, lowp,
+// "recipe", "layout", "primary", "recompute", "dispatch_dtype", "tokenizer" (a path); gather_mode by name: bf16, lowp,
 // reuse-grad-buffer); an unknown key or a wrong type is an error naming the key.
 Status apply_train_json(const nlohmann::json& json, TrainConfig* config);
 

@@ -183,7 +183,8 @@ Trainer::Trainer(std::unique_ptr<Model> model, const TrainConfig& config,
     for (int64_t i = 0; i < model_->config().num_hidden_layers; ++i)
       if (MoEBlock* moe = model_->layer(i).moe())
         moe->set_token_dispatcher(
-            std::make_unique<EpTokenDispatcher>(*ep_comm_, model_->config().num_experts));
+            std::make_unique<EpTokenDispatcher>(*ep_comm_, model_->config().num_experts,
+                                                config_.dispatch_dtype));
   }
   optimizer_ = std::make_unique<ParallelOptimizer>(*comm_, ep_comm_.get(), edp_comm_.get(),
                                                    optimizer_params(*model_), expert, dc);

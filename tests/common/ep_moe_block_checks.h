@@ -157,7 +157,7 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
     shape.num_hidden_layers = 1;
     shape.decoder_sparse_step = 1;
     const train::AllToAllPlan planned =
-        train::plan_all_to_all(shape, recipe, ep, 24 + 8 * (world.size() - 1), 1);
+        train::plan_all_to_all(shape, recipe, DispatchDtype::kBF16, ep, 24 + 8 * (world.size() - 1), 1);
     if (ep > 1) {
       EXPECT_LE(dispatcher.row_bytes_sent(), planned.max_bytes_per_step);
       EXPECT_LE(received * row_bytes, planned.max_receive_bytes);  // this dispatch's buffer
@@ -191,3 +191,4 @@ INSTANTIATE_TEST_SUITE_P(Recipes, EpMoeBlock,
 
 }  // namespace packmoe::dist_test::ep_checks
 
+#include "common/ep_dispatch_dtype_checks.h"  // IWYU pragma: keep (its tests run here too)

@@ -1,7 +1,8 @@
 // `mpirun -np 2 packmoe train --device cpu` end to end: the CLI's data-parallel job (MPI, the
 // gather mode flag, rank 0 alone printing and writing) against the same command as one process
 // with --grad-accum 2: the losses in metrics.jsonl are bitwise equal (JSON keeps every double
-// exactly), the grad norms within 1e-12 relative; with --expert-parallel 2 the same bits again.
+// exactly), the grad norms within 1e-12 relative; with --expert-parallel 2 the same bits again;
+// with --dispatch-dtype recipe too the first loss bitwise and the later ones within 1e-3.
 // Runs the binaries CTest names in
 // PACKMOE_MPIEXEC and PACKMOE_CLI.
 #include <gtest/gtest.h>
@@ -60,10 +61,18 @@ TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
                                  common + " --expert-parallel 2 --out " + (dir / "ep").string());
   ASSERT_EQ(ep.exit_code, 0) << ep.output;
   EXPECT_NE(ep.output.find("expert parallel: EP 2"), std::string::npos) << ep.output;
+  // The forward's rows as MXFP8 codes and scales: 64 + 2 bytes per row of the tiny preset.
+  const RunResult rc =
+      run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli + common +
+                " --expert-parallel 2 --dispatch-dtype recipe --out " + (dir / "rc").string());
+  ASSERT_EQ(rc.exit_code, 0) << rc.output;
+  EXPECT_NE(rc.output.find("(dispatch recipe: 66 B per row)"), std::string::npos) << rc.output;
 
   const std::vector<nlohmann::json> a = read_metrics((dir / "dp" / "metrics.jsonl").string());
   const std::vector<nlohmann::json> b = read_metrics((dir / "one" / "metrics.jsonl").string());
   const std::vector<nlohmann::json> e = read_metrics((dir / "ep" / "metrics.jsonl").string());
+  const std::vector<nlohmann::json> q = read_metrics((dir / "rc" / "metrics.jsonl").string());
+  ASSERT_EQ(q.size(), 3u);
   ASSERT_EQ(a.size(), 3u);
   ASSERT_EQ(b.size(), 3u);
   ASSERT_EQ(e.size(), 3u);
@@ -74,6 +83,11 @@ TEST(DistTrainCli, TwoRanksEqualOneProcessWithTwoMicroBatches) {
     const double na = a[s]["grad_norm"].get<double>(), nb = b[s]["grad_norm"].get<double>();
     EXPECT_LE(std::fabs(na - nb) / nb, 1e-12);
     EXPECT_LE(std::fabs(e[s]["grad_norm"].get<double>() - na) / na, 1e-12);
+    const double lq = q[s]["loss"].get<double>(), le = e[s]["loss"].get<double>();
+    if (s == 0)
+      EXPECT_EQ(lq, le);
+    else
+      EXPECT_LE(std::fabs(lq - le), 1e-3 * le);
   }
   remove_test_dir(dir);
 }
@@ -94,6 +108,27 @@ TEST(DistTrainCli, ExpertParallelThatDoesNotDivideIsOneErrorLine) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_EQ(count_of(r.output, "packmoe: error:"), 1u) << r.output;
   EXPECT_NE(r.output.find("--expert-parallel 3 does not divide the 2 ranks"), std::string::npos)
+      << r.output;
+}
+
+TEST(DistTrainCli, DispatchDtypeRecipeWithBf16IsOneErrorLine) {
+  const std::filesystem::path dir = make_test_dir("dist_train_cli_dispatch_bad_");
+  const std::string corpus = (dir / "corpus.txt").string();
+  {
+    std::ofstream out(corpus);
+    for (int line = 0; line < 400; ++line) out << "line " << line * 7919 % 1013 << " of text\n";
+  }
+  const std::string cli = ctest_env("PACKMOE_CLI");
+  const RunResult r = run_shell(ctest_env("PACKMOE_MPIEXEC") + " --oversubscribe -np 2 " + cli +
+                                " train --device cpu --steps 1 --expert-parallel 2 "
+                                "--dispatch-dtype recipe --data text:" +
+                                corpus + " --out " + (dir / "out").string());
+  EXPECT_FALSE(std::filesystem::exists(dir / "out")) << "nothing is written before the check";
+  remove_test_dir(dir);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(count_of(r.output, "packmoe: error:"), 1u) << r.output;
+  EXPECT_NE(r.output.find("dispatch_dtype = recipe needs the mxfp8 or nvfp4 recipe"),
+            std::string::npos)
       << r.output;
 }
 

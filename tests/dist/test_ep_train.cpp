@@ -19,9 +19,12 @@
 
 #include "common/dist_main.h"
 #include "common/dist_train_setup.h"
+#include "dist/ep_token_dispatcher.h"
 #include "dist/expert_layout.h"
+#include "nn/decoder_layer.h"
 #include "nn/model.h"
 #include "train/checkpoint.h"
+#include "train/memory_plan.h"
 #include "train/model_config.h"
 #include "train/trainer.h"
 
@@ -119,6 +122,85 @@ INSTANTIATE_TEST_SUITE_P(Recipes, EpTrain,
                          ::testing::Values(Case{Recipe::kBF16, 1}, Case{Recipe::kMxfp8, 1},
                                            Case{Recipe::kBF16, 2}, Case{Recipe::kNvfp4, 1}));
 
+// --dispatch-dtype recipe against bf16 on the same micro-batches, every EP > 1: the first step's
+// loss and aux loss bitwise (its forward is bitwise: docs/dist.md), the bytes each layer's
+// dispatcher sent in it exactly what plan_all_to_all's figures make of that step's counts (and at
+// most its per-step maximum); later losses within kDispatchLossBound (only the FC1 weight
+// gradients differ). MXFP8 and NVFP4.
+constexpr double kDispatchLossBound = 1e-3;  // relative, steps 2 and 3
+
+class EpDispatchDtypeTrain : public ::testing::TestWithParam<Recipe> {};
+
+TEST_P(EpDispatchDtypeTrain, RecipeDispatchAgainstBf16Dispatch) {
+  const Recipe recipe = GetParam();
+  Communicator& world = comm();
+  if (world.size() == 1) GTEST_SKIP() << "expert parallelism needs 2+ ranks";
+  Backend& b = world.backend();
+  const ModelConfig model = model_with_12_experts();
+  const uint64_t seed = g_seed % 100000;
+  for (int ep = 2; ep <= world.size(); ++ep) {
+    if (world.size() % ep != 0 || model.num_experts % ep != 0) continue;
+    SCOPED_TRACE(::testing::Message() << "EP " << ep << " of " << world.size() << " ranks");
+    train::TrainConfig quantized = config(1, recipe, ep, seed);
+    quantized.dispatch_dtype = DispatchDtype::kRecipe;
+    auto bf = train::Trainer::create(b, model, config(1, recipe, ep, seed), dist_checks::corpus(),
+                                     nullptr, {&world})
+                  .value();
+    auto rc = train::Trainer::create(b, model, quantized, dist_checks::corpus(), nullptr, {&world})
+                  .value();
+    const ExpertLayout layout = make_expert_layout(world.size(), ep, model.num_experts, 1).value();
+    for (int s = 0; s < 3; ++s) {
+      SCOPED_TRACE("step " + std::to_string(s + 1));
+      const train::StepResult d = bf->train_step().value();
+      const train::StepResult e = rc->train_step().value();
+      if (s == 0) {
+        EXPECT_EQ(e.loss, d.loss);
+        EXPECT_EQ(e.aux_loss, d.aux_loss);
+      } else {
+        EXPECT_LE(std::fabs(e.loss - d.loss), kDispatchLossBound * d.loss);
+      }
+      if (world.rank() == 0)
+        std::printf("[ep dispatch dtype] %s EP %d of %d: step %d loss %.17g (bf16 dispatch "
+                    "%.17g)\n",
+                    recipe_name(recipe), ep, world.size(), s + 1, e.loss, d.loss);
+      if (s != 0) continue;
+      // The first step's bytes, layer by layer: own rows in the dispatch dtype and as dY in
+      // BF16, received rows twice in BF16, the per-expert bytes.
+      for (auto* t : {bf.get(), rc.get()}) {
+        const DispatchDtype dtype = t == bf.get() ? DispatchDtype::kBF16 : DispatchDtype::kRecipe;
+        const train::AllToAllPlan p = train::plan_all_to_all(
+            model, recipe, dtype, ep, quantized.micro_batch_size * quantized.seq_len, 1);
+        int64_t total = 0;
+        for (int64_t i = 0; i < model.num_hidden_layers; ++i) {
+          MoEBlock* moe = t->model().layer(i).moe();
+          if (moe == nullptr) continue;
+          const std::vector<int64_t> padded = moe->plan().padded_counts;  // (E)
+          DeviceBuffer mine = upload(padded);
+          DeviceBuffer every(b, mine.size() * world.size());
+          world.all_gather(mine.get(), every.get(), static_cast<int64_t>(mine.size()));
+          const std::vector<int64_t> all = download<int64_t>(every);  // (world, E)
+          int64_t own = 0, received = 0;
+          for (int64_t c : padded) own += c;
+          const int64_t first = layout.first_expert(world.rank());
+          for (int q = 0; q < ep; ++q)
+            for (int64_t x = first; x < first + layout.local_experts(); ++x)
+              received += all[(layout.ep_group(world.rank()) * ep + q) * model.num_experts + x];
+          const auto& dispatcher = dynamic_cast<const EpTokenDispatcher&>(moe->token_dispatcher());
+          EXPECT_EQ(dispatcher.row_bytes_sent(),
+                    own * (p.dispatch_row_bytes + p.row_bytes) +
+                        model.num_experts * p.dispatch_group_bytes + 2 * received * p.row_bytes)
+              << dispatch_dtype_name(dtype) << ", layer " << i;
+          total += dispatcher.row_bytes_sent();
+        }
+        EXPECT_LE(total, p.max_bytes_per_step) << dispatch_dtype_name(dtype);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, EpDispatchDtypeTrain,
+                         ::testing::Values(Recipe::kMxfp8, Recipe::kNvfp4));
+
 // A checkpoint saved by EP = world after 2 steps, resumed by data parallelism on the same ranks,
 // by EP = world again, by every other EP dividing the world, and by one process (grad-accum =
 // world): the third step's loss equals the uninterrupted run's bitwise (EP = world and data
@@ -176,6 +258,16 @@ TEST(EpTrain, BadLayoutsFailBeforeAnythingStarts) {
     EXPECT_NE(t.status().message().find(part), std::string::npos) << t.status().message();
   };
   fails(model, world.size() + 1, "does not divide the " + std::to_string(world.size()) + " ranks");
+  // --dispatch-dtype recipe: a quantized recipe's rows under expert parallelism only.
+  auto dispatch_fails = [&](Recipe recipe, int64_t ep, const std::string& part) {
+    train::TrainConfig c = config(1, recipe, ep, 1);
+    c.dispatch_dtype = DispatchDtype::kRecipe;
+    auto t = train::Trainer::create(b, model, c, dist_checks::corpus(), nullptr, {&world});
+    ASSERT_FALSE(t.is_ok()) << recipe_name(recipe) << " EP " << ep;
+    EXPECT_NE(t.status().message().find(part), std::string::npos) << t.status().message();
+  };
+  dispatch_fails(Recipe::kBF16, world.size(), "dispatch_dtype = recipe needs the mxfp8 or nvfp4");
+  dispatch_fails(Recipe::kMxfp8, 1, "dispatch_dtype = recipe needs expert parallelism");
   if (world.size() >= 2) {
     ModelConfig odd = model;
     odd.num_experts = 2 * world.size() + 1;  // EP = world does not divide it

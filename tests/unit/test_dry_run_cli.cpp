@@ -66,11 +66,25 @@ TEST(DryRunCli, PlansTheWholeQwen3_30bA3bWithoutDataOrOutputs) {
       << r.output;
   // Even routing: 48 layers x 4 passes x 512 tokens x top-8 rows x 4096 B, 7/8 of them to peers.
   EXPECT_TRUE(std::regex_search(
-      r.output, std::regex("\n  expert all-to-all per step and rank \\(48 MoE layers\\): "
-                           "2\\.82 GB to peers with even routing, at most \\d+\\.\\d\\d GB "
-                           "sent; receive buffers up to \\d+\\.\\d\\d GB per dispatch\n")))
+      r.output, std::regex("\n  expert all-to-all per step and rank \\(48 MoE layers, dispatch "
+                           "bf16: 4096 B per row\\): 2\\.82 GB to peers with even routing, at "
+                           "most \\d+\\.\\d\\d GB sent; receive buffers up to \\d+\\.\\d\\d GB "
+                           "per dispatch\n")))
       << r.output;
   EXPECT_NE(r.output.find("\n  not counted: activations"), std::string::npos) << r.output;
+}
+
+// --dispatch-dtype recipe: the forward's rows as MXFP8 codes and scales, 2048 + 64 B each; even
+// routing 48 layers x 512 tokens x top-8 x (2112 + 3 x 4096 B), 7/8 of them to peers: 2.48 GB.
+TEST(DryRunCli, CountsTheDispatchDtype) {
+  const RunResult r = run_cli(
+      "train --preset qwen3_30b_a3b --dry-run 8 --expert-parallel 8 --recipe mxfp8 "
+      "--dispatch-dtype recipe");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex("\n  expert all-to-all per step and rank \\(48 MoE layers, dispatch "
+                           "recipe: 2112 B per row\\): 2\\.48 GB to peers with even routing")))
+      << r.output;
 }
 
 TEST(DryRunCli, BadValuesAreOneErrorLine) {
@@ -94,6 +108,14 @@ TEST(DryRunCli, BadValuesAreOneErrorLine) {
       {"--config " + dense_config + " --dry-run 2 --expert-parallel 2",
        "packmoe: error: --expert-parallel 2 on a model without MoE layers: there are no experts "
        "to shard\n"},
+      {"--preset tiny --dry-run 2 --expert-parallel 2 --dispatch-dtype recipe",
+       "packmoe: error: dispatch_dtype = recipe needs the mxfp8 or nvfp4 recipe (bf16 rows "
+       "already travel as the FC1 GEMM reads them)\n"},
+      {"--preset tiny --dry-run 2 --recipe nvfp4 --dispatch-dtype recipe",
+       "packmoe: error: dispatch_dtype = recipe needs expert parallelism (expert_parallel > 1): "
+       "with every expert on its rank no row is dispatched\n"},
+      {"--preset tiny --dry-run 2 --expert-parallel 2 --dispatch-dtype fp8",
+       "packmoe: error: --dispatch-dtype: dispatch_dtype must be bf16 or recipe (got 'fp8')\n"},
       {"--preset tiny --dry-run 2 --resume auto",
        "packmoe: error: --dry-run plans a model from --preset or --config: give the config.json "
        "of the --resume checkpoint or the --init-from-hf directory as --config\n"},

@@ -32,7 +32,7 @@ class CopyingDispatcher final : public TokenDispatcher {
     calls_->last_counts.resize(all.counts.numel());
     b_->copy(calls_->last_counts.data(), all.counts.data(), all.counts.nbytes(),
              Backend::CopyKind::kDeviceToHost);
-    return {copy(all.rows), copy(all.counts), copy(all.used), {}};
+    return {copy(all.rows), copy(all.counts), copy(all.used), {}, {}};
   }
   Tensor combine(const Tensor& rows) override {
     ++calls_->combines;

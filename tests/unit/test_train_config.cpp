@@ -78,6 +78,18 @@ TEST(TrainConfig, DefaultsAreValidAndBadValuesAreNamed) {
   EXPECT_EQ(nvfp4(1 << 24, 1), "NVFP4: steps must be below 2^24 (its stochastic rounding numbers the steps' draws)");
   EXPECT_NE(nvfp4(10, 4097).find("NVFP4: grad_accum_steps must be at most 2^12"), std::string::npos);
   EXPECT_TRUE(error([](TrainConfig& c) { c.steps = 1 << 24, c.grad_accum_steps = 4097; }).empty());
+  // --dispatch-dtype recipe: a quantized recipe's rows, under expert parallelism only.
+  const auto dispatch = [&](Recipe recipe, int64_t ep) {
+    return error([&](TrainConfig& c) {
+      c.precision.recipe.recipe = recipe;
+      c.expert_parallel = ep;
+      c.dispatch_dtype = DispatchDtype::kRecipe;
+    });
+  };
+  EXPECT_TRUE(dispatch(Recipe::kMxfp8, 2).empty());
+  EXPECT_TRUE(dispatch(Recipe::kNvfp4, 4).empty());
+  EXPECT_NE(dispatch(Recipe::kBF16, 2).find("needs the mxfp8 or nvfp4 recipe"), std::string::npos);
+  EXPECT_NE(dispatch(Recipe::kMxfp8, 1).find("needs expert parallelism"), std::string::npos);
   EXPECT_EQ(lr_schedule(TrainConfig{}).decay_steps, TrainConfig{}.steps);
 }
 
@@ -86,7 +98,7 @@ TEST(TrainConfig, JsonOverwritesOnlyTheGivenKeys) {
   const auto j = nlohmann::json::parse(
       R"({"steps": 7, "lr": 0.5, "decay_steps": 5, "seed": 9, "recipe": "nvfp4",
           "layout": "discrete", "primary": "high", "gather_mode": "lowp",
-          "recompute": "selective"})");
+          "recompute": "selective", "dispatch_dtype": "recipe"})");
   ASSERT_TRUE(apply_train_json(j, &c).is_ok());
   EXPECT_EQ(c.steps, 7);
   EXPECT_EQ(c.lr, 0.5);
@@ -97,6 +109,8 @@ TEST(TrainConfig, JsonOverwritesOnlyTheGivenKeys) {
   EXPECT_EQ(c.precision.primary, PrimaryWeight::kHighPrecision);
   EXPECT_EQ(c.gather_mode, GatherMode::kLowp);
   EXPECT_EQ(c.recompute, Recompute::kSelective);
+  EXPECT_EQ(c.dispatch_dtype, DispatchDtype::kRecipe);
+  EXPECT_EQ(train_config_to_json(c)["dispatch_dtype"], "recipe");
   EXPECT_EQ(c.micro_batch_size, TrainConfig{}.micro_batch_size);
 
   auto error = [](const char* text) {
@@ -110,6 +124,8 @@ TEST(TrainConfig, JsonOverwritesOnlyTheGivenKeys) {
   EXPECT_EQ(error(R"({"recipe": "fp8"})"), "recipe must be bf16, mxfp8 or nvfp4 (got 'fp8')");
   EXPECT_EQ(error(R"({"recompute": "all"})"),
             "recompute must be none, selective or full (got 'all')");
+  EXPECT_EQ(error(R"({"dispatch_dtype": "fp8"})"),
+            "dispatch_dtype must be bf16 or recipe (got 'fp8')");
   EXPECT_EQ(error(R"({"gather_mode": "fp8"})"),
             "unknown parameter gather mode 'fp8' (bf16, lowp, reuse-grad-buffer)");
   EXPECT_NE(error(R"([1, 2])").find("must be a JSON object"), std::string::npos);
