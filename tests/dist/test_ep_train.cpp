@@ -201,10 +201,11 @@ TEST_P(EpDispatchDtypeTrain, RecipeDispatchAgainstBf16Dispatch) {
 INSTANTIATE_TEST_SUITE_P(Recipes, EpDispatchDtypeTrain,
                          ::testing::Values(Recipe::kMxfp8, Recipe::kNvfp4));
 
-// A checkpoint saved by EP = world after 2 steps, resumed by data parallelism on the same ranks,
-// by EP = world again, by every other EP dividing the world, and by one process (grad-accum =
-// world): the third step's loss equals the uninterrupted run's bitwise (EP = world and data
-// parallelism are bitwise the same run; others within kLossBound).
+// A checkpoint saved after 2 steps by every EP >= 2 dividing the world (np 4: EP 2 and EP 4),
+// resumed on the same ranks by every EP dividing the world (data parallelism included) and by one
+// process (grad-accum = world): the third step's loss equals the uninterrupted run's bitwise where
+// the two layouts are the same run (the same EP; EP = world, data parallelism and one process are
+// bitwise one run), others within kLossBound.
 TEST(EpTrain, CheckpointResumesUnderEveryLayout) {
   Communicator& world = comm();
   if (world.size() == 1) GTEST_SKIP() << "expert parallelism needs 2+ ranks";
@@ -212,39 +213,51 @@ TEST(EpTrain, CheckpointResumesUnderEveryLayout) {
   const ModelConfig model = model_with_12_experts();
   if (model.num_experts % world.size() != 0) GTEST_SKIP() << "EP = world must divide 12";
   const uint64_t seed = g_seed % 100000;
-  const std::filesystem::path root =
-      std::filesystem::temp_directory_path() / ("packmoe_ep_ckpt_" + std::to_string(g_seed));
-  auto saving = train::Trainer::create(b, model, config(1, Recipe::kBF16, world.size(), seed),
-                                       dist_checks::corpus(), nullptr, {&world})
-                    .value();
-  saving->train_step().value();
-  saving->train_step().value();
-  const auto committed = saving->save_checkpoint(root.string(), 1);
-  ASSERT_TRUE(committed.is_ok()) << committed.status().message();
-  const double want = saving->train_step().value().loss;
-  Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(committed.value().info.dir);
-  ASSERT_TRUE(c.is_ok()) << c.status().message();
-  for (int ep = 1; ep <= world.size(); ++ep) {
-    if (world.size() % ep != 0) continue;
-    SCOPED_TRACE(::testing::Message() << "resumed with EP " << ep);
-    auto t = train::Trainer::resume(b, c.value(), config(1, Recipe::kBF16, ep, seed), dist_checks::corpus(),
-                                    {&world});
-    ASSERT_TRUE(t.is_ok()) << t.status().message();
-    const double got = t.value()->train_step().value().loss;
-    if (ep == 1 || ep == world.size())
-      EXPECT_EQ(got, want);
-    else
-      EXPECT_LE(std::fabs(got - want), kLossBound * want);
+  const int n = world.size();
+  // Layouts that run bitwise the same steps as data parallelism.
+  auto like_dp = [n](int ep) { return ep == 1 || ep == n; };
+  for (int save_ep = 2; save_ep <= n; ++save_ep) {
+    if (n % save_ep != 0) continue;
+    SCOPED_TRACE(::testing::Message() << "saved with EP " << save_ep);
+    const std::filesystem::path root =
+        std::filesystem::temp_directory_path() /
+        ("packmoe_ep_ckpt_" + std::to_string(g_seed) + "_" + std::to_string(save_ep));
+    auto saving = train::Trainer::create(b, model, config(1, Recipe::kBF16, save_ep, seed),
+                                         dist_checks::corpus(), nullptr, {&world})
+                      .value();
+    saving->train_step().value();
+    saving->train_step().value();
+    const auto committed = saving->save_checkpoint(root.string(), 1);
+    ASSERT_TRUE(committed.is_ok()) << committed.status().message();
+    const double want = saving->train_step().value().loss;
+    Result<train::TrainerCheckpoint> c = train::read_trainer_checkpoint(committed.value().info.dir);
+    ASSERT_TRUE(c.is_ok()) << c.status().message();
+    for (int ep = 1; ep <= n; ++ep) {
+      if (n % ep != 0) continue;
+      SCOPED_TRACE(::testing::Message() << "resumed with EP " << ep);
+      auto t = train::Trainer::resume(b, c.value(), config(1, Recipe::kBF16, ep, seed),
+                                      dist_checks::corpus(), {&world});
+      ASSERT_TRUE(t.is_ok()) << t.status().message();
+      const double got = t.value()->train_step().value().loss;
+      if (ep == save_ep || (like_dp(ep) && like_dp(save_ep)))
+        EXPECT_EQ(got, want);
+      else
+        EXPECT_LE(std::fabs(got - want), kLossBound * want);
+    }
+    {
+      SCOPED_TRACE("resumed by one process");
+      auto one = train::Trainer::resume(b, c.value(), config(n, Recipe::kBF16, 1, seed),
+                                        dist_checks::corpus());
+      ASSERT_TRUE(one.is_ok()) << one.status().message();
+      const double got = one.value()->train_step().value().loss;
+      if (like_dp(save_ep))
+        EXPECT_EQ(got, want);
+      else
+        EXPECT_LE(std::fabs(got - want), kLossBound * want);
+    }
+    world.barrier();
+    if (world.rank() == 0) std::filesystem::remove_all(root);
   }
-  {
-    SCOPED_TRACE("resumed by one process");
-    auto one = train::Trainer::resume(b, c.value(), config(world.size(), Recipe::kBF16, 1, seed),
-                                      dist_checks::corpus());
-    ASSERT_TRUE(one.is_ok()) << one.status().message();
-    EXPECT_EQ(one.value()->train_step().value().loss, want);
-  }
-  world.barrier();
-  if (world.rank() == 0) std::filesystem::remove_all(root);
 }
 
 TEST(EpTrain, BadLayoutsFailBeforeAnythingStarts) {
