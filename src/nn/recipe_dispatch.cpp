@@ -119,16 +119,8 @@ ActivationCopies Nvfp4Recipe::received_input_copies(const DispatchPayload& p,
   check_payload(p, m, dispatch_row_bytes(Recipe::kNvfp4, DispatchDtype::kRecipe, c), true);
   Backend& b = *backend_;
   ActivationCopies out;
-  out.rowwise.format = out.columnwise.format = OperandFormat::kNvfp4;
-  const std::vector<void*> cd =
-      carve_rows(out.col_memory.emplace_back(b, rows * c / 2).get(), m, c / 2);
-  const std::vector<void*> cs =
-      carve_rows(out.col_memory.emplace_back(b, rows * c / kNvfp4Block).get(), m, c / kNvfp4Block);
-  out.columnwise.data = const_ptrs(cd);
-  out.columnwise.scale = const_ptrs(cs);
-  const std::vector<void*> row_bf16 =
-      carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);  // (M, C)
-  out.rowwise.bf16 = const_ptrs(row_bf16);
+  std::vector<void*> cd, cs, row_bf16;
+  activation_memory(rows, c, m, out, cd, cs, row_bf16);
   const size_t scalar_bytes = static_cast<size_t>(groups) * sizeof(float);
   void* row_decode = out.row_memory.emplace_back(b, scalar_bytes).get();  // (G,) F32
   void* col_amax = out.col_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32

@@ -72,6 +72,21 @@ void Nvfp4Recipe::write_packed(const std::vector<const void*>& images, const flo
 }
 
 
+void Nvfp4Recipe::activation_memory(int64_t rows, int64_t c, const std::vector<int64_t>& m,
+                                    ActivationCopies& out, std::vector<void*>& col_data,
+                                    std::vector<void*>& col_scale,
+                                    std::vector<void*>& row_bf16) const {
+  Backend& b = *backend_;
+  out.rowwise.format = out.columnwise.format = OperandFormat::kNvfp4;
+  col_data = carve_rows(out.col_memory.emplace_back(b, rows * c / 2).get(), m, c / 2);
+  col_scale =
+      carve_rows(out.col_memory.emplace_back(b, rows * c / kNvfp4Block).get(), m, c / kNvfp4Block);
+  out.columnwise.data = const_ptrs(col_data);
+  out.columnwise.scale = const_ptrs(col_scale);
+  row_bf16 = carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);  // (M, C)
+  out.rowwise.bf16 = const_ptrs(row_bf16);
+}
+
 // The columnwise copy per group (C, m_g/2) and (C, m_g/16), transposed. The rowwise copy, read by
 // the fprop / dgrad right after, is kept as its BF16 values only (without S_dec, which stays the
 // GEMM's alpha): the quantizer writes them while it has them and the GEMM reads them instead of
@@ -84,16 +99,9 @@ ActivationCopies Nvfp4Recipe::activation_copies(TensorRole role, const Tensor& a
   const size_t groups = m.size();
   Backend& b = *backend_;
   ActivationCopies out;
-  out.rowwise.format = out.columnwise.format = OperandFormat::kNvfp4;
-  const std::vector<void*> cd =
-      carve_rows(out.col_memory.emplace_back(b, rows * c / 2).get(), m, c / 2);
-  const std::vector<void*> cs =
-      carve_rows(out.col_memory.emplace_back(b, rows * c / kNvfp4Block).get(), m, c / kNvfp4Block);
-  out.columnwise.data = const_ptrs(cd);
-  out.columnwise.scale = const_ptrs(cs);
+  std::vector<void*> cd, cs;
   Nvfp4Outputs o;
-  o.row_bf16 = carve_rows(out.row_memory.emplace_back(b, rows * c * 2).get(), m, c * 2);  // (M, C)
-  out.rowwise.bf16 = const_ptrs(o.row_bf16);
+  activation_memory(rows, c, m, out, cd, cs, o.row_bf16);
   // Per-group amax and decode scales of both copies (the columnwise one after the RHT).
   const size_t scalar_bytes = groups * sizeof(float);
   void* row_amax = out.row_memory.emplace_back(b, scalar_bytes).get();    // (G,) F32

@@ -34,6 +34,12 @@ class Nvfp4Recipe final : public QuantizedRecipe {
 
  private:
   void decode_scales();  // w_.decode_scale from w_.amax, one launch
+  // The copies' memory of `rows` activation rows of C columns grouped by m: the columnwise codes
+  // and scales, (C, m_g/2) and (C, m_g/16) per group (col_data, col_scale), and the rowwise copy
+  // kept as its (m_g, C) BF16 values (row_bf16); the copies' formats and pointers set in `out`.
+  void activation_memory(int64_t rows, int64_t c, const std::vector<int64_t>& m,
+                         ActivationCopies& out, std::vector<void*>& col_data,
+                         std::vector<void*>& col_scale, std::vector<void*>& row_bf16) const;
 };
 
 }  // namespace packmoe
