@@ -198,6 +198,34 @@ TEST_P(EpDispatchDtypeTrain, RecipeDispatchAgainstBf16Dispatch) {
   }
 }
 
+// --recompute selective and full with the recipe dispatch (full recomputation dispatches FC1's
+// payload again) reproduce --recompute none bitwise: losses and grad norms of 3 steps, EP = world.
+TEST_P(EpDispatchDtypeTrain, RecomputeReproducesTheRunBitwise) {
+  Communicator& world = comm();
+  if (world.size() == 1) GTEST_SKIP() << "expert parallelism needs 2+ ranks";
+  Backend& b = world.backend();
+  const ModelConfig model = model_with_12_experts();
+  if (model.num_experts % world.size() != 0) GTEST_SKIP() << "EP = world must divide 12";
+  const uint64_t seed = g_seed % 100000;
+  std::vector<train::StepResult> want;
+  for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+    SCOPED_TRACE(train::recompute_name(r));
+    train::TrainConfig c = config(1, GetParam(), world.size(), seed);
+    c.dispatch_dtype = DispatchDtype::kRecipe;
+    c.recompute = r;
+    auto t = train::Trainer::create(b, model, c, dist_checks::corpus(), nullptr, {&world}).value();
+    for (int s = 0; s < 3; ++s) {
+      const train::StepResult got = t->train_step().value();
+      if (r == Recompute::kNone) {
+        want.push_back(got);
+        continue;
+      }
+      EXPECT_EQ(got.loss, want[s].loss) << "step " << s + 1;
+      EXPECT_EQ(got.grad_norm, want[s].grad_norm) << "step " << s + 1;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Recipes, EpDispatchDtypeTrain,
                          ::testing::Values(Recipe::kMxfp8, Recipe::kNvfp4));
 
