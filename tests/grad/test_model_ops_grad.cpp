@@ -213,12 +213,46 @@ TEST(ModelOpsGrad, Rope) {
   }
 }
 
-// The attention core writes o in BF16 (relative error <= 2^-9) and its backward reads that o in
-// Dl_i = dout_i . o_i; dS_ij = P_ij (dP_ij - Dl_i) subtracts two nearly equal values when a row
-// attends to few keys, so the gradients carry a few 2^-9 of max |grad| (measured: up to 1.04e-2
-// at D = 2, where Dl sums only two products). A wrong or missing term (mask, scale, GQA head)
-// is O(1) of max |grad|.
-constexpr double kAttentionTol = 3e-2;
+// The attention core writes o in BF16 and its backward reads that o in Dl_i = dout_i . o_i, so
+// dS_ij = P_ij (dP_ij - Dl_i) carries -P_ij e_i with e_i = Dl_i(o_bf16) - Dl_i(o), and with
+// P_ij <= 1: |d dq_i| <= scale |e_i| max_{j<=i} |k_j|, |d dk_j| <= scale sum_{i>=j} |e_i| |q_i|
+// (over the query heads of k's head), dv none; |e_i| <= sum_d |dout_id| |o_bf16 - o|_id, all
+// computed from the data (attention_rounding_bounds). That rounding alone can reach several
+// percent of max |grad| when the gradients are small against the inputs (seed 3621714352 at
+// S = 6: 3.9%, over the 3e-2 of max |grad| this test once allowed); a wrong or missing term
+// (mask, scale, GQA head) is O(1) of max |grad|, far over both.
+constexpr double kAttentionTol = 1e-4;
+
+struct AttentionBounds {
+  std::vector<double> dq, dk, dv;
+};
+
+AttentionBounds attention_rounding_bounds(const std::vector<float>& q, const std::vector<float>& k,
+                                          const std::vector<uint16_t>& o,
+                                          const std::vector<double>& o64,
+                                          const std::vector<float>& dout, int64_t B, int64_t S,
+                                          int64_t Hq, int64_t Hkv, int64_t D, double scale,
+                                          const std::vector<int32_t>& doc_start) {
+  AttentionBounds r{std::vector<double>(q.size(), 0.0), std::vector<double>(k.size(), 0.0),
+                    std::vector<double>(k.size(), 0.0)};
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t g = h / (Hq / Hkv), j0 = doc_start.empty() ? 0 : doc_start[b * S + i];
+        const int64_t qi = ((b * S + i) * Hq + h) * D;
+        double e = 0;
+        for (int64_t d = 0; d < D; ++d)
+          e += std::fabs(dout[qi + d]) * std::fabs(bf16_to_f32(o[qi + d]) - o64[qi + d]);
+        for (int64_t j = j0; j <= i; ++j) {
+          const int64_t kj = ((b * S + j) * Hkv + g) * D;
+          for (int64_t d = 0; d < D; ++d) {
+            r.dq[qi + d] = std::max(r.dq[qi + d], scale * e * std::fabs(k[kj + d]));
+            r.dk[kj + d] += scale * e * std::fabs(q[qi + d]);
+          }
+        }
+      }
+  return r;
+}
 
 std::vector<float> bf16_values(const std::vector<float>& x) {
   std::vector<float> r(x.size());
@@ -291,9 +325,11 @@ TEST(ModelOpsGrad, Attention) {
                               qb.data(), kb.data(), vb.data(), o.data(), lse.data(), ds,
                               rb.data(), dq.data(), dk.data(), dv.data()};
       ASSERT_TRUE(attention_backward_cpu(b).is_ok());
-      grad_check::expect_grad_near("dq", dq, fd_q, kAttentionTol);
-      grad_check::expect_grad_near("dk", dk, fd_k, kAttentionTol);
-      grad_check::expect_grad_near("dv", dv, fd_v, kAttentionTol);
+      const AttentionBounds bound = attention_rounding_bounds(
+          q, k, o, o64, r, sh.B, sh.S, sh.Hq, sh.Hkv, sh.D, scale, doc_start);
+      grad_check::expect_grad_within("dq", dq, fd_q, kAttentionTol, bound.dq);
+      grad_check::expect_grad_within("dk", dk, fd_k, kAttentionTol, bound.dk);
+      grad_check::expect_grad_within("dv", dv, fd_v, kAttentionTol, bound.dv);
     }
   }
 }
