@@ -382,18 +382,7 @@ TEST_P(EpDispatchDtype, MoeBlockMatchesTheBf16Dispatch) {
   Backend& b = world.backend();
   const int rank = world.rank();
   std::mt19937_64 shared(g_seed + 3);
-  MoEBlockInit init{random_host({kE, kH}, shared, 0.0f, 0.1f),
-                    random_host({kE, 2 * kF, kH}, shared, 0.0f, 0.1f),
-                    random_host({kE, kH, kF}, shared, 0.0f, 0.1f)};
-  for (int64_t h = 0; h < kH; ++h) init.router.data_as<float>()[kStarved * kH + h] = -0.2f;
-  if (GetParam().last_rank_idle)  // EP = world: the last rank's experts get no token
-    for (int64_t e = kE - kE / world.size(); e < kE; ++e)
-      for (int64_t h = 0; h < kH; ++h) init.router.data_as<float>()[e * kH + h] = -0.2f;
-  MoEBlockConfig cfg;
-  cfg.top_k = kTopK;
-  cfg.norm_topk_prob = true;
-  cfg.aux_loss_coef = 1e-2f;
-  cfg.recipe = {recipe, false, /*sr_seed=*/7};
+  const auto [init, cfg] = ep_block(shared, recipe, GetParam().last_rank_idle, world.size());
   std::mt19937_64 own(g_seed + 2000 + static_cast<uint64_t>(rank));
   const int64_t T = 24 + 8 * rank;
   const Tensor x = channel_rows(b, own, T, 0.5f);

@@ -80,6 +80,30 @@ std::vector<std::vector<float>> gather_all(const std::vector<float>& mine) {
   return per;
 }
 
+// The block both EP checks run: weights from `shared` (the same on every rank), expert kStarved
+// never routed to, and with last_rank_idle the last E / world experts neither (EP = world: the
+// last rank's).
+struct EpBlock {
+  MoEBlockInit init;
+  MoEBlockConfig cfg;
+};
+EpBlock ep_block(std::mt19937_64& shared, Recipe recipe, bool last_rank_idle, int world_size) {
+  EpBlock r{{random_host({kE, kH}, shared, 0.0f, 0.1f),
+             random_host({kE, 2 * kF, kH}, shared, 0.0f, 0.1f),
+             random_host({kE, kH, kF}, shared, 0.0f, 0.1f)},
+            {}};
+  float* router = r.init.router.data_as<float>();
+  for (int64_t h = 0; h < kH; ++h) router[kStarved * kH + h] = -0.2f;
+  if (last_rank_idle)
+    for (int64_t e = kE - kE / world_size; e < kE; ++e)
+      for (int64_t h = 0; h < kH; ++h) router[e * kH + h] = -0.2f;
+  r.cfg.top_k = kTopK;
+  r.cfg.norm_topk_prob = true;
+  r.cfg.aux_loss_coef = 1e-2f;
+  r.cfg.recipe = {recipe, false, /*sr_seed=*/7};
+  return r;
+}
+
 struct Case {
   Recipe recipe;
   // The last EP rank's experts get no token from any rank (it receives and computes no row).
@@ -95,19 +119,7 @@ TEST_P(EpMoeBlock, ReproducesTheWholeBlockOnEveryRanksTokens) {
   Backend& b = world.backend();
   const int rank = world.rank();
   std::mt19937_64 shared(g_seed);  // the same init on every rank
-  MoEBlockInit init{random_host({kE, kH}, shared, 0.0f, 0.1f),
-                    random_host({kE, 2 * kF, kH}, shared, 0.0f, 0.1f),
-                    random_host({kE, kH, kF}, shared, 0.0f, 0.1f)};
-  for (int64_t h = 0; h < kH; ++h) init.router.data_as<float>()[kStarved * kH + h] = -0.2f;
-  // With EP = world the last rank holds the last E / world experts.
-  if (GetParam().last_rank_idle)
-    for (int64_t e = kE - kE / world.size(); e < kE; ++e)
-      for (int64_t h = 0; h < kH; ++h) init.router.data_as<float>()[e * kH + h] = -0.2f;
-  MoEBlockConfig cfg;
-  cfg.top_k = kTopK;
-  cfg.norm_topk_prob = true;
-  cfg.aux_loss_coef = 1e-2f;
-  cfg.recipe = {recipe, false, /*sr_seed=*/7};
+  const auto [init, cfg] = ep_block(shared, recipe, GetParam().last_rank_idle, world.size());
 
   std::mt19937_64 own(g_seed + 1000 + static_cast<uint64_t>(rank));
   const int64_t T = 24 + 8 * rank;  // uneven tokens per rank
