@@ -43,6 +43,7 @@ class EpTokenDispatcher final : public TokenDispatcher {
   void finish_combine() override;
   bool overlaps_combine() const override { return true; }
   DispatchDtype dispatch_dtype() const override { return dtype_; }
+  bool needs_host_counts() const override { return true; }
 
   // Bytes of rows (and of the amax beside them) this rank's all-to-alls have sent so far (its own
   // experts' share included): what train::plan_all_to_all bounds.

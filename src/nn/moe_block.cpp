@@ -159,8 +159,18 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
   check_op(ops::routing_plan(b, rp), "routing_plan");
   has_plan_ = true;
 
-  // xp (C, H) BF16: each expert's tokens, then zero padding rows (and zeros past row M).
   ExpertRows all = plan_rows_;
+  // A quantized recipe groups its activation rows by the counts on the host, and a dispatcher
+  // that exchanges rows needs them there too: the host waits for them now, before the permute is
+  // queued, so the device permutes while the host prepares what follows (waiting after the
+  // permute, the device would sit idle meanwhile).
+  if (fc1_.param().recipe_ops().quantized() || dispatcher_->needs_host_counts()) {
+    all.host_counts.assign(static_cast<size_t>(all.counts.numel()), 0);  // (E)
+    b.copy(all.host_counts.data(), all.counts.data(), all.counts.nbytes(),
+           Backend::CopyKind::kDeviceToHost);
+  }
+
+  // xp (C, H) BF16: each expert's tokens, then zero padding rows (and zeros past row M).
   all.rows = Tensor::empty(b, DType::kBF16, {C, H});
   PermuteArgs pa;
   pa.tokens = T;
@@ -180,8 +190,8 @@ Tensor MoEBlock::forward(const Tensor& x, bool recomputed) {
     h_ = forward_fc1_from_payload(all, local);
   } else {
     local = dispatcher_->dispatch(all);
-    // A quantized recipe's activation quantizers group rows by host counts: one copy (one wait)
-    // for both FC1 and FC2 instead of one in each.
+    // A dispatcher that made new counts without knowing them on the host: one wait for both
+    // FC1 and FC2.
     if (local.host_counts.empty() && fc1_.param().recipe_ops().quantized()) {
       local.host_counts.assign(static_cast<size_t>(local.counts.numel()), 0);
       b.copy(local.host_counts.data(), local.counts.data(), local.counts.nbytes(),
@@ -340,13 +350,10 @@ void MoEBlock::backward_dw() {
 }
 
 Tensor MoEBlock::forward_fc1_from_payload(ExpertRows& all, ExpertRows& local) {
-  Backend& b = *backend_;
   const LinearRecipe& recipe = fc1_.param().recipe_ops();
   PACKMOE_CHECK(recipe.quantized(), "MoEBlock: --dispatch-dtype recipe with the bf16 recipe");
   // Each expert's rows are one quantization group: on its holder, the group of this source.
-  all.host_counts.assign(static_cast<size_t>(all.counts.numel()), 0);  // (E)
-  b.copy(all.host_counts.data(), all.counts.data(), all.counts.nbytes(),
-         Backend::CopyKind::kDeviceToHost);
+  PACKMOE_CHECK(!all.host_counts.empty(), "MoEBlock: a payload dispatch without host counts");
   DispatchPayload sent = recipe.dispatch_payload(all.rows, all.host_counts);  // (C, W) U8
   all.rows = sent.rows;
   all.amax = sent.amax;

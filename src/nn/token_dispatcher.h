@@ -59,6 +59,9 @@ class TokenDispatcher {
   virtual bool overlaps_combine() const { return false; }
   // How the block hands dispatch its forward rows: BF16, or (kRecipe) as the FC1 recipe's payload.
   virtual DispatchDtype dispatch_dtype() const { return DispatchDtype::kBF16; }
+  // True when dispatch reads the counts on the host (it copies them itself unless the caller
+  // gives them, which lets the caller choose when the host waits for them).
+  virtual bool needs_host_counts() const { return false; }
 };
 
 // Every expert is local: dispatch and combine return their input.
