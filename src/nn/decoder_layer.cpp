@@ -49,22 +49,18 @@ Tensor DecoderLayer::forward(const Tensor& x, int64_t batch, int64_t seq, const 
 
 Tensor DecoderLayer::run_forward(const Tensor& x, int64_t batch, int64_t seq,
                                  const PositionTables& rope, bool recomputed) {
-  Backend& b = *backend_;
-  Tensor h = clone(b, x);
-  add_into(b, h, attention_.forward(to_bf16(b, input_norm_.forward(x)), batch, seq, rope));
+  // Each sum is a new tensor (layer_ops.h add): x and h stay as the norms saved them.
+  const Tensor h =
+      add(*backend_, x, attention_.forward(input_norm_.forward_bf16(x), batch, seq, rope));
   return mlp_residual(h, recomputed);
 }
 
 Tensor DecoderLayer::mlp_residual(const Tensor& h, bool recomputed) {
-  Backend& b = *backend_;
-  const Tensor n = to_bf16(b, post_norm_.forward(h));
-  Tensor out = clone(b, h);
-  add_into(b, out, moe_ ? moe_->forward(n, recomputed) : mlp_->forward(n));
-  return out;
+  const Tensor n = post_norm_.forward_bf16(h);
+  return add(*backend_, h, moe_ ? moe_->forward(n, recomputed) : mlp_->forward(n));
 }
 
 Tensor DecoderLayer::backward(const Tensor& dy, float loss_scale) {
-  Backend& b = *backend_;
   if (recompute_ == Recompute::kFull) {
     PACKMOE_CHECK(x_.data() != nullptr, "DecoderLayer backward without a forward");
     run_forward(x_, batch_, seq_, rope_, true);  // the output is the forward's: not needed
@@ -73,11 +69,9 @@ Tensor DecoderLayer::backward(const Tensor& dy, float loss_scale) {
   }
   const Tensor dn = moe_ ? moe_->backward(dy, GradAccum::kAccumulate, loss_scale)
                          : mlp_->backward(dy);
-  Tensor dh = clone(b, dy);
-  add_into(b, dh, post_norm_.backward(dn));
-  Tensor dx = clone(b, dh);
-  add_into(b, dx, input_norm_.backward(attention_.backward(dh)));
-  return dx;
+  // Each residual's gradient is added by the norm's backward (dh = dy + post_norm'(dn)).
+  const Tensor dh = post_norm_.backward(dn, dy);
+  return input_norm_.backward(attention_.backward(dh), dh);
 }
 
 }  // namespace packmoe

@@ -98,9 +98,8 @@ Tensor Attention::forward_cached(const Tensor& x, const PositionTables& rope, La
 
 Tensor DecoderLayer::forward_cached(const Tensor& x, const PositionTables& rope, LayerKv& kv,
                                     int64_t past) {
-  Backend& b = *backend_;
-  Tensor h = clone(b, x);
-  add_into(b, h, attention_.forward_cached(to_bf16(b, input_norm_.forward(x)), rope, kv, past));
+  const Tensor h =
+      add(*backend_, x, attention_.forward_cached(input_norm_.forward_bf16(x), rope, kv, past));
   return mlp_residual(h);
 }
 
@@ -142,7 +141,7 @@ Result<std::vector<float>> forward_cached(Model& model, std::span<const int32_t>
   // The norm is per row, so the last row alone gets the bits it gets among all rows.
   const Tensor last = Tensor::view(x.data_as<float>() + (T - 1) * H, DType::kF32, {1, H},
                                    x.device());
-  const Tensor logits = model.lm_head().forward(to_bf16(b, model.final_norm().forward(last)), {1});
+  const Tensor logits = model.lm_head().forward(model.final_norm().forward_bf16(last), {1});
   std::vector<float> out(static_cast<size_t>(V));  // (V)
   b.copy(out.data(), logits.data(), out.size() * sizeof(float), Backend::CopyKind::kDeviceToHost);
   b.synchronize();

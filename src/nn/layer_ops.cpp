@@ -17,10 +17,15 @@ void add_into(Backend& b, const Tensor& dst, const Tensor& src) {
   check_op(ops::add_f32(b, one_segment<float>(dst), one_segment<const float>(src)), "add");
 }
 
-Tensor clone(Backend& b, const Tensor& x) {
-  Tensor y = Tensor::empty(b, x.dtype(), x.shape());
-  if (y.nbytes()) b.copy(y.data(), x.data(), y.nbytes(), Backend::CopyKind::kDeviceToDevice);
-  return y;
+Tensor add(Backend& b, const Tensor& x, const Tensor& y) {
+  PACKMOE_CHECK(x.dtype() == DType::kF32 && y.dtype() == DType::kF32 && x.numel() == y.numel(),
+                "add: F32 tensors of equal size, got " << shape_string(x.shape()) << " and "
+                                                       << shape_string(y.shape()));
+  Tensor out = Tensor::empty(b, DType::kF32, x.shape());
+  check_op(ops::add_f32_out(b, one_segment<const float>(x), one_segment<const float>(y),
+                            one_segment<float>(out)),
+           "add");
+  return out;
 }
 
 Tensor as_single_group(const Tensor& w) {

@@ -14,8 +14,8 @@ namespace packmoe {
 Tensor to_bf16(Backend& b, const Tensor& x);
 // dst += src, both F32 of equal numel.
 void add_into(Backend& b, const Tensor& dst, const Tensor& src);
-// A new tensor with x's bytes.
-Tensor clone(Backend& b, const Tensor& x);
+// x + y as a new tensor shaped like x (one pass, neither input written), both F32 of equal numel.
+Tensor add(Backend& b, const Tensor& x, const Tensor& y);
 // (1, n, k) F32 host tensor from a 2-D or 1-D weight (a view of the same bytes).
 Tensor as_single_group(const Tensor& w);
 

@@ -328,7 +328,7 @@ Result<QueuedLosses> Model::queue_forward(const Batch& batch, std::optional<floa
   // head's backward here, since the loss scale is known: its weight gradient is added into
   // main_grad now and dh waits for backward().
   Result<LmHeadLoss> head =
-      lm_head_loss(m.lm_head->param(), to_bf16(b, m.final_norm->forward(x)), batch.targets,
+      lm_head_loss(m.lm_head->param(), m.final_norm->forward_bf16(x), batch.targets,
                    loss_scale, {}, loss_values);
   if (!head) return head.status();
   losses.target_tokens = head.value().valid;

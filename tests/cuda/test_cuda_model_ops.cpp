@@ -1,4 +1,5 @@
-// CUDA dense decoder ops (embedding, RMSNorm, RoPE; forward and backward) and sum_squares against
+// CUDA dense decoder ops (embedding, RMSNorm with F32 or BF16 output and with or without the
+// residual gradient, RoPE; forward and backward) and sum_squares against
 // the CPU reference, BYTE FOR BYTE; cross-entropy within stated bounds of it (its one-read online
 // softmax promises no CPU bytes), attention against FP64 in test_cuda_flash_attention.cpp. Every output
 // buffer has a sentinel tail and starts with the same bytes on both sides, so a stray write is a
@@ -152,6 +153,55 @@ TEST(CudaModelOps, RmsNormBackward) {
     Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);           // (N, D), (D)
     expect_ok(rms_norm_backward_cpu({c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()}));
     expect_ok(ops::rms_norm_backward(*gpu, {c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
+    dx.compare(tally, "dx");
+    dw.compare(tally, "dweight");
+    ++tally.cases;
+  }
+}
+
+// The BF16 output (y_bf16, no FP32 y): the CPU's bytes, and the RNE of the CPU's FP32 y.
+TEST(CudaModelOps, RmsNormBf16Output) {
+  SKIP_WITHOUT_GPU();
+  Tally tally("rms_norm y_bf16");
+  for (const NormCase& c : kNormCases) {
+    Twin<float> x(*gpu, norm_input(c, rng));           // (N, D)
+    Twin<float> w(*gpu, rand_floats(c.D, rng, 1.0f));  // (D)
+    Twin<uint16_t> y(*gpu, c.N * c.D);                 // (N, D)
+    Twin<float> rstd(*gpu, c.N);                       // (N)
+    RmsNormArgs h{c.N, c.D, c.eps, x.h(), w.h(), nullptr, rstd.h()}, d = h;
+    h.y_bf16 = y.h();
+    d.x = x.d(), d.weight = w.d(), d.rstd = rstd.d(), d.y_bf16 = y.d();
+    expect_ok(rms_norm_cpu(h));
+    expect_ok(ops::rms_norm(*gpu, d));
+    y.compare(tally, "y_bf16");
+    rstd.compare(tally, "rstd");
+    std::vector<float> yf(c.N * c.D), rf(c.N);
+    expect_ok(rms_norm_cpu({c.N, c.D, c.eps, x.h(), w.h(), yf.data(), rf.data()}));
+    int64_t not_rne = 0;
+    for (int64_t i = 0; i < c.N * c.D; ++i) not_rne += y.h()[i] != f32_to_bf16(yf[i]);
+    EXPECT_EQ(not_rne, 0) << c.N << "x" << c.D;
+    ++tally.cases;
+  }
+}
+
+// With dresidual (dx = dresidual + t): the CPU's bytes (one rounding of t, then one add).
+TEST(CudaModelOps, RmsNormBackwardResidual) {
+  SKIP_WITHOUT_GPU();
+  Tally tally("rms_norm_backward dresidual");
+  for (const NormCase& c : kNormCases) {
+    const std::vector<float> xv = norm_input(c, rng), wv = rand_floats(c.D, rng, 1.0f);
+    std::vector<float> yv(c.N * c.D), rv(c.N);  // the forward's rstd feeds both backends
+    expect_ok(rms_norm_cpu({c.N, c.D, c.eps, xv.data(), wv.data(), yv.data(), rv.data()}));
+    Twin<float> x(*gpu, xv), w(*gpu, wv), rstd(*gpu, rv);
+    Twin<float> dy(*gpu, rand_floats(c.N * c.D, rng, 1.0f));    // (N, D)
+    Twin<float> dres(*gpu, rand_floats(c.N * c.D, rng, 1.0f));  // (N, D)
+    Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);             // (N, D), (D)
+    RmsNormBackwardArgs h{c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()};
+    RmsNormBackwardArgs d{c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()};
+    h.dresidual = dres.h();
+    d.dresidual = dres.d();
+    expect_ok(rms_norm_backward_cpu(h));
+    expect_ok(ops::rms_norm_backward(*gpu, d));
     dx.compare(tally, "dx");
     dw.compare(tally, "dweight");
     ++tally.cases;

@@ -674,6 +674,31 @@ TEST(CudaElementwise, AddF32) {
   }
 }
 
+// out = a + b (the residual stream's add), out of place and in place (out = a); fresh seed.
+TEST(CudaElementwise, AddF32Out) {
+  PACKMOE_SKIP_WITHOUT_GPU();
+  Tally tally("add_f32_out");
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const SegCase& c : seg_cases()) {
+    auto a = segments(*gpu, c, 4), b = segments(*gpu, c, 4), out = segments(*gpu, c, 4);
+    fill_f32(*a, c, rng, 1.0f, false);
+    fill_f32(*b, c, rng, 1.0f, false);
+    Segments<const float> a_h{const_ptrs(a->h_all<float>()), c.n};
+    Segments<const float> b_h{const_ptrs(b->h_all<float>()), c.n};
+    Segments<const float> a_d{const_ptrs(a->d_all<float>()), c.n};
+    Segments<const float> b_d{const_ptrs(b->d_all<float>()), c.n};
+    expect_ok(ops::add_f32_out(cpu_backend(), a_h, b_h, {out->h_all<float>(), c.n}));
+    expect_ok(ops::add_f32_out(*gpu, a_d, b_d, {out->d_all<float>(), c.n}));
+    out->compare(tally, seg_name(c));
+    expect_ok(ops::add_f32_out(cpu_backend(), a_h, b_h, {a->h_all<float>(), c.n}));
+    expect_ok(ops::add_f32_out(*gpu, a_d, b_d, {a->d_all<float>(), c.n}));
+    a->compare(tally, seg_name(c) + " in place");
+    tally.cases += 2;
+  }
+}
+
 TEST(CudaElementwise, AdamW) {
   PACKMOE_SKIP_WITHOUT_GPU();
   Tally tally("adamw");
@@ -813,6 +838,7 @@ TEST(CudaMoeOps, InvalidArgumentsAreStatusErrors) {
   Segments<float> d{{nullptr, nullptr}, 4};
   Segments<const float> s{{nullptr}, 4};
   EXPECT_FALSE(ops::add_f32(*gpu, d, s).is_ok());
+  EXPECT_FALSE(ops::add_f32_out(*gpu, s, s, d).is_ok());
   EXPECT_FALSE(ops::nvfp4_decode_scales(*gpu, nullptr, nullptr, -1).is_ok());
 }
 

@@ -1,8 +1,9 @@
 // Forward of the dense decoder CPU ops (backend/ops/model.h) against hand-derived values:
-// model_log_f32 against libm, RMSNorm of known vectors, RoPE (position 0 = identity, a 90-degree
-// table, inverse = backward), attention (S = 1 returns v, causal mask, equal keys average v),
-// cross-entropy (uniform logits = ln V, ignore index), thread-count independence and argument
-// errors.
+// model_log_f32 against libm, RMSNorm of known vectors (its BF16 output against FP64 and the FP32
+// output's RNE, its backward with a residual gradient added), RoPE (position 0 = identity, a
+// 90-degree table, inverse = backward), attention (S = 1 returns v, causal mask, equal keys
+// average v), cross-entropy (uniform logits = ln V, ignore index), thread-count independence,
+// argument errors, and the residual stream's out-of-place add (backend/ops/elementwise.h).
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -15,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
+#include "backend/ops/elementwise.h"
 #include "backend/ops/model.h"
 #include "core/codecs.h"
 
@@ -86,6 +89,76 @@ TEST(ModelOps, RmsNormKnownVectors) {
   ASSERT_TRUE(rms_norm_cpu({1, 4, 0.25f, z.data(), w.data(), y.data(), rstd.data()}).is_ok());
   EXPECT_EQ(rstd[0], 2.0f);
   EXPECT_EQ(y[0], 0.0f);
+}
+
+// Random rows (D = 1, odd, < 32 and not a multiple of 32; some rows all zero): the BF16 output is
+// the RNE of the FP32 output bit for bit, rstd is the same, and both are within their rounding
+// bounds of an FP64 evaluation of x / sqrt(mean(x^2) + eps) * w.
+TEST(ModelOps, RmsNormBf16OutputIsRneOfF32) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  struct Case {
+    int64_t N, D;
+    float eps;
+  };
+  for (const Case& c : std::vector<Case>{{1, 1, 1e-6f}, {9, 7, 1e-6f}, {33, 64, 1e-5f},
+                                         {17, 100, 1e-6f}, {5, 257, 0.25f}}) {
+    std::vector<float> x = randn(c.N * c.D, rng);
+    for (int64_t d = 0; d < c.D && c.N > 3; ++d) x[3 * c.D + d] = 0.0f;
+    std::vector<float> w = randn(c.D, rng);
+    std::vector<float> y(c.N * c.D), rstd(c.N), rstd_b(c.N, -1.0f);
+    std::vector<uint16_t> yb(c.N * c.D, 0xFFFF);
+    ASSERT_TRUE(rms_norm_cpu({c.N, c.D, c.eps, x.data(), w.data(), y.data(), rstd.data()}).is_ok());
+    RmsNormArgs a{c.N, c.D, c.eps, x.data(), w.data(), nullptr, rstd_b.data()};
+    a.y_bf16 = yb.data();
+    ASSERT_TRUE(rms_norm_cpu(a).is_ok());
+    EXPECT_TRUE(same_bits(rstd, rstd_b));
+    // FP32 path: R32 sum of D squares, /, +, sqrt, 1/, two products: well within 2^-16 relative
+    // for D <= 257. BF16: that plus RNE to 8 significant bits (at most 2^-8 relative).
+    const double f32_bound = std::ldexp(1.0, -16), bf16_bound = std::ldexp(1.0, -8) + f32_bound;
+    int64_t bad_rne = 0, bad_f32 = 0, bad_bf16 = 0;
+    for (int64_t r = 0; r < c.N; ++r) {
+      double ss = 0.0;
+      for (int64_t d = 0; d < c.D; ++d) ss += double(x[r * c.D + d]) * x[r * c.D + d];
+      const double rs = 1.0 / std::sqrt(ss / double(c.D) + double(c.eps));
+      for (int64_t d = 0; d < c.D; ++d) {
+        const int64_t i = r * c.D + d;
+        const double ref = double(x[i]) * rs * double(w[d]);
+        bad_rne += yb[i] != f32_to_bf16(y[i]);
+        bad_f32 += std::fabs(y[i] - ref) > f32_bound * std::fabs(ref);
+        bad_bf16 += std::fabs(bf16_to_f32(yb[i]) - ref) > bf16_bound * std::fabs(ref);
+      }
+    }
+    EXPECT_EQ(bad_rne, 0) << c.N << "x" << c.D;
+    EXPECT_EQ(bad_f32, 0) << c.N << "x" << c.D;
+    EXPECT_EQ(bad_bf16, 0) << c.N << "x" << c.D;
+  }
+}
+
+// With dresidual the backward writes dresidual + (the dx it writes without), one FP32 add of
+// the rounded dx, bit for bit, and the same dweight.
+TEST(ModelOps, RmsNormBackwardAddsResidual) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (const auto& [N, D] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {13, 33}, {300, 64}}) {
+    const auto x = randn(N * D, rng), w = randn(D, rng), dy = randn(N * D, rng),
+               dres = randn(N * D, rng);
+    std::vector<float> y(N * D), rstd(N), dx(N * D), dw(D), dx_res(N * D), dw_res(D);
+    ASSERT_TRUE(rms_norm_cpu({N, D, 1e-6f, x.data(), w.data(), y.data(), rstd.data()}).is_ok());
+    ASSERT_TRUE(rms_norm_backward_cpu(
+                    {N, D, x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data()})
+                    .is_ok());
+    RmsNormBackwardArgs b{N,         D,         x.data(),      w.data(),
+                          rstd.data(), dy.data(), dx_res.data(), dw_res.data()};
+    b.dresidual = dres.data();
+    ASSERT_TRUE(rms_norm_backward_cpu(b).is_ok());
+    std::vector<float> want(N * D);
+    for (int64_t i = 0; i < N * D; ++i) want[i] = dres[i] + dx[i];
+    EXPECT_TRUE(same_bits(dx_res, want)) << N << "x" << D;
+    EXPECT_TRUE(same_bits(dw_res, dw)) << N << "x" << D;
+  }
 }
 
 // ---- RoPE ---------------------------------------------------------------------------------------
@@ -342,6 +415,15 @@ TEST(ModelOps, Errors) {
   expect_error(validate_rms_norm({2, 0, 1e-6f, in, in, out.data(), out2.data()}), "D (dim)");
   expect_error(validate_rms_norm({2, 4, -1.0f, in, in, out.data(), out2.data()}), "eps");
   expect_error(validate_rms_norm({2, 4, 1e-6f, in, in, out.data(), nullptr}), "rstd is null");
+  uint16_t bf16_out[64] = {};
+  RmsNormArgs both{2, 4, 1e-6f, in, in, out.data(), out2.data()};
+  both.y_bf16 = bf16_out;
+  expect_error(validate_rms_norm(both), "set exactly one of y (F32) and y_bf16 (BF16), got both");
+  expect_error(validate_rms_norm({2, 4, 1e-6f, in, in, nullptr, out2.data()}),
+               "set exactly one of y (F32) and y_bf16 (BF16), got neither");
+  RmsNormArgs bf16_only{2, 4, 1e-6f, in, in, nullptr, out2.data()};
+  bf16_only.y_bf16 = bf16_out;
+  EXPECT_TRUE(validate_rms_norm(bf16_only).is_ok());
   expect_error(validate_rms_norm_backward({2, 4, in, in, in, in, out.data(), nullptr}),
                "dweight is null");
 
@@ -449,6 +531,48 @@ TEST(ModelOps, BackwardThreadCountIndependence) {
   const auto one = run(1), many = run(6);
   omp_set_num_threads(saved);
   for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(same_bits(one[i], many[i])) << i;
+}
+
+// ---- out-of-place add (the residual stream) ----------------------------------------------------
+
+// out = a + b bit for bit, over segment lists of lengths around the CUDA kernel's 4-wide chunks
+// (and 0), written out of place and in place (out = a); mismatched segments are errors.
+TEST(Elementwise, AddF32Out) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  for (const int64_t G : {1, 3})
+    for (const int64_t n : {0, 1, 3, 4, 5, 7, 8, 1023, 4097}) {
+      std::vector<std::vector<float>> a(G), b(G), out(G, std::vector<float>(n, -7.0f));
+      Segments<const float> sa{{}, n}, sb{{}, n};
+      Segments<float> so{{}, n}, sa_inplace{{}, n};
+      for (int64_t g = 0; g < G; ++g) {
+        a[g] = randn(n, rng), b[g] = randn(n, rng);
+        sa.ptr.push_back(a[g].data()), sb.ptr.push_back(b[g].data());
+        so.ptr.push_back(out[g].data());
+      }
+      ASSERT_TRUE(ops::add_f32_out(cpu_backend(), sa, sb, so).is_ok());
+      std::vector<std::vector<float>> in_place = a;  // out = a: each element read, then written
+      Segments<const float> si{{}, n};
+      for (int64_t g = 0; g < G; ++g) {
+        si.ptr.push_back(in_place[g].data());
+        sa_inplace.ptr.push_back(in_place[g].data());
+      }
+      ASSERT_TRUE(ops::add_f32_out(cpu_backend(), si, sb, sa_inplace).is_ok());
+      for (int64_t g = 0; g < G; ++g) {
+        std::vector<float> want(n);
+        for (int64_t i = 0; i < n; ++i) want[i] = a[g][i] + b[g][i];
+        EXPECT_TRUE(same_bits(out[g], want)) << "G " << G << " n " << n << " g " << g;
+        EXPECT_TRUE(same_bits(in_place[g], want)) << "in place, G " << G << " n " << n;
+      }
+    }
+  std::vector<float> buf(8);
+  Segments<const float> one{{buf.data()}, 8}, two{{buf.data(), buf.data()}, 8};
+  Segments<float> out{{buf.data()}, 8}, short_out{{buf.data()}, 4};
+  Backend& cpu = cpu_backend();
+  expect_error(ops::add_f32_out(cpu, one, two, out), "add_f32_out: 2 segments where 1");
+  expect_error(ops::add_f32_out(cpu, one, one, short_out), "add_f32_out: segments of 4 and 8");
+  EXPECT_TRUE(ops::add_f32_out(cpu, one, one, out).is_ok());
 }
 
 }  // namespace

@@ -54,6 +54,8 @@ const ElementwiseKernels kElementwise{
     [](Backend&, const Segments<float>& dst, const Segments<const float>& src) {
       return add_f32_cpu(dst, src);
     },
+    [](Backend&, const Segments<const float>& a, const Segments<const float>& b,
+       const Segments<float>& out) { return add_f32_out_cpu(a, b, out); },
     [](Backend&, const AdamWArgs& a) { return adamw_cpu(a); },
     [](Backend&, const float* amax, float* decode, int64_t groups) {
       return nvfp4_decode_scales_cpu(amax, decode, groups);

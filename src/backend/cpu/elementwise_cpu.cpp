@@ -27,6 +27,15 @@ Status add_f32_cpu(const Segments<float>& dst, const Segments<const float>& src)
   return Status::ok();
 }
 
+Status add_f32_out_cpu(const Segments<const float>& a, const Segments<const float>& b,
+                       const Segments<float>& out) {
+  const int64_t groups = static_cast<int64_t>(out.ptr.size());
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t i = 0; i < out.n; ++i) out.ptr[g][i] = a.ptr[g][i] + b.ptr[g][i];
+  return Status::ok();
+}
+
 Status adamw_cpu(const AdamWArgs& a) {
   const int64_t groups = static_cast<int64_t>(a.param.ptr.size());
 #pragma omp parallel for collapse(2) schedule(static)

@@ -116,11 +116,16 @@ Status rms_norm_cpu(const RmsNormArgs& a) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < a.rows; ++r) {
     const float* x = a.x + r * D;  // (D)
-    float* y = a.y + r * D;        // (D)
     const float ss = dot_r32(x, x, D);
     const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(D) + a.eps);
     a.rstd[r] = rstd;
-    for (int64_t d = 0; d < D; ++d) y[d] = (x[d] * rstd) * a.weight[d];
+    if (a.y) {
+      float* y = a.y + r * D;  // (D)
+      for (int64_t d = 0; d < D; ++d) y[d] = (x[d] * rstd) * a.weight[d];
+    } else {
+      uint16_t* y = a.y_bf16 + r * D;  // (D)
+      for (int64_t d = 0; d < D; ++d) y[d] = f32_to_bf16((x[d] * rstd) * a.weight[d]);
+    }
   }
   return Status::ok();
 }
@@ -141,7 +146,15 @@ Status rms_norm_backward_cpu(const RmsNormBackwardArgs& a) {
         g[d] = dy[d] * a.weight[d];
       }
       const float c = dot_r32(g.data(), n.data(), D) / static_cast<float>(D);
-      for (int64_t d = 0; d < D; ++d) dx[d] = (g[d] - n[d] * c) * rstd;
+      if (a.dresidual) {
+        const float* dres = a.dresidual + r * D;  // (D)
+        for (int64_t d = 0; d < D; ++d) {
+          const float t = (g[d] - n[d] * c) * rstd;  // rounded to FP32 before the add
+          dx[d] = dres[d] + t;
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) dx[d] = (g[d] - n[d] * c) * rstd;
+      }
     }
   }
   // dweight: one column per iteration, rows in the blocked R32 order (strided reads; a reference

@@ -122,6 +122,8 @@ Status routing_plan_sm90(CudaBackend& be, const RoutingPlanArgs& a);
 Status cast_f32_to_bf16_sm90(CudaBackend& be, const Segments<const float>& src,
                              const Segments<uint16_t>& dst);
 Status add_f32_sm90(CudaBackend& be, const Segments<float>& dst, const Segments<const float>& src);
+Status add_f32_out_sm90(CudaBackend& be, const Segments<const float>& a,
+                        const Segments<const float>& b, const Segments<float>& out);
 Status adamw_sm90(CudaBackend& be, const AdamWArgs& a);
 Status sum_squares_sm90(CudaBackend& be, const Segments<const float>& x, double* out);
 Status nvfp4_decode_scales_sm90(CudaBackend& be, const float* amax, float* decode, int64_t groups);

@@ -57,6 +57,8 @@ const ElementwiseKernels kElementwise{
     [](Backend& b, const Segments<float>& dst, const Segments<const float>& src) {
       return add_f32_sm90(cuda(b), dst, src);
     },
+    [](Backend& be, const Segments<const float>& a, const Segments<const float>& b,
+       const Segments<float>& out) { return add_f32_out_sm90(cuda(be), a, b, out); },
     [](Backend& b, const AdamWArgs& a) { return adamw_sm90(cuda(b), a); },
     [](Backend& b, const float* amax, float* decode, int64_t groups) {
       return nvfp4_decode_scales_sm90(cuda(b), amax, decode, groups);

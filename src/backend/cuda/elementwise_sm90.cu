@@ -1,6 +1,6 @@
-// CUDA elementwise ops over segment lists (backend/ops/elementwise.h): cast F32 -> BF16, add F32,
-// AdamW, NVFP4 decode scales, sum of squares. One launch covers every segment of a call (a pointer
-// table, inline or uploaded). Invariant: the CPU reference's bytes: each element goes through the
+// CUDA elementwise ops over segment lists (backend/ops/elementwise.h): cast F32 -> BF16, add F32
+// (in place and out = a + b), AdamW, NVFP4 decode scales, sum of squares. One launch covers every
+// segment of a call (a pointer table, inline or uploaded). Invariant: the CPU reference's bytes: each element goes through the
 // same PACKMOE_HD function (nvcc --fmad=false, IEEE div / sqrt) and sum_squares keeps its chunk /
 // R32 / sequential order; 16-byte accesses only change how elements move, never their arithmetic.
 #include <cuda_runtime.h>
@@ -136,6 +136,24 @@ __global__ void __launch_bounds__(Config::kThreads)
     *reinterpret_cast<float4*>(dst) = d;
   } else {
     for (int j = 0; j < valid; ++j) dst[j] = dst[j] + src[j];
+  }
+}
+
+// Tables: 0 a (F32), 1 b (F32), 2 out (F32; may be a or b, so plain loads, no __ldg).
+__global__ void __launch_bounds__(Config::kThreads)
+    add_f32_out_kernel(const __grid_constant__ SegTable<3> t, bool vec) {
+  int64_t g, first;
+  int valid;
+  if (!seg_chunk<4>(t.groups, t.n, g, first, valid)) return;
+  const float* a = static_cast<const float*>(t.get(0, g)) + first;
+  const float* b = static_cast<const float*>(t.get(1, g)) + first;
+  float* out = static_cast<float*>(t.get(2, g)) + first;
+  if (vec && valid == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(a);
+    const float4 y = *reinterpret_cast<const float4*>(b);
+    *reinterpret_cast<float4*>(out) = make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+  } else {
+    for (int j = 0; j < valid; ++j) out[j] = a[j] + b[j];
   }
 }
 
@@ -319,6 +337,19 @@ Status add_f32_sm90(CudaBackend& be, const Segments<float>& dst, const Segments<
   const bool vec = all_aligned16(dst.ptr, src.ptr);
   add_f32_kernel<<<grid_for(G * ((dst.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
                    be.stream()>>>(t, vec);
+  PACKMOE_CUDA_CHECK_LAUNCH();
+  return Status::ok();
+}
+
+Status add_f32_out_sm90(CudaBackend& be, const Segments<const float>& a,
+                        const Segments<const float>& b, const Segments<float>& out) {
+  const int64_t G = static_cast<int64_t>(out.ptr.size());
+  if (G == 0 || out.n == 0) return Status::ok();
+  const SegTable<3> t =
+      make_table<3>(be, {as_void(a.ptr), as_void(b.ptr), as_void(out.ptr)}, out.n);
+  const bool vec = all_aligned16(a.ptr, b.ptr, out.ptr);
+  add_f32_out_kernel<<<grid_for(G * ((out.n + 3) / 4), Config::kThreads), Config::kThreads, 0,
+                       be.stream()>>>(t, vec);
   PACKMOE_CUDA_CHECK_LAUNCH();
   return Status::ok();
 }

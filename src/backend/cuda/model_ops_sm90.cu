@@ -15,6 +15,7 @@
 #include "backend/cuda/kernels_common.cuh"
 #include "backend/cuda/reduce_order.cuh"
 #include "backend/ops/model.h"
+#include "core/codecs.h"
 
 namespace packmoe {
 namespace {
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(Config::kThreads)
 
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
-// One warp per row.
+// One warp per row; y (F32) or y_bf16 (the RNE of the same FP32 value, core/codecs.h).
 __global__ void __launch_bounds__(Config::kThreads)
     rms_norm_kernel(const __grid_constant__ RmsNormArgs a) {
   const int lane = threadIdx.x & 31;
@@ -134,16 +135,23 @@ __global__ void __launch_bounds__(Config::kThreads)
   if (r >= a.rows) return;
   const int64_t D = a.dim;
   const float* x = a.x + r * D;  // (D)
-  float* y = a.y + r * D;        // (D)
   float acc = 0.0f;
   for (int64_t d = lane; d < D; d += 32) acc = acc + x[d] * x[d];
   const float ss = r32_butterfly(acc);
   const float rstd = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
   if (lane == 0) a.rstd[r] = rstd;
-  for (int64_t d = lane; d < D; d += 32) y[d] = (x[d] * rstd) * a.weight[d];
+  if (a.y) {
+    float* y = a.y + r * D;  // (D)
+    for (int64_t d = lane; d < D; d += 32) y[d] = (x[d] * rstd) * a.weight[d];
+  } else {
+    uint16_t* y = a.y_bf16 + r * D;  // (D)
+    for (int64_t d = lane; d < D; d += 32) y[d] = f32_to_bf16((x[d] * rstd) * a.weight[d]);
+  }
 }
 
-// dx: one warp per row; n and g recomputed in each pass (pointwise, same bits).
+// dx: one warp per row; n and g recomputed in each pass (pointwise, same bits). With dresidual,
+// t is rounded by its own multiply (__fmul_rn, never contracted into the add) and added with
+// __fadd_rn: the CPU's two roundings whatever --fmad says.
 __global__ void __launch_bounds__(Config::kThreads)
     rms_norm_backward_dx_kernel(const __grid_constant__ RmsNormBackwardArgs a) {
   const int lane = threadIdx.x & 31;
@@ -157,9 +165,11 @@ __global__ void __launch_bounds__(Config::kThreads)
   float acc = 0.0f;
   for (int64_t d = lane; d < D; d += 32) acc = acc + (dy[d] * a.weight[d]) * (x[d] * rstd);
   const float c = r32_butterfly(acc) / static_cast<float>(D);
+  const float* dres = a.dresidual ? a.dresidual + r * D : nullptr;  // (D)
   for (int64_t d = lane; d < D; d += 32) {
     const float n = x[d] * rstd, g = dy[d] * a.weight[d];
-    dx[d] = (g - n * c) * rstd;
+    const float t = __fmul_rn(g - n * c, rstd);
+    dx[d] = dres ? __fadd_rn(dres[d], t) : t;
   }
 }
 

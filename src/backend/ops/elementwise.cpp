@@ -36,6 +36,13 @@ Status add_f32(Backend& b, const Segments<float>& dst, const Segments<const floa
   return b.kernels().elementwise->add_f32(b, dst, src);
 }
 
+Status add_f32_out(Backend& be, const Segments<const float>& a, const Segments<const float>& b,
+                   const Segments<float>& out) {
+  PACKMOE_RETURN_IF_ERROR(validate_segments(a.ptr.size(), a.n, {b.ptr.size(), out.ptr.size()},
+                                            {b.n, out.n}, "add_f32_out"));
+  return be.kernels().elementwise->add_f32_out(be, a, b, out);
+}
+
 Status adamw(Backend& b, const AdamWArgs& a) {
   PACKMOE_RETURN_IF_ERROR(validate_segments(
       a.param.ptr.size(), a.param.n,

@@ -94,6 +94,9 @@ Status validate_segments(size_t groups, int64_t n, std::initializer_list<size_t>
 // CPU reference (host pointers).
 Status cast_f32_to_bf16_cpu(const Segments<const float>& src, const Segments<uint16_t>& dst);
 Status add_f32_cpu(const Segments<float>& dst, const Segments<const float>& src);  // dst += src
+// out = a + b (out may be a or b: each element is read before it is written).
+Status add_f32_out_cpu(const Segments<const float>& a, const Segments<const float>& b,
+                       const Segments<float>& out);
 Status adamw_cpu(const AdamWArgs& args);
 // out[0] = the sum of squares above (out is host memory here).
 Status sum_squares_cpu(const Segments<const float>& x, double* out);
@@ -105,6 +108,9 @@ class Backend;
 namespace ops {
 Status cast_f32_to_bf16(Backend& b, const Segments<const float>& src, const Segments<uint16_t>& dst);
 Status add_f32(Backend& b, const Segments<float>& dst, const Segments<const float>& src);
+// out = a + b, out-of-place (the residual stream: no copy of a first).
+Status add_f32_out(Backend& be, const Segments<const float>& a, const Segments<const float>& b,
+                   const Segments<float>& out);
 Status adamw(Backend& b, const AdamWArgs& args);
 // decode[g] = nvfp4_decode_scale(amax[g]) for g < groups (the backend's memory).
 Status nvfp4_decode_scales(Backend& b, const float* amax, float* decode, int64_t groups);
@@ -117,6 +123,8 @@ Status sum_squares(Backend& b, const Segments<const float>& x, double* out);
 struct ElementwiseKernels {
   Status (*cast_f32_to_bf16)(Backend&, const Segments<const float>&, const Segments<uint16_t>&);
   Status (*add_f32)(Backend&, const Segments<float>&, const Segments<const float>&);
+  Status (*add_f32_out)(Backend&, const Segments<const float>&, const Segments<const float>&,
+                        const Segments<float>&);
   Status (*adamw)(Backend&, const AdamWArgs&);
   Status (*nvfp4_decode_scales)(Backend&, const float*, float*, int64_t);
   Status (*sum_squares)(Backend&, const Segments<const float>&, double*);

@@ -104,7 +104,10 @@ Status validate_rms_norm(const RmsNormArgs& a) {
   if (!std::isfinite(a.eps) || a.eps < 0.0f)
     return Status::error(std::string(op) + ": eps must be finite and >= 0, got " +
                          std::to_string(a.eps));
-  return require_non_null(op, {{a.x, "x"}, {a.weight, "weight"}, {a.y, "y"}, {a.rstd, "rstd"}});
+  if ((a.y == nullptr) == (a.y_bf16 == nullptr))
+    return Status::error(std::string(op) + ": set exactly one of y (F32) and y_bf16 (BF16), got " +
+                         (a.y ? "both" : "neither"));
+  return require_non_null(op, {{a.x, "x"}, {a.weight, "weight"}, {a.rstd, "rstd"}});
 }
 
 Status validate_rms_norm_backward(const RmsNormBackwardArgs& a) {

@@ -94,21 +94,25 @@ struct EmbeddingBackwardArgs {
 //   y[d]    = n[d] * weight[d]
 // HF casts n to the activation dtype before the weight; in FP32 that cast is the identity.
 // Used for input/post-attention/final norms (rows = T, D = H) and q/k norms (rows = T * heads,
-// D = head_dim).
+// D = head_dim). Exactly one output is set: y (FP32), or y_bf16 = f32_to_bf16(y[d]) (RNE of the
+// FP32 value y would hold: cast_f32_to_bf16's bytes, without the FP32 tensor in memory).
 struct RmsNormArgs {
   int64_t rows = 0;               // N
   int64_t dim = 0;                // D
   float eps = 1e-6f;
   const float* x = nullptr;       // (N, D)
   const float* weight = nullptr;  // (D)
-  float* y = nullptr;             // (N, D)
+  float* y = nullptr;             // (N, D) F32, or null when y_bf16 is set
   float* rstd = nullptr;          // (N) kept for the backward
+  uint16_t* y_bf16 = nullptr;     // (N, D) BF16, or null when y is set
 };
 
 // Backward, both outputs overwritten; n[d] = x[d] * rstd[r] recomputed (the forward's bits):
 //   g[d]     = dy[d] * weight[d]
 //   c        = (R32 sum_d g[d] * n[d]) / float(D)
-//   dx[d]    = (g[d] - n[d] * c) * rstd[r]
+//   t[d]     = (g[d] - n[d] * c) * rstd[r]
+//   dx[d]    = t[d], or with dresidual: dresidual[r, d] + t[d] (t rounded to FP32 first, then
+//              one FP32 add: a residual block's dx = dresidual + norm'(dy) in the same pass)
 //   dweight[d] = blocked R32 sum (backend/reduce_order.h) over rows r of dy[r, d] * n[r, d]
 struct RmsNormBackwardArgs {
   int64_t rows = 0;               // N
@@ -119,6 +123,7 @@ struct RmsNormBackwardArgs {
   const float* dy = nullptr;      // (N, D)
   float* dx = nullptr;            // (N, D)
   float* dweight = nullptr;       // (D)
+  const float* dresidual = nullptr;  // (N, D) optional (null: dx = t)
 };
 
 // ---- RoPE, rotate-half (GPT-NeoX / HF default) --------------------------------------------------
