@@ -50,9 +50,9 @@ __global__ void fill_kernel(float* p, float v, int n) {
 // CTA b converts tiles b, b + grid, ... A lane converts kVec = 8 consecutive elements per step, so
 // every warp-level store writes one contiguous 512 B span of BF16 (16 B a lane, streaming) and
 // every load reads one contiguous span (8 B a lane MXFP8, 4 B NVFP4); kUnroll independent loads
-// per thread are in flight before the first conversion, and the next tile's group lookup and job
-// read overlap them. Values: the FP32 product of the exactly converted element and scale, rounded
-// once to BF16 (cvt.rn.bf16x2.f32, no FTZ), i.e. f32_to_bf16(mxfp8_decode(...)) /
+// per thread are in flight before the first conversion, and the next tile's group lookup overlaps
+// them. Values: the FP32 product of the exactly converted element and scale, rounded once to BF16
+// (cvt.rn.bf16x2.f32, no FTZ), i.e. f32_to_bf16(mxfp8_decode(...)) /
 // f32_to_bf16(nvfp4_decode(..., S_dec = 1)).
 
 // Tile t of an operand's table belongs to the last job with begin <= t.
@@ -76,8 +76,9 @@ __global__ void __launch_bounds__(Config::kDequantThreads)
   constexpr int T = Config::kDequantThreads, U = Config::kDequantUnroll, V = Config::kDequantVec;
   uint32_t tile = blockIdx.x;
   if (tile >= tiles) return;
-  DequantJob job = table[find_job(table, count, tile)];
+  int g = find_job(table, count, tile);
   for (;;) {
+    const DequantJob job = table[g];
     const int64_t base = static_cast<int64_t>(tile - job.begin) * Config::kTileElems +
                          threadIdx.x * V;
     Raw8 raw[U];
@@ -86,9 +87,8 @@ __global__ void __launch_bounds__(Config::kDequantThreads)
       const int64_t e = base + u * (T * V);
       if (e < job.elems) raw[u] = load8<kKind>(job, e);
     }
-    // The next tile's job, read while this tile's loads are in flight.
     const uint32_t next = tile + gridDim.x;
-    const DequantJob next_job = next < tiles ? table[find_job(table, count, next)] : job;
+    const int ng = next < tiles ? find_job(table, count, next) : g;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t e = base + u * (T * V);
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Config::kDequantThreads)
     }
     if (next >= tiles) break;
     tile = next;
-    job = next_job;
+    g = ng;
   }
 }
 
