@@ -141,21 +141,32 @@ TEST(CudaModelOps, RmsNorm) {
   }
 }
 
+// Without and with dresidual (dx = dresidual + t: one rounding of t, then one add): the CPU's
+// bytes.
 TEST(CudaModelOps, RmsNormBackward) {
   SKIP_WITHOUT_GPU();
-  Tally tally("rms_norm_backward");
-  for (const NormCase& c : kNormCases) {
-    const std::vector<float> xv = norm_input(c, rng), wv = rand_floats(c.D, rng, 1.0f);
-    std::vector<float> yv(c.N * c.D), rv(c.N);  // the forward's rstd feeds both backends
-    expect_ok(rms_norm_cpu({c.N, c.D, c.eps, xv.data(), wv.data(), yv.data(), rv.data()}));
-    Twin<float> x(*gpu, xv), w(*gpu, wv), rstd(*gpu, rv);
-    Twin<float> dy(*gpu, rand_floats(c.N * c.D, rng, 1.0f));  // (N, D)
-    Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);           // (N, D), (D)
-    expect_ok(rms_norm_backward_cpu({c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()}));
-    expect_ok(ops::rms_norm_backward(*gpu, {c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()}));
-    dx.compare(tally, "dx");
-    dw.compare(tally, "dweight");
-    ++tally.cases;
+  for (bool residual : {false, true}) {
+    Tally tally(residual ? "rms_norm_backward dresidual" : "rms_norm_backward");
+    for (const NormCase& c : kNormCases) {
+      const std::vector<float> xv = norm_input(c, rng), wv = rand_floats(c.D, rng, 1.0f);
+      std::vector<float> yv(c.N * c.D), rv(c.N);  // the forward's rstd feeds both backends
+      expect_ok(rms_norm_cpu({c.N, c.D, c.eps, xv.data(), wv.data(), yv.data(), rv.data()}));
+      Twin<float> x(*gpu, xv), w(*gpu, wv), rstd(*gpu, rv);
+      Twin<float> dy(*gpu, rand_floats(c.N * c.D, rng, 1.0f));    // (N, D)
+      Twin<float> dres(*gpu, rand_floats(c.N * c.D, rng, 1.0f));  // (N, D)
+      Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);             // (N, D), (D)
+      RmsNormBackwardArgs h{c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()};
+      RmsNormBackwardArgs d{c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()};
+      if (residual) {
+        h.dresidual = dres.h();
+        d.dresidual = dres.d();
+      }
+      expect_ok(rms_norm_backward_cpu(h));
+      expect_ok(ops::rms_norm_backward(*gpu, d));
+      dx.compare(tally, "dx");
+      dw.compare(tally, "dweight");
+      ++tally.cases;
+    }
   }
 }
 
@@ -180,30 +191,6 @@ TEST(CudaModelOps, RmsNormBf16Output) {
     int64_t not_rne = 0;
     for (int64_t i = 0; i < c.N * c.D; ++i) not_rne += y.h()[i] != f32_to_bf16(yf[i]);
     EXPECT_EQ(not_rne, 0) << c.N << "x" << c.D;
-    ++tally.cases;
-  }
-}
-
-// With dresidual (dx = dresidual + t): the CPU's bytes (one rounding of t, then one add).
-TEST(CudaModelOps, RmsNormBackwardResidual) {
-  SKIP_WITHOUT_GPU();
-  Tally tally("rms_norm_backward dresidual");
-  for (const NormCase& c : kNormCases) {
-    const std::vector<float> xv = norm_input(c, rng), wv = rand_floats(c.D, rng, 1.0f);
-    std::vector<float> yv(c.N * c.D), rv(c.N);  // the forward's rstd feeds both backends
-    expect_ok(rms_norm_cpu({c.N, c.D, c.eps, xv.data(), wv.data(), yv.data(), rv.data()}));
-    Twin<float> x(*gpu, xv), w(*gpu, wv), rstd(*gpu, rv);
-    Twin<float> dy(*gpu, rand_floats(c.N * c.D, rng, 1.0f));    // (N, D)
-    Twin<float> dres(*gpu, rand_floats(c.N * c.D, rng, 1.0f));  // (N, D)
-    Twin<float> dx(*gpu, c.N * c.D), dw(*gpu, c.D);             // (N, D), (D)
-    RmsNormBackwardArgs h{c.N, c.D, x.h(), w.h(), rstd.h(), dy.h(), dx.h(), dw.h()};
-    RmsNormBackwardArgs d{c.N, c.D, x.d(), w.d(), rstd.d(), dy.d(), dx.d(), dw.d()};
-    h.dresidual = dres.h();
-    d.dresidual = dres.d();
-    expect_ok(rms_norm_backward_cpu(h));
-    expect_ok(ops::rms_norm_backward(*gpu, d));
-    dx.compare(tally, "dx");
-    dw.compare(tally, "dweight");
     ++tally.cases;
   }
 }
