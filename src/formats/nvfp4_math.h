@@ -41,10 +41,13 @@ PACKMOE_HD uint8_t nvfp4_block_scale(float block_amax, float s_enc) {
 }
 
 // Block encode multiplier r_b = min(1 / (float(s_b) * S_dec), FLT_MAX); s_b == 0 (or a product
-// that underflows to 0) gives 1/0 = Inf -> FLT_MAX.
-PACKMOE_HD float nvfp4_block_rcp(uint8_t s_b, float s_dec) {
-  const float r = 1.0f / (e4m3_to_f32(s_b) * s_dec);
+// that underflows to 0) gives 1/0 = Inf -> FLT_MAX. The _of form takes float(s_b) decoded.
+PACKMOE_HD float nvfp4_block_rcp_of(float s_b_value, float s_dec) {
+  const float r = 1.0f / (s_b_value * s_dec);
   return r < FLT_MAX ? r : FLT_MAX;
+}
+PACKMOE_HD float nvfp4_block_rcp(uint8_t s_b, float s_dec) {
+  return nvfp4_block_rcp_of(e4m3_to_f32(s_b), s_dec);
 }
 
 // E2M1 code (4 bits, sign in bit 3) of x * r_b, RNE with saturation at 6; NaN -> 0x7 (+6).

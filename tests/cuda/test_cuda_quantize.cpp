@@ -600,7 +600,8 @@ TEST(CudaNvfp4Codec, FastEncodersEqualSoftwareCodecOnAllFp32Inputs) {
   (void)gpu;
   uint32_t first = 0;
   const uint64_t n = cuda_count_e2m1_codec_mismatches(&first);
-  std::printf("[cuda==cpu] e2m1 rn/sr encoders + bf16 rounding self-test inputs=2^32 mismatches=%llu"
+  std::printf("[cuda==cpu] e2m1 rn/sr encoders and values, bf16 rounding, rht scaling, e4m3 decode"
+              " self-test inputs=2^32 mismatches=%llu"
               " first=0x%08x\n",
               static_cast<unsigned long long>(n), first);
   EXPECT_EQ(n, 0u) << "fast E2M1 encoder differs from the shared codec; first input 0x" << std::hex

@@ -125,15 +125,16 @@ template <DequantKind kKind>
 __device__ __forceinline__ uint4 convert8(const Raw8& r) {
   uint32_t o[4];
   if constexpr (kKind == DequantKind::kNvfp4) {
-    const float sc = e4m3_to_f32(static_cast<uint8_t>(r.s.x));
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // e2m1 * e4m3 has at most 6 significant bits in [2^-10, 2688]: exact in BF16, so one BF16
-    // multiply by the (exactly converted) scale gives f32_to_bf16(e2m1 * sc) bit for bit (NaN
-    // scales give a NaN either way).
+    // The scale by the hardware E4M3 -> F16 conversion (exact, as e4m3_to_f32). e2m1 * e4m3 has
+    // at most 6 significant bits in [2^-10, 2688]: exact in BF16, so one BF16 multiply by the
+    // scale gives f32_to_bf16(e2m1 * sc) bit for bit (NaN scales give a NaN either way).
+    const float sc = f16x2_to_f32x2(fp8x2_to_f16x2<false>(r.s.x & 0xFFu)).x;
     const uint32_t sc2 = f32x2_to_bf16x2(sc, sc);
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] = bf16x2_mul(e2m1x2_to_bf16x2(r.d.x, j), sc2);
 #else
+    const float sc = e4m3_to_f32(static_cast<uint8_t>(r.s.x));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint32_t m = e2m1x2_to_bf16x2(r.d.x, j);  // BF16 -> FP32: the bits shifted up

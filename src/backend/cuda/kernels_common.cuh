@@ -306,6 +306,41 @@ __device__ __forceinline__ uint32_t e2m1_sr_fast(float y, uint32_t r) {
   return ((e2m1_sr_round(y, r).sum >> 8) & 7u) | ((__float_as_uint(y) >> 28) & 8u);
 }
 
+// The signed value of the E2M1 code of y, f32-exact: e2m1_to_f32(f32_to_e2m1(y)) (RNE) and
+// e2m1_to_f32(f32_to_e2m1_sr(y, r)) (SR), for quantizers that keep a copy as its values only.
+// The same adders as e2m1_rn_round / e2m1_sr_round with M's mantissa 0 (no code in the sum): the
+// rounding is the same, since M and M + 2j (ulps) are both even; the sign bit of y is or-ed in (a
+// zero that y rounds to keeps y's sign, as code 8 decodes to -0).
+__device__ __forceinline__ float e2m1_rn_value(float y) {
+  const float a = fminf(fabsf(y), 6.0f);
+  const uint32_t e = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);  // 2^j
+  const float m = __uint_as_float(e + (22u << 23));                       // 2^(22+j)
+  const float g = __fsub_rn(__fadd_rn(a, m), m);
+  return __uint_as_float(__float_as_uint(g) | (__float_as_uint(y) & 0x80000000u));
+}
+__device__ __forceinline__ float e2m1_sr_value(float y, uint32_t r) {
+  const float a = fminf(fabsf(y), 6.0f);
+  const uint32_t e = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);  // 2^j
+  const float m = __uint_as_float(e + (14u << 23));                       // 2^(14+j)
+  const uint32_t s = __float_as_uint(__fadd_rd(a, m)) + r;
+  const float g = __fsub_rn(__uint_as_float(s & ~0xFFu), m);
+  return __uint_as_float(__float_as_uint(g) | (__float_as_uint(y) & 0x80000000u));
+}
+
+// e4m3_to_f32 (core/codecs.h) by the hardware FP8 -> F16 conversion (exact: every E4M3 value is an
+// F16 value) and F16 -> F32; NaN codes give a NaN.
+__device__ __forceinline__ float e4m3_to_f32_hw(uint32_t code) {
+  uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(code & 0xFFu)));
+  float f;
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.f32.f16 %0, l;\n\t}" : "=f"(f) : "r"(h2));
+  return f;
+}
+
+// rht16_scaled (formats/nvfp4_math.h), (y + 0) * 0.25, as one FMA: y * 0.25 is the exact product
+// rounded once either way, and an exact -0 product plus +0 is +0.
+__device__ __forceinline__ float rht16_scaled_fma(float y) { return __fmaf_rn(y, 0.25f, 0.0f); }
+
 // Eight E2M1 codes in one word, element i in nibble i: the magnitude is byte kByte of mag[i]
 // (0..7, zeros above it), the sign bit 31 of sgn[i]. Byte permutes gather the even and the odd
 // elements' bytes (prmt's sign-replicate mode spreads a byte's top bit over the byte).

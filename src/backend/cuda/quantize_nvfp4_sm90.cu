@@ -2,11 +2,13 @@
 // stochastic rounding, or 2D 16x16) of every group. The per-group amax must be known before any
 // block is scaled, so this is TWO launches over the whole pack (never per group): an amax pass
 // (input amax, and the post-RHT amax when the columnwise copy uses the RHT) with per-warp
-// atomicMax into a zeroed workspace, then the quantize pass, which walks the tiles in reverse so
-// its first tiles are the ones the plain amax pass read last (still in L2). Invariant: every byte
-// comes from formats/nvfp4_math.h with the SR numbering of formats/nvfp4.h, so it equals
-// quantize_nvfp4_cpu; the E2M1 / E4M3 encoders of kernels_common.cuh replace the shared ones only
-// where selftest.cu proved them equal on this device.
+// atomicMax into a zeroed workspace, whose last CTA turns the amax values into each group's
+// S_enc / S_dec (GroupScales: two divisions per group, not per thread and tile), then the quantize
+// pass, which walks the tiles in reverse so its first tiles are the ones the plain amax pass read
+// last (still in L2). Invariant: every byte comes from formats/nvfp4_math.h with the SR numbering
+// of formats/nvfp4.h, so it equals quantize_nvfp4_cpu; the E2M1 / E4M3 encoders and decoders of
+// kernels_common.cuh replace the shared ones only where selftest.cu proved them equal on this
+// device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -80,6 +82,12 @@ struct Nvfp4Group {
   uint32_t tile_begin;
 };
 
+// A group's per-tensor scales, from its amax values once per group: the rowwise copy's S_enc / 6
+// and S_dec, then the columnwise copy's (from the post-RHT amax with the RHT).
+struct alignas(16) GroupScales {
+  float row_enc6, row_dec, col_enc6, col_dec;
+};
+
 struct Nvfp4Args {
   GroupTable<Nvfp4Group, Config::kInlineGroups> groups;
   int64_t cols;  // K
@@ -95,6 +103,9 @@ struct Nvfp4Args {
   PhiloxKeys sr_keys;  // round keys of the SR seed (formats/nvfp4.h numbering)
   uint64_t offset;
   float* amax_ws;   // (2G,): input amax [0, G), post-RHT amax [G, 2G); zeroed before pass 1
+  GroupScales* scales;  // (G,): from amax_ws, by the amax pass's last CTA or the given amax
+  uint32_t* amax_done;  // CTAs of the amax pass that have flushed; zeroed before pass 1
+  const float* given_amax;  // (G,) Nvfp4Config::amax (replaces the amax pass), or null
   float* row_amax;  // (G,) output or null
   float* col_amax;  // (G,) output or null
 };
@@ -157,13 +168,16 @@ __device__ __forceinline__ void issue_tile(const Nvfp4Args& a, uint8_t* stage, c
   const int ch = threadIdx.x % G::kChunksPerRow;
   const int64_t K = a.cols;
   const int64_t col = p.col0 + ch * G::kPerChunk;
-  const int64_t rows_left = p.grp->rows - p.row0 - r0;  // row r0 + kRowStep m exists iff < this
+  // Row r0 + kRowStep m exists iff kRowStep m < rows_left: a 32-bit count (at most a tile's rows),
+  // zero when the chunk's columns are past K, so each load tests one 32-bit compare.
+  const int64_t left = col < K ? p.grp->rows - p.row0 - r0 : 0;
+  const int rows_left = static_cast<int>(left < Config::kTileRows ? left : Config::kTileRows);
   const In* base = static_cast<const In*>(p.grp->in);
   const In* src = base + (p.row0 + r0) * K + col;
   uint8_t* dst = stage + r0 * Config::kRowBytes + (chunk_slot(ch) << 4);
 #pragma unroll
   for (int m = 0; m < kPer; ++m, src += kRowStep * K, dst += kRowStep * Config::kRowBytes) {
-    const bool ok = kRowStep * m < rows_left && col < K;
+    const bool ok = kRowStep * m < rows_left;
     if constexpr (kVec) {
       cuda::cp_async16(dst, ok ? src : base, ok);
     } else {
@@ -217,6 +231,46 @@ __device__ __forceinline__ uint8_t block_scale(float block_amax, float s_enc_ove
     return static_cast<uint8_t>(cuda::cvt_fp8x2<false>(block_amax * s_enc_over_6, 0.0f) & 0xFFu);
   else
     return f32_to_e4m3(block_amax * s_enc_over_6);
+}
+
+// The block's decoded scale float(s_b), by the hardware FP8 conversion when kHw, and its encode
+// multiplier nvfp4_block_rcp.
+template <bool kHw>
+__device__ __forceinline__ float block_scale_value(uint8_t s_b) {
+  if constexpr (kHw)
+    return cuda::e4m3_to_f32_hw(s_b);
+  else
+    return e4m3_to_f32(s_b);
+}
+template <bool kHw>
+__device__ __forceinline__ float block_rcp(uint8_t s_b, float s_dec) {
+  return nvfp4_block_rcp_of(block_scale_value<kHw>(s_b), s_dec);
+}
+
+// A rowwise copy kept as its values only: the 16 BF16 values the codes of v[j] * r would decode to
+// times the block scale value sc (the same bits as encode16_hw's values), without forming the
+// codes. Two values at a time: the signed grid values to BF16 (exact), then one BF16 multiply by
+// sc in both halves (exact, as in the dequantize's convert8: at most 6 significant bits).
+template <bool kSr>
+__device__ __forceinline__ void values16_hw(const float v[kNvfp4Block], float r, const Philox4& draw,
+                                            float sc, uint32_t values[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t sc2 = gemm_convert::f32x2_to_bf16x2(sc, sc);
+#endif
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float g[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float y = v[2 * i + h] * r;
+      g[h] = kSr ? cuda::e2m1_sr_value(y, cuda::sr_byte(draw, 2 * i + h)) : cuda::e2m1_rn_value(y);
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    values[i] = gemm_convert::bf16x2_mul(gemm_convert::f32x2_to_bf16x2(g[0], g[1]), sc2);
+#else
+    values[i] = gemm_convert::f32x2_to_bf16x2(g[0] * sc, g[1] * sc);
+#endif
+  }
 }
 
 // 16 codes of v[j] * r (RNE, or SR from one Philox draw) by the encoders of kernels_common.cuh,
@@ -303,11 +357,22 @@ __device__ __forceinline__ float rht16_scale_round(float v) {
   const float s = rht16_scaled(v);
   return kHw ? cuda::round_bf16_hw(s) : bf16_to_f32(f32_to_bf16(s));
 }
+// kHw: the scaling as one FMA and two outputs per BF16 cvt (selftest.cu checks both).
 template <bool kBf16In, bool kHw>
 __device__ __forceinline__ void rht16_fast(const float in[kRhtSize], float out[kRhtSize]) {
   rht16_unscaled<kBf16In>(in, out);
+  if constexpr (kHw) {
 #pragma unroll
-  for (int j = 0; j < kRhtSize; ++j) out[j] = rht16_scale_round<kHw>(out[j]);
+    for (int j = 0; j < kRhtSize; j += 2) {
+      const uint32_t w = gemm_convert::f32x2_to_bf16x2(cuda::rht16_scaled_fma(out[j]),
+                                                       cuda::rht16_scaled_fma(out[j + 1]));
+      out[j] = __uint_as_float(w << 16);
+      out[j + 1] = __uint_as_float(w & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kRhtSize; ++j) out[j] = rht16_scale_round<false>(out[j]);
+  }
 }
 
 // 8x8 transpose of 4-bit elements: w[i] nibble j (row i, column j) -> w[j] nibble i. Three
@@ -345,6 +410,17 @@ __device__ __forceinline__ Philox4 sr_draw(const Nvfp4Args& a, const Nvfp4Group&
 }
 
 // ---- pass 1: per-group amax ----------------------------------------------------------------------
+
+// GroupScales of every group from amax (2G,) (read through L2: other CTAs' atomics wrote it).
+__device__ __forceinline__ void store_group_scales(const Nvfp4Args& a, const float* amax) {
+  const int G_count = a.groups.count;
+  for (int g = threadIdx.x; g < G_count; g += Config::kThreads) {
+    const float row = __ldcg(amax + g);
+    const float col = a.rht ? __ldcg(amax + G_count + g) : row;
+    a.scales[g] = {nvfp4_encode_scale(row) * kOneSixth, nvfp4_decode_scale(row),
+                   nvfp4_encode_scale(col) * kOneSixth, nvfp4_decode_scale(col)};
+  }
+}
 
 // Max over the warp of non-negative, non-NaN values, published by one atomicMax per warp: the
 // values' IEEE order is their unsigned bit order.
@@ -425,8 +501,7 @@ __global__ void __launch_bounds__(Config::kThreads)
   };
   if constexpr (!kRht) {
     constexpr int kPer = Config::kStageBytes / 16 / Config::kThreads;
-    uint32_t tile = blockIdx.x;
-    if (tile >= total) return;
+    uint32_t tile = blockIdx.x;  // < total: the grid has at most `total` CTAs (launch)
     int g = a.groups.find_smem<Config::kSmemGroups>(tile, begins);
     uint4 v[kPer];
     load_amax_chunks<In, kVec>(tile - a.groups[g].tile_begin, a.groups[g], K, v);
@@ -519,26 +594,41 @@ __global__ void __launch_bounds__(Config::kThreads)
     }
   }
   switch_group(-1);  // flush
+  // The CTA that flushes last (every CTA counts itself after its flushes are visible) turns the
+  // complete amax values into the groups' scales.
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.amax_done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    store_group_scales(a, a.amax_ws);
+  }
 }
 
-// The amax values of a tile's group, read a tile ahead of their use.
-struct TileAmax {
-  float row;  // the input amax
-  float col;  // the columnwise copy's (post-RHT with the RHT)
-};
+// The groups' scales from a given amax (weights: AdamW's pass wrote it), which also fills amax_ws
+// for the quantize pass's amax outputs; one CTA.
+__global__ void __launch_bounds__(Config::kThreads)
+    nvfp4_given_amax_kernel(const __grid_constant__ Nvfp4Args a) {
+  const int G_count = a.groups.count;
+  for (int g = threadIdx.x; g < G_count; g += Config::kThreads) a.amax_ws[g] = a.given_amax[g];
+  __syncthreads();
+  store_group_scales(a, a.amax_ws);
+}
 
-// For the tile the CTA works on next: its group's amax values into registers, and the group's
-// descriptor (an uploaded table's row) into L1, so that neither is a global-memory round trip
-// after the tile's barrier (measured: with the loads at their use, the 2D pass spent a fifth of
-// its stall samples waiting on them).
-__device__ __forceinline__ TileAmax prefetch_tile_group(const Nvfp4Args& a, const TilePos& t) {
+// For the tile the CTA works on next: its group's scales (GroupScales) into registers, and the
+// group's descriptor (an uploaded table's row) into L1, so that neither is a global-memory round
+// trip after the tile's barrier (measured: with the loads at their use, the 2D pass spent a fifth
+// of its stall samples waiting on them).
+__device__ __forceinline__ GroupScales prefetch_tile_group(const Nvfp4Args& a, const TilePos& t) {
   if (a.groups.uploaded != nullptr && threadIdx.x == 0) {
     const char* d = reinterpret_cast<const char*>(a.groups.uploaded + t.g);
     asm volatile("prefetch.global.L1 [%0];" ::"l"(d));
     asm volatile("prefetch.global.L1 [%0];" ::"l"(d + sizeof(Nvfp4Group) - 1));
   }
-  const float row = a.amax_ws[t.g];
-  return {row, a.rht ? a.amax_ws[a.groups.count + t.g] : row};
+  const float4 v = *reinterpret_cast<const float4*>(a.scales + t.g);
+  return {v.x, v.y, v.z, v.w};
 }
 
 // ---- pass 2: scales and codes ---------------------------------------------------------------------
@@ -581,10 +671,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
   auto tile_of = [&](uint32_t i) { return total - 1 - i; };
   uint32_t i = blockIdx.x;
   TilePos next{};  // the tile whose loads are in flight
-  TileAmax next_amax{};
+  GroupScales next_scales{};
   if (i < total) {
     next = locate_tile<In>(a, tile_of(i), begins);
-    next_amax = prefetch_tile_group(a, next);
+    next_scales = prefetch_tile_group(a, next);
     issue_tile<In, kVec>(a, smem, next);
   }
   cuda::cp_async_commit();
@@ -595,11 +685,10 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
     // the next load overwrites, and the staging area).
     __syncthreads();
     const TilePos p = next;
-    const float row_amax = next_amax.row;
-    const float col_amax = next_amax.col;
+    const GroupScales sc = next_scales;
     if (i + gridDim.x < total) {
       next = locate_tile<In>(a, tile_of(i + gridDim.x), begins);
-      next_amax = prefetch_tile_group(a, next);
+      next_scales = prefetch_tile_group(a, next);
       issue_tile<In, kVec>(a, smem + (s ^ 1) * Config::kStageBytes, next);
     }
     cuda::cp_async_commit();
@@ -627,8 +716,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
           v[h * G::kPerChunk + e] = cuda::chunk_elem<In>(raw[h], e);
     };
     if constexpr (kTwoD) {
-      const float s_enc6 = nvfp4_encode_scale(row_amax) * kOneSixth;
-      const float s_dec = nvfp4_decode_scale(row_amax);
+      const float s_enc6 = sc.row_enc6;
+      const float s_dec = sc.row_dec;
       // 16x16 tile amax: the thread's kRowIters blocks, then the lanes of the other rows.
       float t = 0.0f;
 #pragma unroll
@@ -640,7 +729,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
 #pragma unroll
       for (int sh = G::kKb; sh < 32; sh <<= 1) t = fmaxf(t, __shfl_xor_sync(0xFFFFFFFFu, t, sh));
       const uint8_t tscale = block_scale<kHw>(t, s_enc6);
-      const float r = nvfp4_block_rcp(tscale, s_dec);
+      const float r = block_rcp<kHw>(tscale, s_dec);
       uint32_t* rc = reinterpret_cast<uint32_t*>(staging);
 #pragma unroll
       for (int m = 0; m < G::kRowIters; ++m) {
@@ -663,8 +752,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
       }
       if (rsub == 0) staging[G::kTscaleOff + warp * 8 + kb] = tscale;
     } else if (a.rowwise) {
-      const float s_enc6 = nvfp4_encode_scale(row_amax) * kOneSixth;
-      const float s_dec = nvfp4_decode_scale(row_amax);
+      const float s_enc6 = sc.row_enc6;
+      const float s_dec = sc.row_dec;
 #pragma unroll
       for (int m = 0; m < G::kRowIters; ++m) {
         const int64_t row = p.row0 + row_of(m);
@@ -672,19 +761,27 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
         uint4 raw[G::kChunksPerBlock];
         load_block(m, raw);
         const uint8_t s_b = block_scale<kHw>(block_amax<In>(raw), s_enc6);
-        const float r = nvfp4_block_rcp(s_b, s_dec);
+        const float s_b_value = block_scale_value<kHw>(s_b);
+        const float r = nvfp4_block_rcp_of(s_b_value, s_dec);
         const Philox4 draw = sr_draw(a, grp, row * (K / kNvfp4Block) + kbg, kRowStream);
         float v[kNvfp4Block];
         values(raw, v);
-        // With kRowBf16, the values the GEMM's dequantize would write: from the encoder (kHw), or
-        // by the dequantize's own code.
+        // With kRowBf16, the values the GEMM's dequantize would write: from the encoder (kHw; the
+        // values alone when the copy keeps no codes), or by the dequantize's own code.
         uint32_t bf16[8];
-        uint2 c;
-        if constexpr (kRowBf16 && kHw)
-          c = encode16<true, true>(v, r, a.sr, draw, e4m3_to_f32(s_b), bf16);
-        else
+        uint2 c{};
+        const bool codes = grp.row_data != nullptr;
+        if constexpr (kRowBf16 && kHw) {
+          if (codes)
+            c = encode16<true, true>(v, r, a.sr, draw, s_b_value, bf16);
+          else if (a.sr)
+            values16_hw<true>(v, r, draw, s_b_value, bf16);
+          else
+            values16_hw<false>(v, r, draw, s_b_value, bf16);
+        } else {
           c = encode16<kHw>(v, r, a.sr, draw);
-        if (grp.row_data != nullptr) {
+        }
+        if (codes) {
           store_n<kVec, 8>(grp.row_data + row * (K / 2) + kbg * 8, {c.x, c.y});
           grp.row_scale[row * (K / kNvfp4Block) + kbg] = s_b;
         }
@@ -709,8 +806,8 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
 
     // ---- (2) column phase (1D columnwise): codes and scales to the staging area ----
     if constexpr (!kTwoD) {
-      const float s_enc6 = nvfp4_encode_scale(col_amax) * kOneSixth;
-      const float s_dec = nvfp4_decode_scale(col_amax);
+      const float s_enc6 = sc.col_enc6;
+      const float s_dec = sc.col_dec;
       const int rb = warp;
       const int64_t rbg = p.row0 / kNvfp4Block + rb;
 #pragma unroll 1
@@ -736,7 +833,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks)
 #pragma unroll
           for (int r = 0; r < kNvfp4Block; ++r) am = cuda::amax_fast(am, v[r]);
           s_b = block_scale<kHw>(am, s_enc6);
-          const float rc = nvfp4_block_rcp(s_b, s_dec);
+          const float rc = block_rcp<kHw>(s_b, s_dec);
           code = encode16<kHw>(v, rc, a.sr, draw);
         }
         *reinterpret_cast<uint2*>(staging + c * G::kColPitch + rb * 8) = code;
@@ -855,6 +952,9 @@ void launch(CudaBackend& be, const Nvfp4Args& a, bool amax_pass, bool quantize_p
     else
       amax_plain<<<static_cast<unsigned>(g1), Config::kThreads, 0, be.stream()>>>(a);
     PACKMOE_CUDA_CHECK_LAUNCH();
+  } else {
+    nvfp4_given_amax_kernel<<<1, Config::kThreads, 0, be.stream()>>>(a);
+    PACKMOE_CUDA_CHECK_LAUNCH();
   }
   if (!quantize_pass) return;
   auto* quant = a.two_d ? quant_2d : a.row_bf16 ? quant_1d_bf16 : quant_1d;
@@ -924,8 +1024,14 @@ Nvfp4Args make_args(CudaBackend& be, const GroupedMatrices& in, const Nvfp4Confi
   }
   a.col16 = col16;
   a.groups = cuda::make_group_table<Nvfp4Group, Config::kInlineGroups>(be, groups, tiles);
-  a.amax_ws = static_cast<float*>(be.workspace(2 * G * sizeof(float)));
-  be.fill_zero(a.amax_ws, 2 * G * sizeof(float));
+  // Workspace: the scales (G,), then amax_ws (2G,) and the amax pass's counter, zeroed.
+  uint8_t* ws = static_cast<uint8_t*>(
+      be.workspace(G * sizeof(GroupScales) + 2 * G * sizeof(float) + sizeof(uint32_t)));
+  a.scales = reinterpret_cast<GroupScales*>(ws);
+  a.amax_ws = reinterpret_cast<float*>(ws + G * sizeof(GroupScales));
+  a.amax_done = reinterpret_cast<uint32_t*>(a.amax_ws + 2 * G);
+  be.fill_zero(a.amax_ws, 2 * G * sizeof(float) + sizeof(uint32_t));
+  a.given_amax = static_cast<const float*>(cfg.amax);
   return a;
 }
 
@@ -944,9 +1050,7 @@ Status quantize_nvfp4_sm90(CudaBackend& be, const GroupedMatrices& in, const Nvf
                            const Nvfp4Outputs& out) {
   bool vec = true;
   const Nvfp4Args a = make_args(be, in, cfg, out, vec);
-  // A given amax (no RHT: validated) replaces the amax pass: the quantize pass reads amax_ws[g].
-  if (cfg.amax)
-    be.copy(a.amax_ws, cfg.amax, in.groups() * sizeof(float), Backend::CopyKind::kDeviceToDevice);
+  // A given amax (no RHT: validated) replaces the amax pass (nvfp4_given_amax_kernel).
   run(be, in, a, vec, /*amax_pass=*/cfg.amax == nullptr, /*quantize_pass=*/true);
   return Status::ok();
 }

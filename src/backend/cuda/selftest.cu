@@ -1,7 +1,8 @@
 // GPU self-tests of the fast conversions against the shared software codecs: the hardware FP8
-// cvt (all 2^32 FP32 inputs), the E2M1 encoders and the hardware BF16 rounding of
-// kernels_common.cuh (all 2^32 FP32 products; SR with two random bytes per input that together
-// take every value 256 times), and the branch-free E8M0 scale code (every amax >= 0).
+// cvt (all 2^32 FP32 inputs), the E2M1 encoders and value forms, the hardware BF16 rounding (one
+// and two values per cvt), the RHT's scaling FMA of kernels_common.cuh (all 2^32 FP32 products; SR
+// with two random bytes per input that together take every value 256 times), the hardware E4M3
+// decode (all 256 codes), and the branch-free E8M0 scale code (every amax >= 0).
 // Invariant: cuda_fp8_hw_conversion_ok / cuda_nvfp4_fast_codecs_ok are true only if no byte
 // differs; the kernels consult them, so a mismatching device costs speed (with one warning line
 // on stderr), never correctness.
@@ -11,9 +12,11 @@
 #include <mutex>
 #include <string>
 
+#include "backend/cuda/grouped_gemm_sm90_convert.cuh"  // f32x2_to_bf16x2
 #include "backend/cuda/kernels_common.cuh"
 #include "backend/cuda/selftest.h"
 #include "formats/mxfp8_math.h"
+#include "formats/nvfp4_math.h"  // rht16_scaled
 
 namespace packmoe {
 namespace {
@@ -59,8 +62,10 @@ __global__ void __launch_bounds__(Config::kThreads)
 // Thread t checks products y = bits * one for bits = t, t + stride, ...: e2m1_rn_fast against
 // f32_to_e2m1 and e2m1_sr_fast against f32_to_e2m1_sr with random bytes r and r ^ 0x80, r taken
 // from the top byte of a multiplicative hash of the input (so every r meets ~2^24 inputs of every
-// binade), and the rounded magnitudes of e2m1_rn_round / e2m1_sr_round against the codes'
-// values. The multiply by a run-time 1.0f is the kernels' x * r: NaNs become the canonical NaN.
+// binade), the rounded magnitudes of e2m1_rn_round / e2m1_sr_round and the signed values of
+// e2m1_rn_value / e2m1_sr_value against the codes' values; the BF16 roundings and the RHT scaling
+// of y; and the low byte's E4M3 decode once per code. The multiply by a run-time 1.0f is the
+// kernels' x * r: NaNs become the canonical NaN.
 __global__ void __launch_bounds__(Config::kThreads)
     e2m1_codec_sweep(float one, unsigned long long* mismatches, uint32_t* first) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
@@ -71,22 +76,30 @@ __global__ void __launch_bounds__(Config::kThreads)
     const uint32_t bits = static_cast<uint32_t>(b);
     const float y = __uint_as_float(bits) * one;
     const uint32_t r1 = (bits * 0x9E3779B1u) >> 24;
+    // Equal bits, or both NaN.
+    auto same = [](float u, float v) { return __float_as_uint(u) == __float_as_uint(v) || (u != u && v != v); };
     const uint8_t rn = f32_to_e2m1(y);
     bool bad = cuda::e2m1_rn_fast(y) != rn;
-    // The rounded magnitude (a + M) - M the quantizer's BF16 values come from.
+    // The rounded magnitude (a + M) - M the quantizer's BF16 values come from, and the signed one.
     const cuda::E2m1Rounded e = cuda::e2m1_rn_round(y);
     bad |= __uint_as_float(e.sum) - e.m != e2m1_to_f32(rn & 7u);
+    bad |= __float_as_uint(cuda::e2m1_rn_value(y)) != __float_as_uint(e2m1_to_f32(rn));
 #pragma unroll
     for (uint32_t flip = 0; flip <= 0x80u; flip += 0x80u) {
       const uint8_t sr = f32_to_e2m1_sr(y, static_cast<uint8_t>(r1 ^ flip));
       bad |= cuda::e2m1_sr_fast(y, r1 ^ flip) != sr;
       const cuda::E2m1Rounded s = cuda::e2m1_sr_round(y, r1 ^ flip);
       bad |= __uint_as_float(s.sum & ~0xFFu) - s.m != e2m1_to_f32(sr & 7u);
+      bad |= __float_as_uint(cuda::e2m1_sr_value(y, r1 ^ flip)) != __float_as_uint(e2m1_to_f32(sr));
     }
-    // BF16 rounding of the RHT outputs: equal values, or both NaN.
-    const float hb = cuda::round_bf16_hw(y);
+    // BF16 rounding of the RHT outputs, one and two per cvt; the RHT's scaling as one FMA.
     const float sb = bf16_to_f32(f32_to_bf16(y));
-    bad |= !(__float_as_uint(hb) == __float_as_uint(sb) || (hb != hb && sb != sb));
+    bad |= !same(cuda::round_bf16_hw(y), sb);
+    const uint32_t pair = gemm_convert::f32x2_to_bf16x2(y, -y);
+    bad |= !same(__uint_as_float(pair << 16), sb);
+    bad |= !same(__uint_as_float(pair & 0xFFFF0000u), bf16_to_f32(f32_to_bf16(-y)));
+    bad |= !same(cuda::rht16_scaled_fma(y), rht16_scaled(y));
+    if (bits < 256u) bad |= !same(cuda::e4m3_to_f32_hw(bits), e4m3_to_f32(static_cast<uint8_t>(bits)));
     if (bad) {
       ++local;
       local_first = min(local_first, bits);

@@ -17,10 +17,12 @@ namespace packmoe {
 uint64_t cuda_count_fp8_codec_mismatches(DType element, uint32_t* first_mismatch = nullptr);
 
 // Mismatches of the E2M1 encoders (e2m1_rn_fast, e2m1_sr_fast of kernels_common.cuh) against
-// f32_to_e2m1 / f32_to_e2m1_sr, of their rounded magnitudes (e2m1_rn_round, e2m1_sr_round) against
-// the codes' values, and of the hardware BF16 rounding (as values), over all 2^32 FP32
-// products y * 1.0f (SR with two random bytes per input that together take every value 256
-// times); first_mismatch as above.
+// f32_to_e2m1 / f32_to_e2m1_sr, of their rounded magnitudes (e2m1_rn_round, e2m1_sr_round) and
+// signed values (e2m1_rn_value, e2m1_sr_value) against the codes' values, of the hardware BF16
+// rounding (as values, one and two per cvt) and of the RHT's scaling FMA (rht16_scaled_fma against
+// rht16_scaled), over all 2^32 FP32 products y * 1.0f (SR with two random bytes per input that
+// together take every value 256 times), and of the hardware E4M3 decode (e4m3_to_f32_hw) against
+// e4m3_to_f32 for all 256 codes; first_mismatch as above.
 uint64_t cuda_count_e2m1_codec_mismatches(uint32_t* first_mismatch = nullptr);
 
 // Mismatches of the branch-free E8M0 scale code and reciprocal (kernels_common.cuh) against
